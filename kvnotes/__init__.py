@@ -1,0 +1,56 @@
+"""kvnotes: the KV cache as a notebook of conclusions — patch it, edit it, splice it.
+
+    from kvnotes import load_model, Template, prefill, decide
+    model = load_model("gemma-3-270m")
+    prompt = Template("Status: {status}.\\n[[decision:Answer:]]").render(model, status="shipped")
+    nb = prefill(model, prompt)
+    decide(model, nb, prompt).last
+
+Imports are lazy: `import kvnotes` costs nothing until a name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load_model": "kvnotes.models",
+    "KVModel": "kvnotes.models.model",
+    "Notebook": "kvnotes.notebook",
+    "Template": "kvnotes.prompt",
+    "Prompt": "kvnotes.prompt",
+    "run": "kvnotes.run",
+    "Readout": "kvnotes.run",
+    "prefill": "kvnotes.ops",
+    "decide": "kvnotes.ops",
+    "Patch": "kvnotes.ops",
+    "patch": "kvnotes.ops",
+    "patch_batch": "kvnotes.ops",
+    "decide_patched": "kvnotes.ops",
+    "recompute": "kvnotes.ops",
+    "refresh": "kvnotes.ops",
+    "recompute_suffix": "kvnotes.ops",
+    "append": "kvnotes.ops",
+    "rerotate": "kvnotes.ops",
+    "splice": "kvnotes.ops",
+    "logit_diff": "kvnotes.metrics",
+    "recovery": "kvnotes.metrics",
+    "logit_cosine": "kvnotes.metrics",
+    "agreement": "kvnotes.metrics",
+    "kv_deviation": "kvnotes.metrics",
+    "verify": "kvnotes.verify",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvnotes' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

