@@ -1,0 +1,386 @@
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2/3, Gemma 1-3) as `KVModel`s.
+
+The transformers config is mapped field by field to `HookedTransformerConfig` kwargs (one small
+function per family), the weights go through TransformerLens's own converters, and they are loaded
+unprocessed (no LayerNorm folding, no centering) so TL's logits equal the HF model's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+from transformer_lens.pretrained import weight_conversions as wc
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvnotes.errors import UnknownModelError, UnsupportedArchitecture
+from kvnotes.models.model import KVModel
+
+# Default context: min(max_position_embeddings, 8192). RoPE tables and masks grow with n_ctx and
+# the notebook engine rarely needs more; pass `n_ctx=` to load_hf / tl_from_hf_model to change it.
+N_CTX_CAP = 8192
+
+_ACTIVATIONS = {  # transformers' ACT2FN name -> TransformerLens act_fn
+    "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_new",
+    "gelu_fast": "gelu_fast", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "relu": "relu",
+}
+
+_CONVERTERS: dict[str, Callable] = {
+    "LlamaForCausalLM": wc.convert_llama_weights,
+    "MistralForCausalLM": wc.convert_mistral_weights,
+    "Qwen2ForCausalLM": wc.convert_qwen2_weights,
+    "Qwen3ForCausalLM": wc.convert_qwen3_weights,
+    "GemmaForCausalLM": wc.convert_gemma_weights,
+    "Gemma2ForCausalLM": wc.convert_gemma_weights,
+    "Gemma3ForCausalLM": wc.convert_gemma_weights,
+    "Gemma3ForConditionalGeneration": wc.convert_gemma_weights,
+}
+
+
+# --- loading -------------------------------------------------------------------------------------
+def load_hf(name_or_dir: str, *, dtype: torch.dtype = torch.float32,
+            n_ctx: int | None = None) -> KVModel:
+    """Load a local checkpoint directory or a hub name (HF cache first) as a `KVModel`.
+
+    n_ctx: the context length; default min(max_position_embeddings, 8192).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(name_or_dir).expanduser().is_dir()
+    source = str(Path(name_or_dir).expanduser()) if local else name_or_dir
+    config = _fetch(AutoConfig.from_pretrained, source, local)
+    tl_config_from_hf(config)  # refuse an unsupported architecture before loading any weights
+    tokenizer = _fetch(AutoTokenizer.from_pretrained, source, local)
+    hf_model = _fetch(AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype)
+    overrides = {} if n_ctx is None else {"n_ctx": n_ctx}
+    return tl_from_hf_model(hf_model, tokenizer, name_or_dir, **overrides)
+
+
+def tl_from_hf_model(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str,
+                     **cfg_overrides: Any) -> KVModel:
+    """Convert a loaded transformers causal LM into a `KVModel` (weights unprocessed)."""
+    cfg = tl_kwargs(hf_model, tokenizer, name, **cfg_overrides)
+    state_dict = convert_weights(hf_model, cfg)
+    return KVModel.wrap(name, hooked_from_state_dict(cfg, state_dict), tokenizer)
+
+
+def tl_kwargs(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str,
+              **cfg_overrides: Any) -> dict:
+    """All `HookedTransformerConfig` kwargs for `hf_model`: its config, tokenizer and dtype."""
+    return {
+        **tl_config_from_hf(hf_model.config),
+        **_bos_fields(tokenizer),
+        "model_name": Path(name).name or name,
+        "dtype": hf_model.dtype,
+        "device": str(hf_model.device),  # where the converted weights live
+        **cfg_overrides,
+    }
+
+
+def convert_weights(hf_model: PreTrainedModel, cfg: dict) -> dict[str, torch.Tensor]:
+    """TL's converter for `cfg`'s architecture, with keys named as `cfg`'s model names them.
+
+    The Mistral, Qwen2 and Gemma converters always emit grouped-query keys (`attn._W_K`), so
+    they are run with explicit KV heads and the keys renamed when `n_key_value_heads` is None.
+    """
+    convert = _CONVERTERS[cfg["original_architecture"]]
+    kv = cfg.get("n_key_value_heads") or cfg["n_heads"]
+    state_dict = convert(hf_model, HookedTransformerConfig(**{**cfg, "n_key_value_heads": kv}))
+    if cfg.get("n_key_value_heads") is None:
+        state_dict = {k.replace("attn._", "attn."): v for k, v in state_dict.items()}
+    return state_dict
+
+
+def hooked_from_state_dict(cfg: dict, state_dict: dict[str, torch.Tensor], *,
+                           assign: bool = False) -> HookedTransformer:
+    """Build `HookedTransformer(cfg)` and load `state_dict` as is, checking every weight arrived.
+
+    assign: adopt the given tensors instead of copying them (they must already have cfg's dtype).
+    """
+    tl = HookedTransformer(HookedTransformerConfig(**cfg), move_to_device=False)
+    missing, unexpected = tl.load_state_dict(state_dict, strict=False, assign=assign)
+    buffers = {n for n, _ in tl.named_buffers()}
+    missing = [k for k in missing if k not in buffers]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"converted weights do not fit the TransformerLens model for {cfg.get('model_name')}: "
+            f"missing {missing[:6]}, unexpected {unexpected[:6]}"
+        )
+    return tl
+
+
+# --- config mapping ------------------------------------------------------------------------------
+def tl_config_from_hf(hf_config: Any) -> dict:
+    """`HookedTransformerConfig` kwargs for a transformers config (architecture, RoPE, windows)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise UnsupportedArchitecture(
+            f"model_type {model_type!r} is not supported by kvnotes' Hugging Face loader; "
+            f"supported: {', '.join(sorted(_FAMILIES))}"
+        )
+    return _FAMILIES[model_type](hf_config)
+
+
+def _llama(c) -> dict:
+    _refuse_biases(c, "attention_bias", "mlp_bias")
+    return _assemble(c, "LlamaForCausalLM", ["full_attention"] * c.num_hidden_layers)
+
+
+def _mistral(c) -> dict:
+    """Every layer slides when `sliding_window` is set (None: all global)."""
+    kind = "sliding_attention" if getattr(c, "sliding_window", None) else "full_attention"
+    return _assemble(c, "MistralForCausalLM", [kind] * c.num_hidden_layers)
+
+
+def _qwen2(c) -> dict:
+    """q/k/v biases convert; with `use_sliding_window`, layers >= max_window_layers slide."""
+    return _assemble(c, "Qwen2ForCausalLM", _layer_types(c))
+
+
+def _qwen3(c) -> dict:
+    _refuse_biases(c, "attention_bias")
+    return {**_assemble(c, "Qwen3ForCausalLM", _layer_types(c)), "use_qk_norm": True}
+
+
+def _gemma(c) -> dict:
+    """Gemma 1: attention scale is TL's default sqrt(d_head), as in HF."""
+    _refuse_gemma_extras(c)
+    return _assemble(c, "GemmaForCausalLM", ["full_attention"] * c.num_hidden_layers)
+
+
+def _gemma2(c) -> dict:
+    _refuse_gemma_extras(c)
+    return {**_assemble(c, "Gemma2ForCausalLM", _layer_types(c)), **_gemma_sandwich(c)}
+
+
+def _gemma3_text(c) -> dict:
+    _refuse_gemma_extras(c)
+    return {**_assemble(c, "Gemma3ForCausalLM", _layer_types(c)), **_gemma_sandwich(c),
+            "use_qk_norm": True}
+
+
+def _gemma3(c) -> dict:
+    """Multimodal Gemma 3: the text tower only (TL's converter skips the vision tower)."""
+    return {**_gemma3_text(c.text_config),
+            "original_architecture": "Gemma3ForConditionalGeneration"}
+
+
+_FAMILIES: dict[str, Callable[[Any], dict]] = {
+    "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
+    "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "gemma3": _gemma3,
+}
+
+
+def _assemble(c, architecture: str, layer_types: list[str]) -> dict:
+    """The fields every supported family shares, plus its windows and RoPE."""
+    d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    windows = _windows(c, layer_types)
+    return dict(
+        d_model=c.hidden_size, d_head=d_head, n_heads=c.num_attention_heads,
+        n_key_value_heads=None if kv == c.num_attention_heads else kv,
+        d_mlp=c.intermediate_size, n_layers=c.num_hidden_layers, d_vocab=c.vocab_size,
+        n_ctx=min(c.max_position_embeddings, N_CTX_CAP), eps=float(c.rms_norm_eps),
+        act_fn=_act_fn(c), normalization_type="RMS", final_rms=True, gated_mlp=True,
+        positional_embedding_type="rotary", rotary_dim=d_head, rotary_adjacent_pairs=False,
+        original_architecture=architecture, init_weights=False,
+        **windows, **_rope(c, windows.get("attn_types")),
+    )
+
+
+def _gemma_sandwich(c) -> dict:
+    """Gemma 2/3: post-sublayer norms, sqrt(query_pre_attn_scalar) scale, optional softcaps."""
+    out = {"use_normalization_before_and_after": True,
+           "attn_scale": math.sqrt(c.query_pre_attn_scalar)}
+    if getattr(c, "attn_logit_softcapping", None) is not None:
+        out["attn_scores_soft_cap"] = float(c.attn_logit_softcapping)
+    if getattr(c, "final_logit_softcapping", None) is not None:
+        out["output_logits_soft_cap"] = float(c.final_logit_softcapping)
+    return out
+
+
+def _layer_types(c) -> list[str]:
+    return list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+
+
+def _windows(c, layer_types: list[str]) -> dict:
+    """`use_local_attn` / `window_size` / `attn_types` from HF layer types and `sliding_window`."""
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise UnsupportedArchitecture(
+            f"{c.model_type}: layer types {unknown} are not supported (only sliding_attention "
+            "and full_attention)"
+        )
+    window = getattr(c, "sliding_window", None)
+    if window is None or "sliding_attention" not in layer_types:
+        return {}
+    attn_types = ["local" if t == "sliding_attention" else "global" for t in layer_types]
+    return {"use_local_attn": True, "window_size": int(window), "attn_types": attn_types}
+
+
+def _act_fn(c) -> str:
+    name = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None)
+    if name not in _ACTIVATIONS:
+        raise UnsupportedArchitecture(
+            f"{c.model_type}: activation {name!r} has no TransformerLens equivalent here; "
+            f"supported: {sorted(_ACTIVATIONS)}"
+        )
+    return _ACTIVATIONS[name]
+
+
+# --- RoPE ----------------------------------------------------------------------------------------
+def _rope(c, attn_types: list[str] | None) -> dict:
+    """rotary_base (+ rotary_base_local) and the scaling fields, from `rope_parameters`.
+
+    transformers 5 keeps RoPE in `config.rope_parameters`, nested per layer type for Gemma 3
+    (`{"full_attention": {...}, "sliding_attention": {...}}`); older configs use `rope_theta`
+    and `rope_scaling`.
+    """
+    params = _rope_parameters(c)
+    nested = "full_attention" in params or "sliding_attention" in params
+    glob = params.get("full_attention", {}) if nested else params
+    local = params.get("sliding_attention", glob) if nested else params
+    has_local = "local" in (attn_types or ())
+    separate_local = has_local and local is not glob  # sliding layers have their own RoPE
+    out: dict[str, Any] = {"rotary_base": _theta(glob, c)}
+    if separate_local:
+        if _rope_type(local) != "default":
+            raise UnsupportedArchitecture(
+                f"{c.model_type}: RoPE scaling {_rope_type(local)!r} on sliding layers is not "
+                "supported"
+            )
+        out["rotary_base_local"] = _theta(local, c)
+    # TL applies linear scaling to global layers only, and llama3 scaling to every layer; each
+    # matches HF only when HF scales exactly those layers.
+    return {**out, **_rope_scaling(c, glob, linear_ok=separate_local or not has_local,
+                                   llama3_ok=not separate_local)}
+
+
+def _rope_parameters(c) -> dict:
+    params = getattr(c, "rope_parameters", None)
+    if params:
+        return dict(params)
+    legacy = dict(getattr(c, "rope_scaling", None) or {})
+    theta = getattr(c, "rope_theta", None)
+    return {**legacy, **({"rope_theta": theta} if theta is not None else {})}
+
+
+def _rope_type(params: dict) -> str:
+    return params.get("rope_type") or params.get("type") or "default"
+
+
+def _theta(params: dict, c) -> float:
+    theta = params.get("rope_theta", getattr(c, "rope_theta", None))
+    return float(theta) if theta is not None else 10000.0
+
+
+def _rope_scaling(c, params: dict, *, linear_ok: bool, llama3_ok: bool) -> dict:
+    kind = _rope_type(params)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedArchitecture(f"{c.model_type}: partial_rotary_factor is not supported")
+    if kind == "default":
+        return {}
+    if kind == "linear" and linear_ok:
+        return {"rotary_scaling_factor": float(params["factor"])}
+    if kind == "llama3" and llama3_ok:
+        return {
+            "use_NTK_by_parts_rope": True,
+            "NTK_original_ctx_len": int(params.get("original_max_position_embeddings",
+                                                   c.max_position_embeddings)),
+            "NTK_by_parts_low_freq_factor": float(params.get("low_freq_factor", 1.0)),
+            "NTK_by_parts_high_freq_factor": float(params.get("high_freq_factor", 4.0)),
+            "NTK_by_parts_factor": float(params.get("factor", 8.0)),
+        }
+    raise UnsupportedArchitecture(
+        f"{c.model_type}: RoPE type {kind!r} is not supported here (supported: default, llama3, "
+        "and linear on global layers)"
+    )
+
+
+def _refuse_biases(c, *fields: str) -> None:
+    on = [f for f in fields if getattr(c, f, False)]
+    if on:
+        raise UnsupportedArchitecture(
+            f"{c.model_type} with {', '.join(on)}=True: TransformerLens's converter drops "
+            "those biases"
+        )
+
+
+def _refuse_gemma_extras(c) -> None:
+    _refuse_biases(c, "attention_bias")
+    if getattr(c, "use_bidirectional_attention", False):
+        raise UnsupportedArchitecture(
+            f"{c.model_type} with use_bidirectional_attention=True is not causal")
+
+
+def _bos_fields(tokenizer: PreTrainedTokenizerBase) -> dict:
+    """Whether the tokenizer adds BOS itself, and whether TL should prepend one by default."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a")["input_ids"]
+    return {"tokenizer_prepends_bos": bos is not None and len(ids) > 0 and ids[0] == bos,
+            "default_prepend_bos": bos is not None}
+
+
+# --- fetching ------------------------------------------------------------------------------------
+def _fetch(load: Callable, source: str, local: bool, **kwargs: Any):
+    """`load(source)` offline first; a hub name then tries the hub unless HF_HUB_OFFLINE is set."""
+    if local:
+        if not (Path(source) / "config.json").is_file():
+            raise UnknownModelError(
+                f"{source} is a directory but has no config.json, so it is not a Hugging Face "
+                "checkpoint; it needs config.json, the weights (*.safetensors) and the "
+                "tokenizer files"
+            )
+        try:
+            return load(source, local_files_only=True, **kwargs)
+        except OSError as e:
+            raise UnknownModelError(
+                f"{source} is a directory but not a loadable Hugging Face checkpoint ({e}); it "
+                "needs config.json, the weights (*.safetensors) and the tokenizer files"
+            ) from e
+    try:
+        return load(source, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as cache_miss:
+        if _offline():
+            raise UnknownModelError(_unreachable(source, "HF_HUB_OFFLINE is set")) from cache_miss
+    try:
+        return load(source, **kwargs)
+    except (OSError, ValueError) as e:
+        if _hub_answered(e):
+            raise UnknownModelError(
+                f"{source!r} is not a local directory and the Hugging Face hub has no model by "
+                f"that name that we may read ({e}). Check the name, or pass a local checkpoint "
+                "directory, or use a built-in model name"
+            ) from e
+        raise UnknownModelError(_unreachable(source, str(e).splitlines()[0])) from e
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or \
+        os.environ.get("TRANSFORMERS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _unreachable(name: str, why: str) -> str:
+    return (
+        f"cannot load {name!r}: it is not a local directory, it is not in the Hugging Face cache, "
+        f"and the Hugging Face hub could not be reached ({why}). Download the checkpoint where the "
+        f"hub is reachable (e.g. `hf download {name} --local-dir DIR`), copy it here and pass that "
+        "local directory, or use a built-in model name"
+    )
+
+
+def _hub_answered(e: BaseException) -> bool:
+    """Whether the hub was reached and refused (no such repo, gated), rather than unreachable."""
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError
+
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, (RepositoryNotFoundError, GatedRepoError, EntryNotFoundError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -1,0 +1,189 @@
+"""`load_hf` on tiny random checkpoints of every supported family: TL and the engine equal HF.
+
+Each family is a seeded random transformers model saved with the tiny tokenizer, so the whole
+path (config mapping, TL's weight converters, unprocessed loading) runs offline in seconds.
+Weights are drawn large enough that attention is sharp, so a wrong window, RoPE base or scale
+shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from kvnotes.errors import UnknownModelError, UnsupportedArchitecture
+from kvnotes.models.hf import load_hf, tl_config_from_hf, tl_from_hf_model
+from kvnotes.models.tiny import tiny_tokenizer
+from kvnotes.notebook import Notebook
+from kvnotes.engine import run
+
+N_TOKENS = 40
+WINDOW = 8  # smaller than the prompt, so sliding layers really slide
+ATOL = 1e-4
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16}
+_GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _gemma3_rope(full: dict) -> dict:
+    return {"full_attention": {"rope_theta": 1_000_000.0, **full},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+
+
+FAMILIES: dict[str, tuple[type, dict]] = {
+    "llama-gqa": (tf.LlamaConfig, {"num_key_value_heads": 2}),
+    "llama3-rope-scaling": (tf.LlamaConfig, {"num_key_value_heads": 2,
+                                             "rope_parameters": _LLAMA3_ROPE}),
+    "mistral-window-gqa": (tf.MistralConfig, {"num_key_value_heads": 2, "sliding_window": WINDOW}),
+    "qwen2-bias": (tf.Qwen2Config, {"num_key_value_heads": 2}),
+    "qwen2-sliding": (tf.Qwen2Config, {"num_key_value_heads": 2, "use_sliding_window": True,
+                                       "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen3-qknorm-gqa": (tf.Qwen3Config, {"num_key_value_heads": 2, "head_dim": 16}),
+    "gemma-mha": (tf.GemmaConfig, {"num_key_value_heads": 4, "head_dim": 16}),
+    "gemma2-softcaps-window": (tf.Gemma2Config, {
+        "num_key_value_heads": 2, "head_dim": 16, "sliding_window": WINDOW,
+        "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0}),
+    "gemma3-text": (tf.Gemma3TextConfig, {
+        "num_key_value_heads": 1, "head_dim": 16, "sliding_window": WINDOW,
+        "layer_types": _GEMMA3_TYPES, "query_pre_attn_scalar": 32,
+        "rope_parameters": _gemma3_rope({"rope_type": "default"})}),
+    "gemma3-linear-rope": (tf.Gemma3TextConfig, {
+        "num_key_value_heads": 1, "head_dim": 16, "sliding_window": WINDOW,
+        "layer_types": _GEMMA3_TYPES,
+        "rope_parameters": _gemma3_rope({"rope_type": "linear", "factor": 8.0})}),
+}
+
+
+def _config(cls: type, extra: dict):
+    tok = tiny_tokenizer()
+    n_layers = len(extra.get("layer_types", ())) or 3
+    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+               num_attention_heads=4, vocab_size=len(tok), max_position_embeddings=128,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id, **extra)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Large random weights (sharp attention); norms stay near init (1, or 0 in Gemma's 1+w)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.add_(0.1 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            elif p.ndim == 2:
+                p.copy_(noise * 1.5 / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.1 * noise)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES), ids=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(hf logits [pos, vocab], loaded KVModel, prompt ids) for one family."""
+    cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(_config(cls, extra), attn_implementation="eager")
+    _randomize(hf, seed=0)
+    hf.eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+
+    tok = tiny_tokenizer()
+    g = torch.Generator().manual_seed(1)
+    ids = [tok.bos_token_id] + torch.randint(3, len(tok), (N_TOKENS - 1,), generator=g).tolist()
+    with torch.no_grad():
+        hf_logits = hf(torch.tensor([ids])).logits[0]
+    return hf_logits, load_hf(str(path)), ids
+
+
+def test_tl_logits_equal_hf(family):
+    hf_logits, model, ids = family
+    with torch.no_grad():
+        tl_logits = model.tl(torch.tensor([ids]))[0]
+    assert hf_logits.abs().max() > 1.0  # the check is not vacuous
+    torch.testing.assert_close(tl_logits, hf_logits, atol=ATOL, rtol=0)
+
+
+def test_engine_equals_hf(family):
+    hf_logits, model, ids = family
+    _, out = run(model, Notebook.empty(model), ids)
+    torch.testing.assert_close(out.last[0], hf_logits[-1], atol=ATOL, rtol=0)
+
+
+def test_engine_in_two_chunks_equals_hf(family):
+    """Prefill 25 tokens, then run the last 15 against that notebook (windows cross the cut)."""
+    hf_logits, model, ids = family
+    nb, _ = run(model, Notebook.empty(model), ids[:25])
+    _, out = run(model, nb, ids[25:])
+    torch.testing.assert_close(out.last[0], hf_logits[-1], atol=ATOL, rtol=0)
+
+
+def test_gemma3_multimodal_uses_the_text_tower():
+    """model_type "gemma3" (Gemma3ForConditionalGeneration): the text tower converts exactly."""
+    cls, extra = FAMILIES["gemma3-text"]
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = tf.Gemma3Config(text_config=_config(cls, extra).to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=500, boi_token_index=501,
+                          eoi_token_index=502)
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    _randomize(hf, seed=0)
+    ids = torch.tensor([[2, *range(10, 49)]])
+    with torch.no_grad():
+        expected = hf.eval()(input_ids=ids).logits[0]
+        model = tl_from_hf_model(hf, tiny_tokenizer(), "tiny-gemma3-multimodal")
+        got = model.tl(ids)[0]
+    assert model.cfg.original_architecture == "Gemma3ForConditionalGeneration"
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_config_fields_for_gemma3():
+    cls, extra = FAMILIES["gemma3-linear-rope"]
+    cfg = tl_config_from_hf(_config(cls, extra))
+    assert cfg["original_architecture"] == "Gemma3ForCausalLM"
+    assert cfg["attn_types"] == ["local", "local", "global", "local"]
+    assert (cfg["window_size"], cfg["rotary_base"], cfg["rotary_base_local"]) == (WINDOW, 1e6, 1e4)
+    assert cfg["rotary_scaling_factor"] == 8.0 and cfg["use_qk_norm"]
+    assert cfg["n_key_value_heads"] == 1 and cfg["attn_scale"] == 16.0  # sqrt(256), the default
+
+
+def test_n_ctx_is_capped():
+    cfg = tl_config_from_hf(tf.LlamaConfig(max_position_embeddings=131072, num_hidden_layers=1))
+    assert cfg["n_ctx"] == 8192
+
+
+def test_unreachable_hub_name_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = "kvnotes-tests/no-such-model"
+    with pytest.raises(UnknownModelError) as err:
+        load_hf(name)
+    msg = str(err.value)
+    assert name in msg and "could not be reached" in msg and "local directory" in msg
+
+
+def test_directory_without_checkpoint(tmp_path):
+    with pytest.raises(UnknownModelError, match="config.json"):
+        load_hf(str(tmp_path))
+
+
+def test_unsupported_model_type(tmp_path):
+    with pytest.raises(UnsupportedArchitecture, match="gpt2.*supported: gemma"):
+        tl_config_from_hf(tf.GPT2Config())
+    tf.GPT2Config(n_layer=1).save_pretrained(tmp_path)  # refused before any weights are read
+    with pytest.raises(UnsupportedArchitecture, match="gpt2"):
+        load_hf(str(tmp_path))
+
+
+def test_unsupported_rope_scaling():
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 64}
+    with pytest.raises(UnsupportedArchitecture, match="yarn"):
+        tl_config_from_hf(tf.LlamaConfig(num_hidden_layers=1, rope_parameters=yarn))
