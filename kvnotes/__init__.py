@@ -21,8 +21,8 @@ _EXPORTS = {
     "Notebook": "kvnotes.notebook",
     "Template": "kvnotes.prompt",
     "Prompt": "kvnotes.prompt",
-    "run": "kvnotes.run",
-    "Readout": "kvnotes.run",
+    "run": "kvnotes.engine",
+    "Readout": "kvnotes.engine",
     "prefill": "kvnotes.ops",
     "decide": "kvnotes.ops",
     "Patch": "kvnotes.ops",
@@ -40,7 +40,7 @@ _EXPORTS = {
     "logit_cosine": "kvnotes.metrics",
     "agreement": "kvnotes.metrics",
     "kv_deviation": "kvnotes.metrics",
-    "verify": "kvnotes.verify",
+    "verify": "kvnotes.conformance",
 }
 
 __all__ = sorted(_EXPORTS)

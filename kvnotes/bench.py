@@ -22,7 +22,7 @@ from kvnotes import ops
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
 from kvnotes.prompt import Prompt, Template
-from kvnotes.verify import _FILLER, _QUERY, _aligned_pair
+from kvnotes.conformance import _FILLER, _QUERY, _aligned_pair
 
 _HEAD = ("[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
          "has shipped, deny the cancellation and offer a return instead.]]\n"

@@ -17,7 +17,7 @@ def _write_json(path: str | None, data: dict) -> None:
 
 def cmd_verify(args) -> int:
     from kvnotes.models import load_model
-    from kvnotes.verify import verify
+    from kvnotes.conformance import verify
 
     report = verify(load_model(args.model))
     print(report.table())

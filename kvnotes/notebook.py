@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -86,6 +86,8 @@ class Notebook:
     def slot_index(self, positions: Sequence[int] | Tensor) -> Int[Tensor, " n"]:
         """Slot indices holding `positions`; errors on a position the notebook does not hold."""
         pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+        if pos.numel() == 0:
+            return pos
         match = self.positions[None, :] == pos[:, None]
         missing = ~match.any(1)
         if missing.any():

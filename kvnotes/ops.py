@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -13,7 +13,7 @@ from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.prompt import Prompt
-from kvnotes.run import Hook, Readout, run
+from kvnotes.engine import Hook, Readout, run
 from kvnotes.types import Float, Tensor
 
 PromptLike = Prompt | str | Sequence[int]
@@ -70,6 +70,11 @@ def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple
     """
     start = notebook.next_position
     if isinstance(query, Prompt):
+        if DECISION in notebook.spans:
+            raise ValueError(
+                "this notebook already holds the decision span; prefill without `upto` (it stops "
+                "before the decision) or pass the query tokens explicitly"
+            )
         first = query.spans[DECISION][0] if DECISION in query.spans else start
         ids = list(query.ids[first:])
     elif isinstance(query, str):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping
 
 from kvnotes.errors import TokenCountChanged
 

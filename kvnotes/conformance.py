@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -20,11 +20,18 @@ from kvnotes.metrics import kv_deviation
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.prompt import Prompt, Template
-from kvnotes.run import run
+from kvnotes.engine import run
 
-# fp32 tolerances, relative to the largest magnitude of the reference tensor
+# fp32 tolerances, relative to the largest magnitude of the reference tensor.
 RTOL = 2e-5
 ATOL_FLOOR = 1e-5
+# Re-rotation compares against a prefill at *another absolute offset*. That prefill is itself not
+# bit-identical to the one at offset 0 in fp32: every attention score is rounded at other angles,
+# and the drift compounds over layers. On Gemma 3 270M with a 709-token chunk moved by 725, the
+# values — which re-rotation never touches — already differ by up to 3.4e-3 (2e-4 of their scale).
+# So this one invariant gets a looser relative tolerance; a real RoPE mistake (wrong base, off-by-one
+# position, wrong pairing) errs by O(|k|), four orders of magnitude above it.
+RTOL_SHIFTED = 2e-4
 
 _POLICY = ("[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
            "has shipped, deny the cancellation and offer a return instead.]]\n")
@@ -188,6 +195,7 @@ DESCRIPTIONS = {
     "batched_patches_equal_single": "a batched sweep of N patches = N single patches",
 }
 EXACT = {"kv_deviation_before_field_is_zero", "patch_all_reproduces_source"}
+SHIFTED = {"rerotation_equals_offset_prefill"}
 
 
 def verify(model: KVModel, *, progress: bool = True) -> VerifyReport:
@@ -203,7 +211,8 @@ def verify(model: KVModel, *, progress: bool = True) -> VerifyReport:
     for name, per in errors.items():
         err = max(e for e, _ in per.values())
         scale = max(s for _, s in per.values())
-        tol = 0.0 if name in EXACT else max(ATOL_FLOOR, RTOL * scale)
+        rtol = RTOL_SHIFTED if name in SHIFTED else RTOL
+        tol = 0.0 if name in EXACT else max(ATOL_FLOOR, rtol * scale)
         results.append(InvariantResult(name=name, description=DESCRIPTIONS[name], max_abs_error=err,
                                        tolerance=tol, passed=err <= tol,
                                        per_prompt={k: e for k, (e, _) in per.items()}))

@@ -13,7 +13,7 @@ the computed tokens in the order given.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import einops
 import torch
@@ -73,8 +73,11 @@ def run(
     batch = max(notebook.batch, tok.shape[0])
     if tok.shape[0] != batch:
         tok = tok.expand(batch, -1)
-    read = (int(pos[-1]),) if logits_at is None else tuple(int(p) for p in logits_at)
+    read = (int(pos[-1]),) if logits_at is None and n else tuple(int(p) for p in logits_at or ())
     read_idx = _indices_of(pos, read)
+    if n == 0:  # nothing to compute: the notebook as it is, an empty readout
+        return notebook, Readout(logits=torch.zeros(notebook.batch, 0, model.cfg.d_vocab_out),
+                                 positions=())
 
     captured: dict[str, Tensor] = {}
     capture_hooks = [(name, _saver(captured)) for name in capture]

@@ -1,0 +1,201 @@
+"""Errors name the thing that was wrong and the way out (STYLE.md point 10)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvnotes import errors
+from kvnotes.errors import (
+    FingerprintMismatch,
+    KVNotesError,
+    OutOfRange,
+    TokenCountChanged,
+    UnknownModelError,
+)
+from kvnotes.metrics import kv_deviation
+from kvnotes.models import load_model
+from kvnotes.models.tiny import TINY_CONFIGS
+from kvnotes.notebook import Notebook
+from kvnotes.ops import Patch, decide, patch, prefill, rerotate, splice
+from kvnotes.prompt import Template
+from kvnotes.engine import run
+from tests.helpers import get_model
+
+
+def test_every_error_is_a_value_error():
+    classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+    assert len(classes) >= 8
+    assert all(issubclass(c, KVNotesError) and issubclass(c, ValueError) for c in classes)
+
+
+def test_unknown_model_lists_builtin_names():
+    with pytest.raises(UnknownModelError, match="'tiny-nonesuch'") as info:
+        load_model("tiny-nonesuch")
+    for name in ["gemma-3-270m", *TINY_CONFIGS]:
+        assert repr(name) in str(info.value), f"{name} missing from: {info.value}"
+
+
+# --- mixing models -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two(gcase):
+    llama = get_model("tiny-llama")
+    return gcase, llama, prefill(llama, gcase.ids[: gcase.stop])
+
+
+MIXES = {
+    "patch": lambda c, llama, nb_l: patch(c.nb_old, nb_l, Patch()),
+    "patch-reversed": lambda c, llama, nb_l: patch(nb_l, c.nb_old, Patch()),
+    "concat": lambda c, llama, nb_l: c.nb_old.truncate(5).concat(nb_l.select(range(5, 9))),
+    "run": lambda c, llama, nb_l: run(llama, c.nb_old, [5]),
+    "decide": lambda c, llama, nb_l: decide(c.model, nb_l, c.old),
+    "rerotate": lambda c, llama, nb_l: rerotate(llama, c.nb_old, 3),
+    "splice": lambda c, llama, nb_l: splice(c.model, c.nb_old, nb_l),
+    "kv_deviation": lambda c, llama, nb_l: kv_deviation(c.nb_old, nb_l),
+}
+
+
+@pytest.mark.parametrize("op", list(MIXES), ids=list(MIXES))
+def test_notebooks_from_different_models_are_refused(two, op):
+    c, llama, nb_l = two
+    with pytest.raises(
+        FingerprintMismatch, match=r"tiny-gemma3.*tiny-llama|tiny-llama.*tiny-gemma3"
+    ):
+        MIXES[op](c, llama, nb_l)
+
+
+def test_same_name_other_weights_is_a_different_model(gcase):
+    reseeded = load_model("tiny-gemma3", seed=1)
+    assert reseeded.fingerprint != gcase.model.fingerprint
+    with pytest.raises(FingerprintMismatch, match="prefill the prompt again"):
+        decide(reseeded, gcase.nb_old, gcase.old)
+
+
+# --- ranges --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pos", [-1, 512, 10_000], ids=lambda p: f"pos={p}")
+def test_run_position_out_of_range(gcase, pos):
+    with pytest.raises(OutOfRange, match=r"positions must lie in 0\.\.511"):
+        run(gcase.model, Notebook.empty(gcase.model), [5], [pos])
+
+
+def test_prefill_offset_past_context(gcase):
+    with pytest.raises(OutOfRange, match="0..511"):
+        prefill(gcase.model, gcase.ids, offset=500)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (Patch(layers=(4,)), r"layer\(s\) \[4\] out of range: the model has 4 layers"),
+        (Patch(layers=(0, -5)), r"layer\(s\) \[-5\] out of range"),
+        (Patch(heads=(1,)), r"KV head\(s\) \[1\] out of range: the model has 1 KV heads"),
+        (Patch(heads=(-2,)), r"KV head\(s\) \[-2\] out of range"),
+        (Patch(positions=(-1,)), r"position\(s\) \[-1\] not in this notebook"),
+        (Patch(positions=(3, 400)), r"position\(s\) \[400\] not in this notebook"),
+    ],
+    ids=[
+        "layer-too-big",
+        "layer-too-negative",
+        "head-too-big",
+        "head-too-negative",
+        "position-negative",
+        "position-not-held",
+    ],
+)
+def test_patch_out_of_range(gcase, spec, message):
+    with pytest.raises(OutOfRange, match=message):
+        patch(gcase.nb_old, gcase.nb_new, spec)
+
+
+def test_patch_must_copy_something():
+    with pytest.raises(ValueError, match="keys, values or both"):
+        Patch(keys=False, values=False)
+
+
+def test_token_id_out_of_vocab(gcase):
+    with pytest.raises(OutOfRange, match="token ids must lie in 0..511"):
+        run(gcase.model, gcase.nb_old, [512])
+
+
+def test_logits_at_not_computed(gcase):
+    with pytest.raises(OutOfRange, match=r"logits_at position\(s\) \[3\]"):
+        run(gcase.model, gcase.nb_old, [5], logits_at=[3])
+
+
+# --- alignment and inputs ------------------------------------------------------------------------
+def test_value_that_changes_token_count(gcase):
+    with pytest.raises(TokenCountChanged, match=r"'order_status'.*\(69 → 73\).*erratum"):
+        gcase.old.with_values(gcase.model, order_status="delivered")
+
+
+def test_repeated_positions_in_run(gcase):
+    with pytest.raises(ValueError, match="positions repeat"):
+        run(gcase.model, gcase.nb_old, [5, 6], [80, 80])
+
+
+def test_tokens_and_positions_disagree(gcase):
+    with pytest.raises(ValueError, match="3 tokens but 2 positions"):
+        run(gcase.model, gcase.nb_old, [5, 6, 7], [80, 81])
+
+
+def test_rerotate_positions_repeat_or_miscount(gcase):
+    nb = gcase.nb_old.truncate(3)
+    with pytest.raises(ValueError, match="repeat"):
+        rerotate(gcase.model, nb, [4, 4, 5])
+    with pytest.raises(ValueError, match="2 new positions for 3 slots"):
+        rerotate(gcase.model, nb, [4, 5])
+
+
+def test_splice_offset_overlapping_host_and_bad_seam(gcase):
+    host, chunk = gcase.nb_old.truncate(10), prefill(gcase.model, gcase.ids[1:5])
+    with pytest.raises(OutOfRange, match="offset 9 overlaps the host"):
+        splice(gcase.model, host, chunk, offset=9)
+    with pytest.raises(OutOfRange, match=r"seam=5 must lie in 0\.\.4"):
+        splice(gcase.model, host, chunk, seam=5)
+
+
+def test_decide_with_nothing_to_decide(gemma3):
+    prompt = Template("order_status: {order_status}.").render(gemma3, order_status="shipped")
+    full = prefill(gemma3, prompt)  # no decision span: prefill takes every token
+    assert full.n_slots == len(prompt)
+    with pytest.raises(OutOfRange, match="nothing to decide"):
+        decide(gemma3, full, prompt)
+    with pytest.raises(OutOfRange, match="the query is empty"):
+        decide(gemma3, full, [])
+
+
+def test_unknown_template_field(gemma3):
+    tpl = Template("status: {order_status}.")
+    with pytest.raises(KeyError, match=r"unknown field\(s\) \['order_stat'\].*order_status"):
+        tpl.render(gemma3, order_status="x", order_stat="y")
+    with pytest.raises(KeyError, match="'order_status' has no value; pass order_status="):
+        tpl.render(gemma3)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[[rule: never closed", r"span \[\[rule: \.\.\.\]\] is never closed"),
+        ("[[a: x [[b: y]]", r"\[\[a: \.\.\.\]\] is never closed"),
+        ("stray ]] here", r"unmatched '\]\]' at character 6"),
+        ("{x} and {x}", "field 'x' appears twice"),
+    ],
+    ids=["unclosed", "unclosed-outer", "unmatched-close", "duplicate-field"],
+)
+def test_malformed_template(text, message):
+    with pytest.raises(ValueError, match=message):
+        Template(text)
+
+
+def test_answer_token_must_be_one_token(gemma3):
+    assert isinstance(gemma3.answer_token(" deny"), int)
+    with pytest.raises(ValueError, match=r"' delivered' is 5 tokens"):
+        gemma3.answer_token(" delivered")
+
+
+def test_runtime_type_checks_are_on():
+    """pyproject's addopts run kvnotes under jaxtyping + beartype: a wrong dtype is caught."""
+    from kvnotes.metrics import logit_diff
+
+    with pytest.raises(Exception, match=r"(?s)[Tt]ype-check error.*parameter 'logits'"):
+        logit_diff(torch.tensor([[1, 2, 3]]), 0, 1)
