@@ -155,7 +155,7 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
 
     def rerotation_equals_offset_prefill():
         chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
-        q = len(old.ids) + 13
+        q = min(len(old.ids) + 13, model.n_ctx - len(chunk))  # past the prompt, within the context
         moved = ops.rerotate(model, ops.prefill(model, chunk), q)
         return _maxdiff_nb(moved, ops.prefill(model, chunk, offset=q))
 

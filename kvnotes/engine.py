@@ -31,7 +31,8 @@ Hook = tuple[str | Callable[[str], bool], Callable]
 
 @dataclass(frozen=True, eq=False)
 class Readout:
-    """What a run reads out: logits at `positions`, and activations named in `capture`."""
+    """What a run reads out: logits at `positions` (over the whole vocabulary, or the `vocab`
+    ids asked for), and activations named in `capture`."""
 
     logits: Float[Tensor, "batch pos d_vocab"]
     positions: tuple[int, ...]
@@ -53,11 +54,13 @@ def run(
     hooks: Sequence[Hook] = (),
     capture: Sequence[str] = (),
     logits_at: Sequence[int] | None = None,
+    vocab: Sequence[int] | None = None,
 ) -> tuple[Notebook, Readout]:
     """Compute `tokens` at `positions` against `notebook`; return the new notebook and a readout.
 
     tokens: `[pos]` or `[batch, pos]` ids; positions default to right after the notebook.
     logits_at: positions (among those computed) to unembed; default the last one; `()` for none.
+    vocab: token ids whose logits to return (in that order); default the whole vocabulary.
     hooks: TransformerLens-style `(name_or_filter, fn)` pairs, active for this call only.
 
     >>> nb = prefill(model, "The capital of France is")          # doctest: +SKIP
@@ -75,15 +78,19 @@ def run(
         tok = tok.expand(batch, -1)
     read = (int(pos[-1]),) if logits_at is None and n else tuple(int(p) for p in logits_at or ())
     read_idx = _indices_of(pos, read)
+    cols = None if vocab is None else torch.as_tensor(list(vocab), dtype=torch.long)
+    width = model.cfg.d_vocab_out if cols is None else cols.numel()
+    if cols is not None and cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= model.cfg.d_vocab_out):
+        raise OutOfRange(f"vocab ids must lie in 0..{model.cfg.d_vocab_out - 1}")
     if n == 0:  # nothing to compute: the notebook as it is, an empty readout
-        return notebook, Readout(logits=torch.zeros(notebook.batch, 0, model.cfg.d_vocab_out),
-                                 positions=())
+        return notebook, Readout(logits=torch.zeros(notebook.batch, 0, width), positions=())
 
     captured: dict[str, Tensor] = {}
     capture_hooks = [(name, _saver(captured)) for name in capture]
     with model.tl.hooks(fwd_hooks=list(hooks) + capture_hooks):
         fresh_k, fresh_v, resid = _forward(model, notebook, tok, pos, batch)
-        logits = _unembed(model, resid[:, read_idx]) if read else resid.new_zeros(batch, 0, model.cfg.d_vocab_out)
+        logits = (final_logits(model, resid[:, read_idx], cols) if read
+                  else resid.new_zeros(batch, 0, width))
     out = Readout(logits=logits, positions=read, activations=captured)
     return (_write(notebook, tok, pos, fresh_k, fresh_v) if write else notebook), out
 
@@ -187,11 +194,19 @@ def _attention(model: KVModel, layer: int, x: Tensor, old_k: Tensor, old_v: Tens
     return out, k, v
 
 
-def _unembed(model: KVModel, resid: Tensor) -> Tensor:
-    tl = model.tl
+def final_logits(model: KVModel, resid: Tensor, vocab: Tensor | None = None) -> Tensor:
+    """Logits from the last block's residual stream: final norm, then unembed (`vocab`: those ids).
+
+    Same numbers as TL's `Unembed`, without its per-call contiguous copy of the transposed `W_U`
+    (671 MB for Gemma's 262k vocabulary, the largest cost of a small batched decision), and
+    with `vocab` only those columns are computed.
+    """
+    tl, u = model.tl, model.tl.unembed
     if model.cfg.normalization_type is not None:
         resid = tl.ln_final(resid)
-    return apply_softcap(tl.unembed(resid), model.cfg.output_logits_soft_cap)
+    x = u.hook_in(resid)
+    logits = x @ u.W_U + u.b_U if vocab is None else x @ u.W_U[:, vocab] + u.b_U[vocab]
+    return apply_softcap(u.hook_out(logits), model.cfg.output_logits_soft_cap)
 
 
 def _write(nb: Notebook, tok: Tensor, pos: Tensor, fresh_k: list[Tensor], fresh_v: list[Tensor]) -> Notebook:

@@ -87,13 +87,14 @@ def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple
 
 
 def decide(model: KVModel, notebook: Notebook, query: PromptLike, *, hooks: Sequence[Hook] = (),
-           capture: Sequence[str] = ()) -> Readout:
+           capture: Sequence[str] = (), vocab: Sequence[int] | None = None) -> Readout:
     """Read the decision: compute the query tokens after the notebook without writing them.
 
-    The readout's logits are at the query's last token (see `query_tokens` for what is computed).
+    The readout's logits are at the query's last token (see `query_tokens` for what is computed);
+    `vocab` restricts them to those token ids (e.g. the answer tokens), skipping the full unembed.
     """
     ids, pos = query_tokens(model, notebook, query)
-    _, out = run(model, notebook, ids, pos, write=False, hooks=hooks, capture=capture)
+    _, out = run(model, notebook, ids, pos, write=False, hooks=hooks, capture=capture, vocab=vocab)
     return out
 
 
@@ -164,34 +165,41 @@ def patch_batch(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Noteboo
     if dst.batch != 1 or src.batch != 1:
         raise ValueError("patch_batch takes batch-1 notebooks (index one with nb[i])")
     src = _aligned_source(dst, src)
-    n_kv = dst.keys[0].shape[1]
+    n_kv, n = dst.keys[0].shape[1], len(specs)
     masks = torch.stack([_mask(s, dst, n_kv) for s in specs])  # [N, layer, kv_head, slot]
     use_k = torch.tensor([s.keys for s in specs])[:, None, None]
     use_v = torch.tensor([s.values for s in specs])[:, None, None]
+    touched = masks.flatten(0, 2).any(0).nonzero().flatten()  # slots any patch touches
     keys, values = [], []
     for l in range(dst.n_layers):
-        mk = (masks[:, l] & use_k)[..., None]  # [N, kv_head, slot, 1]
-        mv = (masks[:, l] & use_v)[..., None]
-        keys.append(torch.where(mk, src.keys[l], dst.keys[l]))
-        values.append(torch.where(mv, src.values[l], dst.values[l]))
+        for out, use, s_kv, d_kv in ((keys, use_k, src.keys[l], dst.keys[l]),
+                                     (values, use_v, src.values[l], dst.values[l])):
+            # copy dst once per patch (a memcpy), then blend only the touched slots
+            t = d_kv.expand(n, -1, -1, -1).clone()
+            m = (masks[:, l][..., touched] & use)[..., None]  # [N, kv_head, touched, 1]
+            t[:, :, touched] = torch.where(m, s_kv[:, :, touched], d_kv[:, :, touched])
+            out.append(t)
     return replace(dst, keys=tuple(keys), values=tuple(values),
                    tokens=dst.tokens.expand(len(specs), -1).clone())
 
 
 def decide_patched(model: KVModel, dst: Notebook, src: Notebook, specs: Sequence[Patch],
                    prompt: PromptLike, *, batch_size: int = 16, progress: bool = False,
-                   hooks: Sequence[Hook] = ()) -> Float[Tensor, "n d_vocab"]:
+                   hooks: Sequence[Hook] = (), vocab: Sequence[int] | None = None,
+                   ) -> Float[Tensor, "n d_vocab"]:
     """Decision logits for each patch in `specs`, evaluated as batched forwards.
 
     Equal to `[decide(model, patch(dst, src, s), prompt).last[0] for s in specs]`, but each
-    chunk of `batch_size` patches is one forward over the decision tokens.
+    chunk of `batch_size` patches is one forward over the decision tokens. `vocab`: only
+    these token ids' logits (columns in that order).
     """
     out = []
     chunks = range(0, len(specs), batch_size)
     for i in tqdm(chunks, desc="patches", disable=not progress, unit="batch"):
         nb = patch_batch(dst, src, specs[i:i + batch_size])
-        out.append(decide(model, nb, prompt, hooks=hooks).last)
-    return torch.cat(out) if out else torch.zeros(0, model.cfg.d_vocab_out)
+        out.append(decide(model, nb, prompt, hooks=hooks, vocab=vocab).last)
+    width = model.cfg.d_vocab_out if vocab is None else len(vocab)
+    return torch.cat(out) if out else torch.zeros(0, width)
 
 
 # --- edits ---------------------------------------------------------------------------------

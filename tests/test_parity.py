@@ -263,3 +263,16 @@ def test_splice_without_rerotation_visibly_differs(case):
     assert (d_rot - d_naive).abs().max().item() > 1e-2, (
         "the un-rotated ablation must change the decision"
     )
+
+
+def test_vocab_subset_equals_the_same_columns_of_full_logits(case):
+    model = case.model
+    ids = [5, 17, 3]
+    full = decide(model, case.nb_old, case.old).last[0]
+    sub = decide(model, case.nb_old, case.old, vocab=ids).last[0]
+    assert sub.shape == (3,)
+    assert_close(sub, full[ids], what="vocab-restricted logits")
+    specs = [Patch(positions=(case.field,)), Patch(positions=(case.field + 1,), keys=False)]
+    batched = decide_patched(model, case.nb_old, case.nb_new, specs, case.new, vocab=ids)
+    whole = decide_patched(model, case.nb_old, case.nb_new, specs, case.new)
+    assert_close(batched, whole[:, ids], what="vocab-restricted patched logits")

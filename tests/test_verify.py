@@ -14,8 +14,7 @@ import kvnotes
 from kvnotes.notebook import Notebook
 from kvnotes.conformance import DESCRIPTIONS, VerifyReport, verify
 
-# the engine modules by import path: `kvnotes.engine` / `kvnotes.conformance` as attributes are ambiguous
-# (see the namespace test at the bottom)
+# the engine modules, to monkeypatch their internals
 RUN = importlib.import_module("kvnotes.engine")
 ROPE = importlib.import_module("kvnotes.rope")
 OPS = importlib.import_module("kvnotes.ops")

@@ -85,7 +85,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 @pytest.fixture(scope="module", params=list(FAMILIES), ids=list(FAMILIES))
 def family(request, tmp_path_factory):
-    """(hf logits [pos, vocab], loaded KVModel, prompt ids) for one family."""
+    """(hf logits [pos, vocab], loaded KVModel, prompt ids, checkpoint dir) for one family."""
     cls, extra = FAMILIES[request.param]
     torch.manual_seed(0)
     hf = tf.AutoModelForCausalLM.from_config(_config(cls, extra), attn_implementation="eager")
@@ -100,11 +100,11 @@ def family(request, tmp_path_factory):
     ids = [tok.bos_token_id] + torch.randint(3, len(tok), (N_TOKENS - 1,), generator=g).tolist()
     with torch.no_grad():
         hf_logits = hf(torch.tensor([ids])).logits[0]
-    return hf_logits, load_hf(str(path)), ids
+    return hf_logits, load_hf(str(path)), ids, path
 
 
 def test_tl_logits_equal_hf(family):
-    hf_logits, model, ids = family
+    hf_logits, model, ids, _ = family
     with torch.no_grad():
         tl_logits = model.tl(torch.tensor([ids]))[0]
     assert hf_logits.abs().max() > 1.0  # the check is not vacuous
@@ -112,14 +112,14 @@ def test_tl_logits_equal_hf(family):
 
 
 def test_engine_equals_hf(family):
-    hf_logits, model, ids = family
+    hf_logits, model, ids, _ = family
     _, out = run(model, Notebook.empty(model), ids)
     torch.testing.assert_close(out.last[0], hf_logits[-1], atol=ATOL, rtol=0)
 
 
 def test_engine_in_two_chunks_equals_hf(family):
     """Prefill 25 tokens, then run the last 15 against that notebook (windows cross the cut)."""
-    hf_logits, model, ids = family
+    hf_logits, model, ids, _ = family
     nb, _ = run(model, Notebook.empty(model), ids[:25])
     _, out = run(model, nb, ids[25:])
     torch.testing.assert_close(out.last[0], hf_logits[-1], atol=ATOL, rtol=0)
@@ -187,3 +187,17 @@ def test_unsupported_rope_scaling():
             "original_max_position_embeddings": 64}
     with pytest.raises(UnsupportedArchitecture, match="yarn"):
         tl_config_from_hf(tf.LlamaConfig(num_hidden_layers=1, rope_parameters=yarn))
+
+
+def test_cli_verify_on_a_local_checkpoint_directory(family, tmp_path):
+    """`kvnotes verify --model DIR --json FILE` runs offline and all eight invariants pass."""
+    import json
+
+    from kvnotes.cli import main
+
+    _, _, _, path = family
+    out = tmp_path / "verify.json"
+    assert main(["verify", "--model", str(path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["passed"] and len(report["invariants"]) == 8
+    assert {"name", "max_abs_error", "tolerance", "passed"} <= set(report["invariants"][0])
