@@ -123,29 +123,27 @@ class Patch:
 
 def _mask(patch: Patch, nb: Notebook, n_kv: int) -> Tensor:
     """Boolean `[layer, kv_head, slot]` selection of `patch` over `nb`'s layout."""
-    L, S = nb.n_layers, nb.n_slots
-    layers = torch.zeros(L, dtype=torch.bool)
-    heads = torch.zeros(n_kv, dtype=torch.bool)
-    slots = torch.zeros(S, dtype=torch.bool)
-    if patch.layers is None:
-        layers[:] = True
-    else:
-        bad = [l for l in patch.layers if not -L <= l < L]
-        if bad:
-            raise OutOfRange(f"layer(s) {bad} out of range: the model has {L} layers (0..{L - 1})")
-        layers[list(patch.layers)] = True
-    if patch.heads is None:
-        heads[:] = True
-    else:
-        bad = [h for h in patch.heads if not -n_kv <= h < n_kv]
-        if bad:
-            raise OutOfRange(f"KV head(s) {bad} out of range: the model has {n_kv} KV heads")
-        heads[list(patch.heads)] = True
+    layers = _choose(patch.layers, nb.n_layers, "layer", "layers")
+    heads = _choose(patch.heads, n_kv, "KV head", "KV heads")
+    slots = torch.zeros(nb.n_slots, dtype=torch.bool)
     if patch.positions is None:
         slots[:] = True
     elif patch.positions:
         slots[nb.slot_index(patch.positions)] = True
     return layers[:, None, None] & heads[None, :, None] & slots[None, None, :]
+
+
+def _choose(chosen: tuple[int, ...] | None, n: int, what: str, plural: str) -> Tensor:
+    """A boolean mask over `n` items: all when `chosen` is None; errors name the bad indices."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    if chosen is None:
+        mask[:] = True
+        return mask
+    bad = [i for i in chosen if not -n <= i < n]
+    if bad:
+        raise OutOfRange(f"{what}(s) {bad} out of range: the model has {n} {plural} (0..{n - 1})")
+    mask[list(chosen)] = True
+    return mask
 
 
 def _aligned_source(dst: Notebook, src: Notebook) -> Notebook:

