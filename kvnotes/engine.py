@@ -96,6 +96,10 @@ def run(
 
 
 def _check_inputs(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor) -> None:
+    device = model.tl.embed.W_E.device
+    if nb.keys and nb.keys[0].device != device:
+        raise ValueError(f"the notebook is on {nb.keys[0].device} but {model.name} is on {device}; "
+                         f"move it with notebook.to({str(device)!r})")
     if tok.ndim != 2 or tok.shape[1] != pos.shape[0]:
         raise ValueError(f"{tok.shape[-1]} tokens but {pos.shape[0]} positions; give one position per token")
     if tok.shape[0] not in (1, nb.batch) and nb.batch != 1:
@@ -139,8 +143,9 @@ def _masks(model: KVModel, nb: Notebook, pos: Tensor) -> dict[int | None, Tensor
 
 def _forward(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor, batch: int):
     tl, cfg = model.tl, model.cfg
-    masks = _masks(model, nb, pos)
-    resid = tl.hook_embed(tl.embed(tok))
+    device = nb.keys[0].device
+    masks = {w: m.to(device) for w, m in _masks(model, nb, pos).items()}
+    resid = tl.hook_embed(tl.embed(tok.to(device)))
     fresh_k, fresh_v = [], []
     for l, block in enumerate(tl.blocks):
         resid = block.hook_resid_pre(resid)

@@ -165,6 +165,11 @@ class Notebook:
             tokens=self.tokens.expand(batch, -1),
         )
 
+    def to(self, device: str | torch.device) -> "Notebook":
+        """The same notebook with its keys and values on `device` (positions and tokens stay on CPU)."""
+        return replace(self, keys=tuple(k.to(device) for k in self.keys),
+                       values=tuple(v.to(device) for v in self.values))
+
     def __getitem__(self, i: int | slice) -> "Notebook":
         """One batch element (or a slice of them) as a notebook."""
         sl = slice(i, i + 1) if isinstance(i, int) else i

