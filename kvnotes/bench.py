@@ -20,11 +20,11 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.conformance import _FILLER, _QUERY, _aligned_pair
 from kvnotes.engine import final_logits
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
 from kvnotes.prompt import Prompt, Template
-from kvnotes.conformance import _FILLER, _QUERY, _aligned_pair
 
 _HEAD = ("[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
          "has shipped, deny the cancellation and offer a return instead.]]\n"
@@ -53,7 +53,8 @@ class SweepReport:
 
     def table(self) -> str:
         lines = [f"patch sweep — {self.model} — {self.machine}",
-                 f"{'tokens':>7}{'patches':>8}{'engine s':>10}{'naive s':>10}{'ratio':>9}{'max |Δrecovery|':>17}{'max |Δlogit|':>14}"]
+                 f"{'tokens':>7}{'patches':>8}{'engine s':>10}{'naive s':>10}{'ratio':>9}"
+                 f"{'max |Δrecovery|':>17}{'max |Δlogit|':>14}"]
         for r in self.results:
             lines.append(f"{r.tokens:>7}{r.n_patches:>8}{r.engine_s:>10.3f}{r.naive_s:>10.2f}"
                          f"{r.ratio:>8.1f}x{r.max_recovery_diff:>17.2e}{r.max_logit_diff:>14.2e}")

@@ -16,8 +16,8 @@ def _write_json(path: str | None, data: dict) -> None:
 
 
 def cmd_verify(args) -> int:
-    from kvnotes.models import load_model
     from kvnotes.conformance import verify
+    from kvnotes.models import load_model
 
     report = verify(load_model(args.model))
     print(report.table())

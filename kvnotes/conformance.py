@@ -8,19 +8,19 @@ Each invariant runs on a generated prompt and on one longer than any sliding win
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.engine import run
 from kvnotes.errors import TokenCountChanged
 from kvnotes.metrics import kv_deviation
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.prompt import Prompt, Template
-from kvnotes.engine import run
 
 # fp32 tolerances, relative to the largest magnitude of the reference tensor.
 RTOL = 2e-5
@@ -63,7 +63,7 @@ class VerifyReport:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "VerifyReport":
+    def from_dict(cls, d: dict) -> VerifyReport:
         return cls(model=d["model"], passed=d["passed"], prompts=d["prompts"],
                    max_window=d["max_window"], invariants=[InvariantResult(**r) for r in d["invariants"]])
 
@@ -186,8 +186,10 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
 
 DESCRIPTIONS = {
     "decide_equals_full_forward": "decide on a prefilled notebook = logits of one full forward",
-    "prefix_then_suffix_equals_prefill": "prefill(prefix) then run(suffix) = prefill(prefix+suffix), every slot",
-    "suffix_recompute_equals_prefill": "suffix recompute from the edited field = prefill of the edited prompt",
+    "prefix_then_suffix_equals_prefill":
+        "prefill(prefix) then run(suffix) = prefill(prefix+suffix), every slot",
+    "suffix_recompute_equals_prefill":
+        "suffix recompute from the edited field = prefill of the edited prompt",
     "kv_deviation_before_field_is_zero": "every slot before the edited field has exactly zero KV deviation",
     "patch_all_reproduces_source": "patching every slot and layer from a source reproduces its decision",
     "rerotation_equals_offset_prefill": "re-rotating an isolated chunk 0 -> q = prefilling it at offset q",
@@ -204,7 +206,8 @@ def verify(model: KVModel, *, progress: bool = True) -> VerifyReport:
     errors: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in DESCRIPTIONS}
     steps = [(label, pair) for label, pair in prompts.items()]
     with torch.no_grad():
-        for label, (old, new) in tqdm(steps, desc=f"verify {model.name}", disable=not progress, unit="prompt"):
+        bar = tqdm(steps, desc=f"verify {model.name}", disable=not progress, unit="prompt")
+        for label, (old, new) in bar:
             for name, check in _checks(model, old, new).items():
                 errors[name][label] = check()
     results = []

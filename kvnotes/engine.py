@@ -12,18 +12,18 @@ the computed tokens in the order given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import einops
 import torch
 import torch.nn.functional as F
 from transformer_lens.utilities.activation_functions import apply_softcap
 
+from kvnotes import rope
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes import rope
 from kvnotes.types import Float, Tensor
 
 Hook = tuple[str | Callable[[str], bool], Callable]
@@ -80,7 +80,8 @@ def run(
     read_idx = _indices_of(pos, read)
     cols = None if vocab is None else torch.as_tensor(list(vocab), dtype=torch.long)
     width = model.cfg.d_vocab_out if cols is None else cols.numel()
-    if cols is not None and cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= model.cfg.d_vocab_out):
+    n_vocab = model.cfg.d_vocab_out
+    if cols is not None and cols.numel() and not 0 <= int(cols.min()) <= int(cols.max()) < n_vocab:
         raise OutOfRange(f"vocab ids must lie in 0..{model.cfg.d_vocab_out - 1}")
     if n == 0:  # nothing to compute: the notebook as it is, an empty readout
         return notebook, Readout(logits=torch.zeros(notebook.batch, 0, width), positions=())

@@ -9,9 +9,9 @@ unchanged tensors are shared, never mutated.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ class Notebook:
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
-    def empty(cls, model, batch: int = 1) -> "Notebook":
+    def empty(cls, model, batch: int = 1) -> Notebook:
         """A notebook with no slots for `model` (what `prefill` starts from)."""
         p = next(model.tl.parameters())
         shape = (batch, model.n_kv_heads, 0, model.d_head)
@@ -111,7 +111,7 @@ class Notebook:
                 "prefill the prompt again with this model"
             )
 
-    def check_compatible(self, other: "Notebook") -> None:
+    def check_compatible(self, other: Notebook) -> None:
         if self.fingerprint != other.fingerprint:
             raise FingerprintMismatch(
                 f"notebooks from different models cannot be mixed: {self.model_name!r} "
@@ -119,7 +119,7 @@ class Notebook:
             )
 
     # --- tensor surgery (no compute) ---------------------------------------------------------
-    def select(self, positions: Sequence[int] | Tensor) -> "Notebook":
+    def select(self, positions: Sequence[int] | Tensor) -> Notebook:
         """Keep only the slots at `positions` (in that order)."""
         idx = self.slot_index(positions)
         lo_hi = {n: s for n, s in self.spans.items()
@@ -131,12 +131,12 @@ class Notebook:
             positions=self.positions[idx], tokens=self.tokens[:, idx], spans=lo_hi,
         )
 
-    def truncate(self, before: int) -> "Notebook":
+    def truncate(self, before: int) -> Notebook:
         """Drop every slot at position >= `before`."""
         keep = (self.positions < before).nonzero().flatten()
         return self.select(self.positions[keep])
 
-    def concat(self, other: "Notebook") -> "Notebook":
+    def concat(self, other: Notebook) -> Notebook:
         """Slots of `self` then `other`; positions must not collide."""
         self.check_compatible(other)
         clash = set(self.positions.tolist()) & set(other.positions.tolist())
@@ -152,7 +152,7 @@ class Notebook:
             spans={**a.spans, **b.spans},
         )
 
-    def expand(self, batch: int) -> "Notebook":
+    def expand(self, batch: int) -> Notebook:
         """Broadcast a batch-1 notebook to `batch` copies (views, no memory)."""
         if self.batch == batch:
             return self
@@ -165,19 +165,19 @@ class Notebook:
             tokens=self.tokens.expand(batch, -1),
         )
 
-    def to(self, device: str | torch.device) -> "Notebook":
+    def to(self, device: str | torch.device) -> Notebook:
         """The same notebook with its keys and values on `device` (positions and tokens stay on CPU)."""
         return replace(self, keys=tuple(k.to(device) for k in self.keys),
                        values=tuple(v.to(device) for v in self.values))
 
-    def __getitem__(self, i: int | slice) -> "Notebook":
+    def __getitem__(self, i: int | slice) -> Notebook:
         """One batch element (or a slice of them) as a notebook."""
         sl = slice(i, i + 1) if isinstance(i, int) else i
         return replace(self, keys=tuple(k[sl] for k in self.keys),
                        values=tuple(v[sl] for v in self.values), tokens=self.tokens[sl])
 
     @classmethod
-    def stack(cls, notebooks: Sequence["Notebook"]) -> "Notebook":
+    def stack(cls, notebooks: Sequence[Notebook]) -> Notebook:
         """Concatenate notebooks with identical slot layouts along the batch axis."""
         first = notebooks[0]
         for nb in notebooks[1:]:
@@ -209,7 +209,7 @@ class Notebook:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, model=None) -> "Notebook":
+    def load(cls, path: str | Path, model=None) -> Notebook:
         """Read a notebook written by `save`; with `model`, also check it belongs to that model."""
         from safetensors import safe_open
 

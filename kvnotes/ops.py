@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
 
 from kvnotes import rope
+from kvnotes.engine import Hook, Readout, run
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.prompt import Prompt
-from kvnotes.engine import Hook, Readout, run
 from kvnotes.types import Float, Tensor
 
 PromptLike = Prompt | str | Sequence[int]
@@ -82,7 +82,8 @@ def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple
     else:
         ids = [int(t) for t in query]
     if not ids:
-        raise OutOfRange("nothing to decide: the query is empty (the notebook already holds the whole prompt?)")
+        raise OutOfRange("nothing to decide: the query is empty "
+                         "(does the notebook already hold the whole prompt?)")
     return ids, torch.arange(start, start + len(ids))
 
 
@@ -279,7 +280,8 @@ def splice(model: KVModel, host: Notebook, chunk: Notebook, *, offset: int | Non
     host.check_compatible(chunk)
     start = host.next_position if offset is None else offset
     if host.n_slots and start <= int(host.positions.max()):
-        raise OutOfRange(f"offset {start} overlaps the host, whose last slot is at {int(host.positions.max())}")
+        raise OutOfRange(f"offset {start} overlaps the host, whose last slot is at "
+                         f"{int(host.positions.max())}; splice at a later offset")
     order = torch.argsort(chunk.positions)
     placed = rerotate(model, chunk, start + (chunk.positions - chunk.positions[order[0]]))
     nb = host.concat(placed)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kvnotes.errors import TokenCountChanged
 
@@ -83,7 +83,7 @@ class Template:
         out.append(self.text[last:])
         return "".join(out), spans
 
-    def render(self, model, **values: str) -> "Prompt":
+    def render(self, model, **values: str) -> Prompt:
         """Fill the fields and tokenize with `model`'s tokenizer (BOS first when it has one)."""
         vals = {**self.defaults, **values}
         unknown = set(values) - set(self.fields)
@@ -117,13 +117,13 @@ class Prompt:
             raise KeyError(f"no span {name!r}; this prompt has {sorted(self.spans)}")
         return range(*self.spans[name])
 
-    def with_values(self, model, **values: str) -> "Prompt":
+    def with_values(self, model, **values: str) -> Prompt:
         """The same template with some fields changed; errors if any slot would move."""
         other = self.template.render(model, **{**self.values, **values})
         self.check_aligned(other)
         return other
 
-    def check_aligned(self, other: "Prompt") -> None:
+    def check_aligned(self, other: Prompt) -> None:
         """Both prompts must have the same token count and the same span positions."""
         changed = [f for f in self.template.fields if self.values.get(f) != other.values.get(f)]
         what = f"field {', '.join(repr(c) for c in changed)}" if changed else "the prompt"

@@ -4,7 +4,7 @@ and the task-like templates every suite uses."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -76,7 +76,7 @@ def full_logits(model, ids) -> torch.Tensor:
     return model.tl(torch.tensor([list(ids)]))[0]
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_model(name: str):
     """Each tiny model is built once per session (building is deterministic from the seed)."""
     return load_model(name)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvnotes import errors
+from kvnotes.engine import run
 from kvnotes.errors import (
     FingerprintMismatch,
     KVNotesError,
@@ -19,7 +20,6 @@ from kvnotes.models.tiny import TINY_CONFIGS
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, decide, patch, prefill, rerotate, splice
 from kvnotes.prompt import Template
-from kvnotes.engine import run
 from tests.helpers import get_model
 
 

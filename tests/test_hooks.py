@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvnotes.ops import decide, prefill
 from kvnotes.engine import run
+from kvnotes.ops import decide, prefill
 from tests.helpers import WINDOW, assert_close, full_logits, make_case
 
 
@@ -45,7 +45,7 @@ def test_pattern_shape_rows_and_causality(case):
     names = [f"blocks.{l}.attn.hook_pattern" for l in range(model.n_layers)]
     out = decide(model, nb, case.old, capture=names)
     n_query = len(case.old.span("decision"))
-    for l, name in enumerate(names):
+    for name in names:
         pat = out.activations[name]
         assert pat.shape == (1, model.n_heads, n_query, nb.n_slots + n_query), name
         assert_close(pat.sum(-1), torch.ones(1, model.n_heads, n_query), what=f"{name} row sums")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kvnotes.engine import run
 from kvnotes.errors import CorruptNotebook, FingerprintMismatch, OutOfRange
 from kvnotes.metrics import kv_deviation
 from kvnotes.notebook import Notebook
@@ -26,7 +27,6 @@ from kvnotes.ops import (
     rerotate,
     splice,
 )
-from kvnotes.engine import run
 from tests.helpers import assert_notebooks_close, get_model, make_case
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvnotes.engine import run
 from kvnotes.metrics import kv_deviation
 from kvnotes.notebook import Notebook
 from kvnotes.ops import (
@@ -22,7 +23,6 @@ from kvnotes.ops import (
     rerotate,
     splice,
 )
-from kvnotes.engine import run
 from tests.helpers import (
     LONG_TEMPLATE,
     OLD,

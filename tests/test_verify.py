@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvnotes
-from kvnotes.notebook import Notebook
 from kvnotes.conformance import DESCRIPTIONS, VerifyReport, verify
+from kvnotes.notebook import Notebook
 
 # the engine modules, to monkeypatch their internals
 RUN = importlib.import_module("kvnotes.engine")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+
 import torch
 from transformer_lens import HookedTransformer
 from transformers import PreTrainedTokenizerBase

@@ -58,7 +58,8 @@ order_status: pending. order_status: shipped. account_role: admin. account_role:
 Customer: Alice, Bob, Carol, Dave, Erin, Frank, Grace, Heidi. Order id: 1234, 5678, 9012.
 Q: Can the order be cancelled? A: cancel. Q: Can the order be cancelled? A: deny.
 [STATE UPDATE] order_status -> shipped; overrides any earlier value and conclusion.
-The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 , . ; : ! ? ( ) [ ] { } < > / \\ - _ = + * & % $ # @ " '
+The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9
+, . ; : ! ? ( ) [ ] { } < > / \\ - _ = + * & % $ # @ " '
 """
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers as tf
 
+from kvnotes.engine import run
 from kvnotes.errors import UnknownModelError, UnsupportedArchitecture
 from kvnotes.models.hf import load_hf, tl_config_from_hf, tl_from_hf_model
 from kvnotes.models.tiny import tiny_tokenizer
 from kvnotes.notebook import Notebook
-from kvnotes.engine import run
 
 N_TOKENS = 40
 WINDOW = 8  # smaller than the prompt, so sliding layers really slide
