@@ -78,11 +78,11 @@ def run(
         tok = tok.expand(batch, -1)
     read = (int(pos[-1]),) if logits_at is None and n else tuple(int(p) for p in logits_at or ())
     read_idx = _indices_of(pos, read)
-    cols = None if vocab is None else torch.as_tensor(list(vocab), dtype=torch.long)
-    width = model.cfg.d_vocab_out if cols is None else cols.numel()
     n_vocab = model.cfg.d_vocab_out
+    cols = None if vocab is None else torch.as_tensor(list(vocab), dtype=torch.long)
     if cols is not None and cols.numel() and not 0 <= int(cols.min()) <= int(cols.max()) < n_vocab:
-        raise OutOfRange(f"vocab ids must lie in 0..{model.cfg.d_vocab_out - 1}")
+        raise OutOfRange(f"vocab ids must lie in 0..{n_vocab - 1}")
+    width = n_vocab if cols is None else cols.numel()
     if n == 0:  # nothing to compute: the notebook as it is, an empty readout
         return notebook, Readout(logits=torch.zeros(notebook.batch, 0, width), positions=())
 

@@ -62,3 +62,16 @@ def test_second_load_in_a_new_process_reads_the_converted_cache(gemma):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "from cache" in out.stderr
     assert out.stdout.strip() == gemma.fingerprint
+
+
+def test_readme_example_runs(gemma, capsys):
+    """The README's notebook example, executed as written (it loads the embedded model)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our own README
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(" recovers ")[0] for ln in lines] == ["field-only refresh", "notes transplant"]
+    assert all(re.fullmatch(r".* recovers -?\d+\.\d\d of the decision", ln) for ln in lines)
