@@ -29,7 +29,7 @@ def gemma():
 def test_all_eight_invariants_pass_on_real_weights_past_the_sliding_window(gemma):
     report = verify(gemma, progress=False)
     assert report.max_window == 512
-    assert report.prompts["long"] > 512 + 100
+    assert report.prompts["long"] > 512 + 24  # queries near the end really slide
     assert report.passed, report.table()
     assert len(report.invariants) == 8
 
