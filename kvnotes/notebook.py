@@ -122,13 +122,13 @@ class Notebook:
     def select(self, positions: Sequence[int] | Tensor) -> Notebook:
         """Keep only the slots at `positions` (in that order)."""
         idx = self.slot_index(positions)
-        lo_hi = {n: s for n, s in self.spans.items()
-                 if all(p in set(self.positions[idx].tolist()) for p in range(*s))}
+        kept = set(self.positions[idx].tolist())
+        spans = {n: s for n, s in self.spans.items() if all(p in kept for p in range(*s))}
         return replace(
             self,
             keys=tuple(k[:, :, idx] for k in self.keys),
             values=tuple(v[:, :, idx] for v in self.values),
-            positions=self.positions[idx], tokens=self.tokens[:, idx], spans=lo_hi,
+            positions=self.positions[idx], tokens=self.tokens[:, idx], spans=spans,
         )
 
     def truncate(self, before: int) -> Notebook:

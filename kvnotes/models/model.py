@@ -10,7 +10,7 @@ import torch
 from transformer_lens import HookedTransformer
 from transformers import PreTrainedTokenizerBase
 
-from kvnotes.errors import OutOfRange, UnsupportedArchitecture
+from kvnotes.errors import UnsupportedArchitecture
 
 # Config fields that decide what a notebook's K/V mean; they enter the fingerprint.
 _FINGERPRINT_FIELDS = (
@@ -98,11 +98,6 @@ class KVModel:
                 "pick an answer string that is a single token (often with a leading space)"
             )
         return int(ids[0])
-
-    def check_layer(self, layer: int) -> int:
-        if not -self.n_layers <= layer < self.n_layers:
-            raise OutOfRange(f"layer {layer} is out of range: {self.name} has {self.n_layers} layers")
-        return layer % self.n_layers
 
     def __repr__(self) -> str:
         c = self.cfg
