@@ -51,6 +51,11 @@ class SweepReport:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> SweepReport:
+        return cls(model=d["model"], machine=d["machine"],
+                   results=[SweepResult(**r) for r in d["results"]])
+
     def table(self) -> str:
         lines = [f"patch sweep — {self.model} — {self.machine}",
                  f"{'tokens':>7}{'patches':>8}{'engine s':>10}{'naive s':>10}{'ratio':>9}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvnotes.bench import patch_sweep, sweep_prompts
+from kvnotes.bench import SweepReport, patch_sweep, sweep_prompts
 from kvnotes.cli import main
 
 
@@ -27,6 +27,7 @@ def test_cli_patch_sweep_writes_json(tmp_path):
     assert main(["bench", "patch-sweep", "--model", "tiny-gqa", "--tokens", "60,90", "--slots", "8",
                  "--json", str(out)]) == 0
     d = json.loads(out.read_text())
+    assert SweepReport.from_dict(d).to_dict() == d
     assert d["model"] == "tiny-gqa" and all(r["tokens"] >= t for r, t in zip(d["results"], (60, 90)))
     for r in d["results"]:
         assert {"tokens", "engine_s", "naive_s", "ratio", "max_recovery_diff"} <= set(r)
