@@ -63,8 +63,12 @@ def run(
     vocab: token ids whose logits to return (in that order); default the whole vocabulary.
     hooks: TransformerLens-style `(name_or_filter, fn)` pairs, active for this call only.
 
-    >>> nb = prefill(model, "The capital of France is")          # doctest: +SKIP
-    >>> nb2, out = run(model, nb, model.encode(" Paris", bos=False))  # doctest: +SKIP
+    >>> from kvnotes import load_model, prefill
+    >>> model = load_model("tiny-llama")
+    >>> nb = prefill(model, "The order has shipped.")
+    >>> nb2, out = run(model, nb, model.encode(" Deny.", bos=False))  # appended after the notebook
+    >>> nb.n_slots, nb2.n_slots, tuple(out.logits.shape)  # [batch, read-out positions, d_vocab]
+    (7, 11, (1, 1, 512))
     """
     notebook.check_model(model)
     tok = torch.as_tensor(tokens, dtype=torch.long)

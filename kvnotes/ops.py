@@ -49,8 +49,15 @@ def prefill(model: KVModel, prompt: PromptLike, *, upto: int | str | None = None
     `decision` span if it has one (that is what `decide` computes), else after the last token.
     `offset` places the prompt at positions `offset, offset+1, ...` (a chunk in isolation).
 
-    >>> nb = prefill(model, prompt)          # doctest: +SKIP
-    >>> decide(model, nb, prompt).last       # doctest: +SKIP
+    >>> from kvnotes import load_model, Template
+    >>> model = load_model("tiny-llama")
+    >>> template = Template("order_status: {order_status}.\\n[[decision:A:]]")
+    >>> prompt = template.render(model, order_status="shipped")
+    >>> nb = prefill(model, prompt)
+    >>> nb.n_slots, len(prompt)              # the two decision tokens are left for `decide`
+    (8, 10)
+    >>> decide(model, nb, prompt).last.shape
+    torch.Size([1, 512])
     """
     ids = _ids(model, prompt)
     stop = _stop(prompt, upto, len(ids))
