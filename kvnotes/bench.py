@@ -20,15 +20,11 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
-from kvnotes.conformance import _FILLER, _QUERY, _aligned_pair
+from kvnotes.conformance import _POLICY, _QUERY, _STATE, filled_pair
 from kvnotes.engine import final_logits
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
-from kvnotes.prompt import Prompt, Template
-
-_HEAD = ("[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
-         "has shipped, deny the cancellation and offer a return instead.]]\n"
-         "Customer: Alice. Order id: 1234.\norder_status: {order_status}.\n")
+from kvnotes.prompt import Prompt
 
 
 @dataclass(frozen=True)
@@ -73,13 +69,7 @@ def machine() -> str:
 
 def sweep_prompts(model: KVModel, n_tokens: int) -> tuple[Prompt, Prompt]:
     """An aligned (old, new) pair of about `n_tokens` tokens, the field near the start."""
-    n_filler = 0
-    while True:
-        tpl = Template(_HEAD + "".join(_FILLER.format(i=i) for i in range(n_filler)) + _QUERY)
-        old, new = _aligned_pair(model, tpl)
-        if len(old) >= n_tokens:
-            return old, new
-        n_filler += max(1, (n_tokens - len(old)) // 40)  # ~19 tokens a line: creep up, not past
+    return filled_pair(model, _POLICY + _STATE, _QUERY, n_tokens)
 
 
 def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[int, ...]) -> torch.Tensor:

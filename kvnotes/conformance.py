@@ -84,18 +84,20 @@ def verification_prompts(model: KVModel) -> dict[str, tuple[Prompt, Prompt]]:
     window = model.max_window or 0
     # long: past every sliding window and at least 256 tokens, leaving room in n_ctx to re-rotate it
     long = min(max(window + 24, 256), model.n_ctx // 2 - 16)
-    out = {}
-    for label, min_tokens in (("short", 0), ("long", long)):
-        n_filler = 0
-        while True:
-            filler = "".join(_FILLER.format(i=i) for i in range(n_filler))
-            tpl = Template(_POLICY + filler + _STATE + _QUERY)
-            old, new = _aligned_pair(model, tpl)
-            if len(old) > min_tokens:
-                break
-            n_filler += max(1, (min_tokens - len(old)) // 40)  # creep up: lines are 14-40 tokens
-        out[label] = (old, new)
-    return out
+    return {label: filled_pair(model, _POLICY, _STATE + _QUERY, n)
+            for label, n in (("short", 0), ("long", long))}
+
+
+def filled_pair(model: KVModel, before: str, after: str, min_tokens: int) -> tuple[Prompt, Prompt]:
+    """An aligned (old, new) `order_status` pair of template `before + filler lines + after`,
+    with just enough filler lines for at least `min_tokens` tokens."""
+    n_filler = 0
+    while True:
+        filler = "".join(_FILLER.format(i=i) for i in range(n_filler))
+        old, new = _aligned_pair(model, Template(before + filler + after))
+        if len(old) >= min_tokens:
+            return old, new
+        n_filler += max(1, (min_tokens - len(old)) // 40)  # creep up: lines are 14-40 tokens
 
 
 def _aligned_pair(model: KVModel, tpl: Template) -> tuple[Prompt, Prompt]:
@@ -130,6 +132,7 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
     stop = old.span("decision").start
     nb_old = ops.prefill(model, old)
     nb_new = ops.prefill(model, new)
+    decided_new = ops.decide(model, nb_new, new).last  # the reference decision of two checks
 
     def decide_equals_full():
         full = model.tl(torch.tensor([list(old.ids)]))[0, -1]
@@ -144,7 +147,7 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
     def suffix_recompute():
         nb = ops.recompute_suffix(model, nb_old, new, field_start)
         e1, s1 = _maxdiff_nb(nb, nb_new)
-        e2, s2 = _maxdiff(ops.decide(model, nb, new).last, ops.decide(model, nb_new, new).last)
+        e2, s2 = _maxdiff(ops.decide(model, nb, new).last, decided_new)
         return max(e1, e2), max(s1, s2)
 
     def deviation_before_field():
@@ -153,7 +156,7 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
 
     def patch_all_reproduces_source():
         patched = ops.patch(nb_old, nb_new, ops.Patch())
-        return _maxdiff(ops.decide(model, patched, new).last, ops.decide(model, nb_new, new).last)
+        return _maxdiff(ops.decide(model, patched, new).last, decided_new)
 
     def rerotation_equals_offset_prefill():
         chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
