@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
-from kvnotes.conformance import _POLICY, _QUERY, _STATE, filled_pair
+from kvnotes.conformance import POLICY, QUERY, STATE, filled_pair
 from kvnotes.engine import final_logits
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
@@ -69,7 +69,7 @@ def machine() -> str:
 
 def sweep_prompts(model: KVModel, n_tokens: int) -> tuple[Prompt, Prompt]:
     """An aligned (old, new) pair of about `n_tokens` tokens, the field near the start."""
-    return filled_pair(model, _POLICY + _STATE, _QUERY, n_tokens)
+    return filled_pair(model, POLICY + STATE, QUERY, n_tokens)
 
 
 def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[int, ...]) -> torch.Tensor:

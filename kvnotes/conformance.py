@@ -33,12 +33,12 @@ ATOL_FLOOR = 1e-5
 # position, wrong pairing) errs by O(|k|), four orders of magnitude above it.
 RTOL_SHIFTED = 2e-4
 
-_POLICY = ("[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
+POLICY = ("[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
            "has shipped, deny the cancellation and offer a return instead.]]\n")
-_FILLER = "Note {i}: refunds are allowed within 30 days; keep the customer informed.\n"
-_STATE = "Customer: Alice. Order id: 1234.\norder_status: {order_status}.\n"
-_QUERY = "[[query:Q: Can the order be cancelled?]]\n[[decision:A:]]"
-_VALUES = ("pending", "shipped", "delivered", "processing", "returned", "cancelled", "open", "closed")
+FILLER = "Note {i}: refunds are allowed within 30 days; keep the customer informed.\n"
+STATE = "Customer: Alice. Order id: 1234.\norder_status: {order_status}.\n"
+QUERY = "[[query:Q: Can the order be cancelled?]]\n[[decision:A:]]"
+VALUES = ("pending", "shipped", "delivered", "processing", "returned", "cancelled", "open", "closed")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def verification_prompts(model: KVModel) -> dict[str, tuple[Prompt, Prompt]]:
     window = model.max_window or 0
     # long: past every sliding window and at least 256 tokens, leaving room in n_ctx to re-rotate it
     long = min(max(window + 24, 256), model.n_ctx // 2 - 16)
-    return {label: filled_pair(model, _POLICY, _STATE + _QUERY, n)
+    return {label: filled_pair(model, POLICY, STATE + QUERY, n)
             for label, n in (("short", 0), ("long", long))}
 
 
@@ -93,7 +93,7 @@ def filled_pair(model: KVModel, before: str, after: str, min_tokens: int) -> tup
     with just enough filler lines for at least `min_tokens` tokens."""
     n_filler = 0
     while True:
-        filler = "".join(_FILLER.format(i=i) for i in range(n_filler))
+        filler = "".join(FILLER.format(i=i) for i in range(n_filler))
         old, new = _aligned_pair(model, Template(before + filler + after))
         if len(old) >= min_tokens:
             return old, new
@@ -101,9 +101,9 @@ def filled_pair(model: KVModel, before: str, after: str, min_tokens: int) -> tup
 
 
 def _aligned_pair(model: KVModel, tpl: Template) -> tuple[Prompt, Prompt]:
-    for a in _VALUES:
+    for a in VALUES:
         old = tpl.render(model, order_status=a)
-        for b in _VALUES:
+        for b in VALUES:
             if b == a:
                 continue
             try:

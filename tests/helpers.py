@@ -8,6 +8,7 @@ from functools import cache
 
 import torch
 
+from kvnotes.conformance import FILLER, POLICY, QUERY, STATE  # the task verify uses
 from kvnotes.models import load_model
 from kvnotes.models.tiny import TINY_CONFIGS, TINY_WINDOW
 from kvnotes.notebook import Notebook
@@ -83,14 +84,6 @@ def get_model(name: str):
 
 
 # --- the shared task -----------------------------------------------------------------------------
-POLICY = (
-    "[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
-    "has shipped, deny the cancellation and offer a return instead.]]\n"
-)
-STATE = "Customer: Alice. Order id: 1234.\norder_status: {order_status}.\n"
-QUERY = "[[query:Q: Can the order be cancelled?]]\n[[decision:A:]]"
-FILLER = "Note {i}: refunds are allowed within 30 days; keep the customer informed.\n"
-
 TEMPLATE = Template(POLICY + STATE + QUERY)  # 69 tokens under the tiny tokenizer (window: 8)
 LONG_TEMPLATE = Template(POLICY + "".join(FILLER.format(i=i) for i in range(8)) + STATE + QUERY)
 OLD, NEW = "pending", "shipped"  # same token count: the aligned pair
