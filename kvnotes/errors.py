@@ -11,6 +11,14 @@ class UnknownModelError(KVNotesError):
     """A model name that is neither built in, a local directory, nor reachable on the hub."""
 
 
+class UnknownTaskError(KVNotesError):
+    """A task name that is not built in and not a task file."""
+
+
+class TaskError(KVNotesError):
+    """A task file (or Task) whose keys are missing, mistyped or inconsistent."""
+
+
 class FingerprintMismatch(KVNotesError):
     """Two notebooks (or a notebook and a model) come from different models or tokenizers."""
 

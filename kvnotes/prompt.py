@@ -44,6 +44,11 @@ class Template:
                 seen.append(m.group(1))
         return tuple(seen)
 
+    @property
+    def span_names(self) -> tuple[str, ...]:
+        """Every span the template names: its fields and its `[[name: ...]]` spans."""
+        return tuple(self._parse({f: "" for f in self.fields})[1])
+
     def _parse(self, values: Mapping[str, str]) -> tuple[str, dict[str, tuple[int, int]]]:
         out: list[str] = []
         length = 0

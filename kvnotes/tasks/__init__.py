@@ -1,0 +1,7 @@
+"""Gated-decision tasks (built in, or from a TOML file) and their aligned prompt pairs."""
+
+from kvnotes.tasks.sampler import GATE, RULE, Pair, render, sample
+from kvnotes.tasks.task import Digits, Gate, Rule, Shots, Task, TaskError, builtin_tasks, load_task
+
+__all__ = ["Task", "Gate", "Rule", "Shots", "Digits", "TaskError", "load_task", "builtin_tasks",
+           "Pair", "sample", "render", "GATE", "RULE"]

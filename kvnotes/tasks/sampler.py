@@ -1,0 +1,134 @@
+"""Prompt pairs from a task: two renderings that differ in one field and align token for token."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvnotes.prompt import Prompt, Template
+from kvnotes.tasks.task import Digits, Task, TaskError
+
+GATE, RULE = "gate", "rule"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two prompts that differ only in `changed` (the gating field, or the rule for `kind="rule"`).
+
+    `answers` are the two answer token ids; `expected` the answer index each prompt should get.
+    """
+
+    task: str
+    kind: str
+    changed: str
+    old: Prompt
+    new: Prompt
+    answers: tuple[int, int]
+    expected: tuple[int, int]
+    seed: int
+
+    inputs: tuple[str, ...] = ()  # every field the conclusion depends on (changed one first)
+
+    @property
+    def field_span(self) -> range:
+        """Token range of the changed field (the same in both prompts)."""
+        return self.old.span(self.changed)
+
+    def downstream(self) -> list[int]:
+        """Positions after the changed field and before the decision: where notes can be written.
+
+        For a rule pair the notes must follow both the rule and the gating field, so they start
+        after whichever of the two comes later.
+        """
+        end = max(self.old.span(f).stop for f in (self.inputs or (self.changed,)))
+        return list(range(end, self.old.span("decision").start))
+
+
+def values_for(task: Task, rng: random.Random) -> dict[str, str]:
+    """One draw of every [vary] field."""
+    out = {}
+    for k, v in task.vary.items():
+        if isinstance(v, Digits):
+            out[k] = str(rng.randint(10 ** (v.n - 1), 10 ** v.n - 1))
+        else:
+            out[k] = rng.choice(v)
+    return out
+
+
+def shots_text(task: Task, rng: random.Random, filler: str = "") -> str:
+    """The few-shot block: gate values balanced across the shots, each with its own [vary]
+    draws and its answer under the rule as written; order shuffled."""
+    if task.shots is None:
+        return ""
+    tpl = Template(task.shots.template)
+    values = [task.gate.values[i % len(task.gate.values)] for i in range(task.shots.count)]
+    rng.shuffle(values)
+    parts = []
+    for v in values:
+        vals = {**values_for(task, rng), task.gate.field: v, "answer": task.answers[task.outcome(v)],
+                "filler": filler}
+        parts.append(tpl._parse({f: vals[f] for f in tpl.fields})[0])
+    return "".join(parts)
+
+
+def render(task: Task, model, values: dict[str, str]) -> Prompt:
+    """Render the task's template with `values` (filler defaults to empty)."""
+    vals = {"filler": "", **values}
+    return task.template.render(model, **{f: vals[f] for f in task.template.fields})
+
+
+def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler: str = "") -> list[Pair]:
+    """`n` aligned prompt pairs: shot order, names and ids vary with `seed`.
+
+    kind="gate": old and new differ in the gating field (values with different answers; the
+    direction alternates from pair to pair). kind="rule": the gating field is held fixed and the
+    rule flips from as-written to flipped. `filler` goes into the template's {filler} field.
+    Raises TokenCountChanged (naming the field) if a pair's prompts do not align.
+
+    >>> from kvnotes import load_model
+    >>> from kvnotes.tasks import load_task
+    >>> pairs = sample(load_task("order-cancel"), load_model("tiny-llama"), 2)
+    >>> [(p.old.values["order_status"], p.new.values["order_status"]) for p in pairs]
+    [('pending', 'shipped'), ('shipped', 'pending')]
+    """
+    if kind not in (GATE, RULE):
+        raise ValueError(f"kind must be {GATE!r} or {RULE!r}, got {kind!r}")
+    if kind == RULE and task.rule is None:
+        raise TaskError(f"task {task.name!r} has no [rule] table, so it has no rule to flip; add "
+                        "one (a field whose one-token flip inverts the answer) for the dissociation probe")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if filler and not task.has_filler:
+        raise TaskError(f"task {task.name!r} has no {{filler}} field to put intervening text into; "
+                        "add one to its template between the gating field and the query")
+    try:
+        answers = tuple(model.answer_token(a) for a in task.answers)
+    except ValueError as e:
+        raise TaskError(f"task {task.name!r}: answers: {e}") from None
+    gate = task.gate
+    by_outcome = {o: [v for v, oo in zip(gate.values, gate.outcomes) if oo == o] for o in (0, 1)}
+    pairs = []
+    for i in range(n):
+        rng = random.Random(f"{task.name}/{kind}/{seed}/{i}")
+        base = {**values_for(task, rng), "shots": shots_text(task, rng, filler), "filler": filler}
+        written = task.rule.values[0] if task.rule else None
+        if task.rule:
+            base[task.rule.field] = written
+        if kind == GATE:
+            a, b = rng.choice(by_outcome[0]), rng.choice(by_outcome[1])
+            old_v, new_v = (a, b) if i % 2 == 0 else (b, a)
+            old_vals, new_vals = {**base, gate.field: old_v}, {**base, gate.field: new_v}
+            expected = (task.outcome(old_v, written), task.outcome(new_v, written))
+            inputs = (gate.field,)
+        else:
+            v = rng.choice(gate.values)
+            flipped = task.rule.values[1]
+            old_vals = {**base, gate.field: v, task.rule.field: written}
+            new_vals = {**base, gate.field: v, task.rule.field: flipped}
+            expected = (task.outcome(v, written), task.outcome(v, flipped))
+            inputs = (task.rule.field, gate.field)
+        old, new = render(task, model, old_vals), render(task, model, new_vals)
+        old.check_aligned(new)
+        pairs.append(Pair(task=task.name, kind=kind, changed=inputs[0], old=old, new=new,
+                          answers=answers, expected=expected, seed=seed, inputs=inputs))
+    return pairs
