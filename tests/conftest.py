@@ -45,3 +45,20 @@ def case(model) -> Case:
 @pytest.fixture(scope="session")
 def gcase(gemma3) -> Case:
     return make_case(gemma3)
+
+
+# --- the model organisms (trained on a cold cache, ~15 s each, then loaded from it) -----------
+@pytest.fixture(scope="session")
+def notes_organism():
+    """notes-organism: every layer local (window 8); its decision can only read notes."""
+    from kvnotes.models.organisms import load_organism
+
+    return load_organism("notes-organism")
+
+
+@pytest.fixture(scope="session")
+def lookup_organism():
+    """lookup-organism: one global layer; its decision must read the field's own slot."""
+    from kvnotes.models.organisms import load_organism
+
+    return load_organism("lookup-organism")

@@ -10,9 +10,10 @@ EMBEDDED = "gemma-3-270m"
 
 
 def builtin_names() -> list[str]:
+    from kvnotes.models.organisms import ORGANISMS
     from kvnotes.models.tiny import TINY_CONFIGS
 
-    return [EMBEDDED, *TINY_CONFIGS]
+    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS]
 
 
 def load_model(name: str, **kwargs):
@@ -20,12 +21,15 @@ def load_model(name: str, **kwargs):
 
     - "gemma-3-270m": the embedded real model (Gemma 3 270M base from PyPI; converted once, then cached)
     - "tiny-llama", "tiny-gqa", "tiny-gemma3", ...: tiny seeded random models (`kvnotes.models.tiny`)
+    - "notes-organism", "lookup-organism": tiny trained models whose mechanism is known by
+      construction (`kvnotes.models.organisms`; trained on first use, about 15 s, then cached)
     - a local Hugging Face checkpoint directory, or a hub name (Llama, Mistral, Qwen2/3, Gemma 1-3)
 
     >>> model = load_model("tiny-gemma3")
     >>> model.n_layers
     4
     """
+    from kvnotes.models.organisms import ORGANISMS, load_organism
     from kvnotes.models.tiny import TINY_CONFIGS, build_tiny
 
     if name == EMBEDDED:
@@ -34,6 +38,8 @@ def load_model(name: str, **kwargs):
         return load_gemma_270m(**kwargs)
     if name in TINY_CONFIGS:
         return build_tiny(name, **kwargs)
+    if name in ORGANISMS:
+        return load_organism(name, **kwargs)
     if Path(name).expanduser().is_dir() or "/" in name:
         from kvnotes.models.hf import load_hf
 
