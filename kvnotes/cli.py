@@ -36,6 +36,30 @@ def cmd_bench_patch_sweep(args) -> int:
     return 0
 
 
+def cmd_probe(args) -> int:
+    from kvnotes.models import load_model
+    from kvnotes.tasks import builtin_tasks, load_task
+    from probes import check_names, regime, run_probes
+    from probes.results import ProbeReport
+
+    if args.name != "regime":
+        names = check_names(args.name.split(","))  # before the (slow) model load
+    task_name = args.task or (args.model if args.model in builtin_tasks() else "order-cancel")
+    task = load_task(task_name)
+    model = load_model(args.model)
+    if args.name == "regime":
+        distances = [int(x) for x in args.distances.split(",") if x.strip()]
+        result = regime(model, task, n=args.n, distances=distances, seed=args.seed,
+                        min_effect=args.min_effect)
+        report = ProbeReport(model=model.name, task=task.name, n=args.n, seed=args.seed,
+                             probes={"regime": result}, meta={"min_effect": args.min_effect})
+    else:
+        report = run_probes(model, task, names, n=args.n, seed=args.seed, min_effect=args.min_effect)
+    print(report.table())
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvnotes", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -44,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", required=True, help="gemma-3-270m, a tiny-* model, or a HF checkpoint dir")
     v.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     v.set_defaults(func=cmd_verify)
+
+    pr = sub.add_parser("probe", help="causal probes of where a model keeps its conclusion")
+    pr.add_argument("name", help="field_refresh, notes_transplant, note_map, knockout, dissociation, "
+                                 "false_note_injection, a comma-separated list, 'all', or 'regime'")
+    pr.add_argument("--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir")
+    pr.add_argument("--task", help="a built-in task name or a task.toml file (default: the model's own "
+                                   "task for an organism, else order-cancel)")
+    pr.add_argument("--n", type=int, default=8, help="prompt pairs per probe (default 8)")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--min-effect", type=float, default=0.1,
+                    help="skip pairs whose decision moves less than this many logits (default 0.1)")
+    pr.add_argument("--distances", default="0,128,256,512,768,1024",
+                    help="regime only: filler lengths in tokens between the field and the query")
+    pr.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    pr.set_defaults(func=cmd_probe)
 
     b = sub.add_parser("bench", help="benchmarks: two ways side by side, with the ratio")
     bsub = b.add_subparsers(dest="bench", required=True)

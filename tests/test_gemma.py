@@ -75,3 +75,54 @@ def test_readme_example_runs(gemma, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split(" recovers ")[0] for ln in lines] == ["field-only refresh", "notes transplant"]
     assert all(re.fullmatch(r".* recovers -?\d+\.\d\d of the decision", ln) for ln in lines)
+
+
+# --- probes on the real model ---------------------------------------------------------------------
+def test_probes_run_on_every_general_task(gemma):
+    """All six probes on each built-in task with real weights: well-formed, exact where it must be."""
+    from probes import PROBES, run_probes
+
+    for task in ["order-cancel", "account-access", "refund-window"]:
+        report = run_probes(gemma, task, n=2, progress=False)
+        assert list(report.probes) == list(PROBES), task
+        fr = report.probes["field_refresh"]
+        assert fr["deviation_before_field"].values == (0.0, 0.0), task
+        d = report.to_dict()
+        assert all({"mean", "ci", "values"} <= set(p) for p in d["probes"].values()), task
+
+
+def test_gemma_reads_the_field_directly_on_order_cancel(gemma):
+    """The measured regime of Gemma 3 270M base on order-cancel (docs/probes.md): near-verbatim
+    lookup — the field's own slot carries the decision, the downstream slots almost nothing."""
+    from probes import field_refresh, make_trials, notes_transplant
+
+    trials = make_trials(gemma, "order-cancel", 4, progress=False)
+    assert all(t.effect > 1.0 for t in trials)  # the task works: the decision follows the field
+    assert field_refresh(trials).mean > 0.8
+    assert abs(notes_transplant(trials).mean) < 0.3
+
+
+def test_note_map_on_gemma_equals_unbatched_patches(gemma):
+    from kvnotes.ops import Patch, decide, patch
+    from probes import make_trials
+    from probes.causal import single_slot_map
+
+    t = make_trials(gemma, "order-cancel", 1, progress=False)[0]
+    m = single_slot_map(t, 3)
+    for p, r in zip(m["positions"], m["recovery"]):
+        out = decide(gemma, patch(t.old_nb, t.new_nb, Patch(positions=(p,))), t.pair.new,
+                     vocab=t.pair.answers).last[0]
+        want = float(out[0] - out[1])
+        assert abs(t.ld_old + r * (t.ld_new - t.ld_old) - want) < 1e-4, p
+
+
+def test_docs_example_task_runs_on_gemma(gemma, tmp_path):
+    """The complete TOML example in docs/tasks.md samples aligned pairs and probes on Gemma."""
+    from probes import field_refresh, make_trials, notes_transplant
+    from tests.tasks.test_tasks import docs_example
+
+    path = tmp_path / "free-upgrade.toml"
+    path.write_text(docs_example())
+    trials = make_trials(gemma, str(path), 2, progress=False)
+    assert field_refresh(trials, min_effect=0.0)["recovery"].n == 2
+    assert notes_transplant(trials, min_effect=0.0)["kv"].n == 2

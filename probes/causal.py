@@ -1,0 +1,169 @@
+"""The causal probes: field-only refresh, notes transplant, and the note map.
+
+Each takes prefilled `Trial`s (see `make_trials`) and returns a `ProbeResult`. Recovery is
+computed only on pairs whose decision actually moves (|ld_new - ld_old| >= `min_effect`);
+the others are listed under `details["excluded"]` with their effect, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scipy.stats import spearmanr
+
+from kvnotes.metrics import kv_deviation
+from kvnotes.ops import Patch, refresh
+from kvnotes.prompt import _is_delimiter
+from probes.results import Estimate, ProbeResult
+from probes.trials import MIN_EFFECT, Trial, each
+
+
+def split(trials: Sequence[Trial], min_effect: float) -> tuple[list[Trial], list[dict]]:
+    """The trials usable for recovery, and a record of the excluded ones."""
+    used = [t for t in trials if t.usable(min_effect)]
+    excluded = [{"index": i, "effect": t.effect, "reason": f"|ld_new - ld_old| < {min_effect}"}
+                for i, t in enumerate(trials) if not t.usable(min_effect)]
+    return used, excluded
+
+
+def effect_estimate(trials: Sequence[Trial]) -> Estimate:
+    """Signed effect of the change on the decision (logits; + is toward the expected answer)."""
+    return Estimate.of([t.effect for t in trials])
+
+
+def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
+    """Recompute only the changed field's K/V with the new value, every other slot stale.
+
+    Parts: `recovery` (headline); `deviation_before_field`, the largest KV deviation between the
+    old and new notebooks over all slots before the field (0 exactly: they never saw it); and
+    `effect`, the decision's move from old to new in logits.
+    """
+    used, excluded = split(trials, min_effect)
+    rec = []
+    for t in each(used, "field_refresh"):
+        nb = refresh(t.model, t.old_nb, t.pair.new, t.pair.changed)
+        rec.append(float(t.recovery(t.ld(nb))[0]))
+    dev = []
+    for t in trials:
+        before = t.pair.field_span.start
+        d = kv_deviation(t.old_nb, t.new_nb)[0]  # [layer, slot], slot order = positions order
+        pos = t.old_nb.positions
+        dev.append(float(d[:, pos < before].max()) if bool((pos < before).any()) else 0.0)
+    return ProbeResult(
+        name="field_refresh", headline="recovery",
+        parts={"recovery": Estimate.of(rec), "deviation_before_field": Estimate.of(dev),
+               "effect": effect_estimate(trials)},
+        details={"excluded": excluded, "deviation_exactly_zero": all(d == 0.0 for d in dev)},
+        description="recompute only the field's K/V with the new value; reuse every other slot stale",
+    )
+
+
+def notes_transplant(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
+    """Transplant the downstream slots (after the field, before the decision) from the new
+    notebook into the old: K and V (headline `kv`), K only, V only."""
+    used, excluded = split(trials, min_effect)
+    parts: dict[str, list[float]] = {"kv": [], "k_only": [], "v_only": []}
+    for t in each(used, "notes_transplant"):
+        pos = tuple(t.pair.downstream())
+        r = t.sweep([Patch(positions=pos), Patch(positions=pos, values=False),
+                     Patch(positions=pos, keys=False)])
+        for name, v in zip(parts, r.tolist()):
+            parts[name].append(v)
+    return ProbeResult(
+        name="notes_transplant", headline="kv", parts={k: Estimate.of(v) for k, v in parts.items()},
+        details={"excluded": excluded, "n_slots": [len(t.pair.downstream()) for t in trials]},
+        description="transplant every slot after the field and before the decision from the new run",
+    )
+
+
+def single_slot_map(t: Trial, layer_window: int) -> dict:
+    """One pair's note map (cached on the trial): per-slot and per-layer transplant recoveries."""
+    key = ("note_map", layer_window)
+    if key in t.cache:
+        return t.cache[key]
+    field_pos = list(t.pair.field_span)
+    down = t.pair.downstream()
+    slots = field_pos + down
+    L = t.model.n_layers
+    windows = [tuple(range(s, s + layer_window)) for s in range(0, L - layer_window + 1)]
+    specs = ([Patch(positions=(p,)) for p in slots]
+             + [Patch(positions=tuple(down), layers=(l,)) for l in range(L)]
+             + [Patch(positions=tuple(down), layers=w) for w in windows]
+             + [Patch(positions=(p,), layers=(l,)) for p in down for l in range(L)])
+    r = t.sweep(specs).tolist()
+    n_s, n_d = len(slots), len(down)
+    per_slot, r = r[:n_s], r[n_s:]
+    per_layer, r = r[:L], r[L:]
+    per_window, r = r[:len(windows)], r[len(windows):]
+    grid = [r[i * L:(i + 1) * L] for i in range(n_d)]
+    dev = kv_deviation(t.old_nb, t.new_nb)[0]  # [layer, slot]
+    dev_slot = dev.pow(2).sum(0).sqrt()
+    idx = t.old_nb.slot_index(slots)
+    strings = t.token_strings(slots)
+    decision = t.pair.new.span("decision").start
+    out = {
+        "positions": slots, "tokens": strings,
+        "role": ["field"] * len(field_pos) + ["note"] * n_d,
+        "recovery": per_slot, "deviation": dev_slot[idx].tolist(),
+        "delimiter": [bool(s) and _is_delimiter(s) for s in strings],
+        "distance_to_decision": [decision - p for p in slots],
+        "per_layer": per_layer, "layer_windows": [list(w) for w in windows], "per_window": per_window,
+        "slot_layer": grid,
+    }
+    t.cache[key] = out
+    return out
+
+
+def top_notes(t: Trial, k: int, layer_window: int = 1) -> list[int]:
+    """Positions of the `k` downstream slots whose single-slot transplant recovers the most."""
+    m = single_slot_map(t, layer_window)
+    notes = [(r, p) for r, p, role in zip(m["recovery"], m["positions"], m["role"]) if role == "note"]
+    notes.sort(key=lambda x: -x[0])
+    return [p for _, p in notes[:k]]
+
+
+def note_map(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_window: int = 3
+             ) -> ProbeResult:
+    """Per-slot transplant sweep over the field and downstream slots (all layers), per layer,
+    per window of `layer_window` consecutive layers, and per slot × layer.
+
+    Parts: `top_slot` (headline: the best single downstream slot's recovery), `field_slots`
+    (the field's own slots, all layers), `delimiter_share` (share of the positive single-slot
+    effect on punctuation/whitespace tokens), `deviation_effect_spearman` (rank correlation of
+    KV deviation and causal effect over downstream slots: the CacheBlend diagnostic),
+    `layer_{l}` and `layers_{a}-{b}` (all downstream slots at those layers).
+    """
+    used, excluded = split(trials, min_effect)
+    L = used[0].model.n_layers if used else 0
+    layer_window = max(1, min(layer_window, L or 1))
+    top, fld, share, rho = [], [], [], []
+    per_layer: list[list[float]] = [[] for _ in range(L)]
+    per_window: list[list[float]] = [[] for _ in range(max(L - layer_window + 1, 0))]
+    maps = []
+    for t in each(used, "note_map"):
+        m = single_slot_map(t, layer_window)
+        maps.append(m)
+        notes = [i for i, role in enumerate(m["role"]) if role == "note"]
+        rec = [m["recovery"][i] for i in notes]
+        fld.append(sum(m["recovery"][i] for i, role in enumerate(m["role"]) if role == "field"))
+        if rec:
+            top.append(max(rec))
+            pos_total = sum(max(r, 0.0) for r in rec)
+            if pos_total > 1e-3:  # below this there is no effect to share out
+                share.append(sum(max(m["recovery"][i], 0.0) for i in notes if m["delimiter"][i]) / pos_total)
+            dev = [m["deviation"][i] for i in notes]
+            if len(set(dev)) > 1 and len(set(rec)) > 1:
+                rho.append(float(spearmanr(dev, rec).statistic))
+        for l, v in enumerate(m["per_layer"]):
+            per_layer[l].append(v)
+        for w, v in enumerate(m["per_window"]):
+            per_window[w].append(v)
+    parts = {"top_slot": Estimate.of(top), "field_slots": Estimate.of(fld),
+             "delimiter_share": Estimate.of(share), "deviation_effect_spearman": Estimate.of(rho)}
+    parts.update({f"layer_{l}": Estimate.of(v) for l, v in enumerate(per_layer)})
+    parts.update({f"layers_{w}-{w + layer_window - 1}": Estimate.of(v) for w, v in enumerate(per_window)})
+    return ProbeResult(
+        name="note_map", headline="top_slot", parts=parts,
+        details={"excluded": excluded, "maps": maps, "layer_window": layer_window},
+        description="transplant one slot (or one layer, or a window of layers) at a time from the new run",
+    )

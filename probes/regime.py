@@ -1,0 +1,73 @@
+"""The regime sweep: does a model read the field directly, or notes, as the field moves away?
+
+Neutral filler text is put into the task's `{filler}` field (between the gating field and the
+query) so the distance from the field to the decision grows; at each distance field-only refresh
+and the notes transplant are measured on the same pairs. Near-verbatim lookup shows as refresh ≈ 1
+and transplant ≈ 0; the notes regime as the reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from kvnotes.models.model import KVModel
+from kvnotes.tasks import Task, TaskError, load_task
+from probes.causal import field_refresh, notes_transplant
+from probes.results import Estimate, ProbeResult
+from probes.trials import MIN_EFFECT, make_trials
+
+DISTANCES = (0, 128, 256, 512, 768, 1024)
+
+_SENTENCES = (
+    "The warehouse restocks its shelves every morning before the doors open.",
+    "Parcels are weighed and labelled at the packing station near the loading dock.",
+    "Our support team answers messages from nine in the morning until five in the evening.",
+    "Gift wrapping is available for most items at a small extra charge.",
+    "Seasonal catalogues are printed twice a year and mailed to subscribers.",
+    "The loyalty programme awards one point for every dollar spent in the store.",
+    "Store managers review the inventory reports at the end of each week.",
+    "Delivery vans leave the depot in the afternoon and return by nightfall.",
+)
+
+
+def filler_text(model: KVModel, n_tokens: int) -> str:
+    """Neutral notes ("Note 1: ...\\n") adding about `n_tokens` tokens (at least that many), or ""."""
+    if n_tokens <= 0:
+        return ""
+    lines, i = [], 0
+    while len(model.encode("".join(lines), bos=False)) < n_tokens:
+        lines.append(f"Note {i + 1}: {_SENTENCES[i % len(_SENTENCES)]}\n")
+        i += 1
+    return "".join(lines)
+
+
+def regime(model: KVModel, task: Task | str, *, n: int = 4, distances: Sequence[int] = DISTANCES,
+           seed: int = 0, min_effect: float = MIN_EFFECT, progress: bool = True) -> ProbeResult:
+    """Field-only refresh vs notes transplant recovery at each filler length in `distances`.
+
+    Parts `field_refresh@{d}` and `notes_transplant@{d}` per filler length d (tokens); the
+    headline is the notes transplant at the longest distance. `details["distance"]` holds the
+    measured token distance from the field to the decision at each d.
+    """
+    task = load_task(task)
+    if not task.has_filler:
+        raise TaskError(f"task {task.name!r} has no {{filler}} field, so the field cannot be moved away "
+                        "from the decision; add {filler} to its template after the gating field")
+    parts, distance = {}, []
+    for d in tqdm(list(distances), desc="regime", disable=not progress, unit="distance"):
+        filler = filler_text(model, d)
+        trials = make_trials(model, task, n, seed=seed, filler=filler, progress=False)
+        span = trials[0].pair
+        distance.append(span.new.span("decision").start - span.field_span.stop)
+        parts[f"field_refresh@{d}"] = field_refresh(trials, min_effect=min_effect).estimate
+        parts[f"notes_transplant@{d}"] = notes_transplant(trials, min_effect=min_effect).estimate
+        parts[f"effect@{d}"] = Estimate.of([t.effect for t in trials])
+    last = list(distances)[-1]
+    return ProbeResult(
+        name="regime", headline=f"notes_transplant@{last}", parts=parts,
+        details={"filler_tokens": list(distances), "distance": distance,
+                 "window": model.max_window, "n_layers": model.n_layers},
+        description="field-only refresh vs notes transplant as filler separates the field from the decision",
+    )
