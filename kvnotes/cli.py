@@ -47,14 +47,14 @@ def cmd_probe(args) -> int:
     task_name = args.task or (args.model if args.model in builtin_tasks() else "order-cancel")
     task = load_task(task_name)
     model = load_model(args.model)
+    n = args.n or (4 if args.name == "regime" else 8)
     if args.name == "regime":
         distances = [int(x) for x in args.distances.split(",") if x.strip()]
-        result = regime(model, task, n=args.n, distances=distances, seed=args.seed,
-                        min_effect=args.min_effect)
-        report = ProbeReport(model=model.name, task=task.name, n=args.n, seed=args.seed,
+        result = regime(model, task, n=n, distances=distances, seed=args.seed, min_effect=args.min_effect)
+        report = ProbeReport(model=model.name, task=task.name, n=n, seed=args.seed,
                              probes={"regime": result}, meta={"min_effect": args.min_effect})
     else:
-        report = run_probes(model, task, names, n=args.n, seed=args.seed, min_effect=args.min_effect)
+        report = run_probes(model, task, names, n=n, seed=args.seed, min_effect=args.min_effect)
     print(report.table())
     _write_json(args.json, report.to_dict())
     return 0
@@ -75,11 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir")
     pr.add_argument("--task", help="a built-in task name or a task.toml file (default: the model's own "
                                    "task for an organism, else order-cancel)")
-    pr.add_argument("--n", type=int, default=8, help="prompt pairs per probe (default 8)")
+    pr.add_argument("--n", type=int, help="prompt pairs per probe (default 8; 4 for regime)")
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--min-effect", type=float, default=0.1,
                     help="skip pairs whose decision moves less than this many logits (default 0.1)")
-    pr.add_argument("--distances", default="0,128,256,512,768,1024",
+    pr.add_argument("--distances", default="0,16,32,64,128,256,512,768",
                     help="regime only: filler lengths in tokens between the field and the query")
     pr.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     pr.set_defaults(func=cmd_probe)

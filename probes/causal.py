@@ -86,12 +86,13 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
     slots = field_pos + down
     L = t.model.n_layers
     windows = [tuple(range(s, s + layer_window)) for s in range(0, L - layer_window + 1)]
-    specs = ([Patch(positions=(p,)) for p in slots]
+    specs = ([Patch(positions=tuple(field_pos))] + [Patch(positions=(p,)) for p in slots]
              + [Patch(positions=tuple(down), layers=(l,)) for l in range(L)]
              + [Patch(positions=tuple(down), layers=w) for w in windows]
              + [Patch(positions=(p,), layers=(l,)) for p in down for l in range(L)])
     r = t.sweep(specs).tolist()
     n_s, n_d = len(slots), len(down)
+    field_joint, r = r[0], r[1:]
     per_slot, r = r[:n_s], r[n_s:]
     per_layer, r = r[:L], r[L:]
     per_window, r = r[:len(windows)], r[len(windows):]
@@ -104,7 +105,7 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
     out = {
         "positions": slots, "tokens": strings,
         "role": ["field"] * len(field_pos) + ["note"] * n_d,
-        "recovery": per_slot, "deviation": dev_slot[idx].tolist(),
+        "recovery": per_slot, "field_joint": field_joint, "deviation": dev_slot[idx].tolist(),
         "delimiter": [bool(s) and _is_delimiter(s) for s in strings],
         "distance_to_decision": [decision - p for p in slots],
         "per_layer": per_layer, "layer_windows": [list(w) for w in windows], "per_window": per_window,
@@ -128,7 +129,8 @@ def note_map(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_w
     per window of `layer_window` consecutive layers, and per slot × layer.
 
     Parts: `top_slot` (headline: the best single downstream slot's recovery), `field_slots`
-    (the field's own slots, all layers), `delimiter_share` (share of the positive single-slot
+    (the field's own slots together, all layers: equal to field-only refresh, as slots before
+    the field never saw it), `delimiter_share` (share of the positive single-slot
     effect on punctuation/whitespace tokens), `deviation_effect_spearman` (rank correlation of
     KV deviation and causal effect over downstream slots: the CacheBlend diagnostic),
     `layer_{l}` and `layers_{a}-{b}` (all downstream slots at those layers).
@@ -145,7 +147,7 @@ def note_map(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_w
         maps.append(m)
         notes = [i for i, role in enumerate(m["role"]) if role == "note"]
         rec = [m["recovery"][i] for i in notes]
-        fld.append(sum(m["recovery"][i] for i, role in enumerate(m["role"]) if role == "field"))
+        fld.append(m["field_joint"])
         if rec:
             top.append(max(rec))
             pos_total = sum(max(r, 0.0) for r in rec)

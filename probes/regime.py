@@ -18,7 +18,7 @@ from probes.causal import field_refresh, notes_transplant
 from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, make_trials
 
-DISTANCES = (0, 128, 256, 512, 768, 1024)
+DISTANCES = (0, 16, 32, 64, 128, 256, 512, 768)
 
 _SENTENCES = (
     "The warehouse restocks its shelves every morning before the doors open.",

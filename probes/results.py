@@ -110,6 +110,9 @@ class ProbeResult:
         return cls(name=name, headline=d["headline"], parts=parts, details=d.get("details", {}),
                    description=d.get("description", ""))
 
+    def __repr__(self) -> str:
+        return f"ProbeResult({self.name}: {self.headline} {self.estimate}; parts {list(self.parts)})"
+
     def rows(self) -> list[tuple[str, str]]:
         return [(f"{self.name}.{k}" + (" *" if k == self.headline else ""), str(v))
                 for k, v in self.parts.items()]
@@ -135,6 +138,9 @@ class ProbeReport:
         return cls(model=d["model"], task=d["task"], n=d["n"], seed=d["seed"],
                    probes={k: ProbeResult.from_dict(k, v) for k, v in d["probes"].items()},
                    meta=d.get("meta", {}))
+
+    def __repr__(self) -> str:
+        return self.table()
 
     def table(self) -> str:
         """A readable table: one row per figure, the headline of each probe starred."""

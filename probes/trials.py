@@ -6,6 +6,7 @@ probe learns about a pair (its note map) is reused by the next (knockout, inject
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -85,6 +86,9 @@ def make_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0, kind
     (2, True)
     """
     task = load_task(task)
+    if task.model and task.model != model.name:
+        warnings.warn(f"task {task.name!r} was made for {task.model}, not {model.name}; its known "
+                      "answers (docs/organisms.md) hold only there", stacklevel=2)
     pairs = sample(task, model, n, seed=seed, kind=kind, filler=filler)
     out = []
     for pair in tqdm(pairs, desc=f"prefill {task.name} ({kind})", disable=not progress, unit="pair"):
