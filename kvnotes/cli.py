@@ -36,6 +36,56 @@ def cmd_bench_patch_sweep(args) -> int:
     return 0
 
 
+def cmd_bench_ttft(args) -> int:
+    from kvnotes.models import load_model
+    from kvnotes.ttft import ttft
+
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    report = ttft(load_model(args.model), lengths, seam=args.seam)
+    print(report.table())
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
+def cmd_edit(args) -> int:
+    from kvnotes.models import load_model
+    from kvnotes.tasks import builtin_tasks, load_task
+    from probes import make_trials
+    from probes.edit import ERRATUM, edit_methods
+    from probes.results import ProbeReport
+
+    task = load_task(args.task or (args.model if args.model in builtin_tasks() else "order-cancel"))
+    model = load_model(args.model)
+    trials = make_trials(model, task, args.n, seed=args.seed)
+    result = edit_methods(trials, erratum=args.erratum or ERRATUM)
+    report = ProbeReport(model=model.name, task=task.name, n=args.n, seed=args.seed,
+                         probes={"edit_methods": result})
+    print(report.table())
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
+def cmd_compose(args) -> int:
+    from kvnotes.models import load_model
+    from probes.compose import seam_repair
+    from probes.results import ProbeReport
+
+    model = load_model(args.model)
+    seams = [int(x) for x in args.seams.split(",") if x.strip()]
+    offsets = [int(x) for x in args.offsets.split(",") if x.strip()]
+    results = {"seam_repair": seam_repair(model, args.task, n=args.n, seams=seams, offsets=offsets,
+                                          seed=args.seed)}
+    if args.turns:
+        from probes.agent import agent_loop
+
+        results["agent_loop"] = agent_loop(model, args.task, n=min(args.n, 2), turns=args.turns,
+                                           seed=args.seed)
+    report = ProbeReport(model=model.name, task=args.task, n=args.n, seed=args.seed, probes=results)
+    print(report.table())
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
 def cmd_probe(args) -> int:
     from kvnotes.models import load_model
     from kvnotes.tasks import builtin_tasks, load_task
@@ -84,6 +134,28 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     pr.set_defaults(func=cmd_probe)
 
+    ed = sub.add_parser("edit", help="one changed field: every editing method against full recompute")
+    ed.add_argument("--model", required=True)
+    ed.add_argument("--task", help="a built-in task or a task.toml (default: the organism's own, "
+                                   "else order-cancel)")
+    ed.add_argument("--n", type=int, default=8)
+    ed.add_argument("--seed", type=int, default=0)
+    ed.add_argument("--erratum", help="correction line; {field} and {value} are filled in")
+    ed.add_argument("--json", metavar="FILE")
+    ed.set_defaults(func=cmd_edit)
+
+    co = sub.add_parser("compose", help="splice a precompiled chunk, repair the seam, compare to recompute")
+    co.add_argument("--model", required=True)
+    co.add_argument("--task", default="order-cancel", help="its policy+shots block is the chunk")
+    co.add_argument("--n", type=int, default=4, help="prompts (each at every offset)")
+    co.add_argument("--seams", default="0,1,2,4,8,16", help="chunk tokens recomputed at the seam")
+    co.add_argument("--offsets", default="32,128", help="host context lengths before the chunk")
+    co.add_argument("--turns", type=int, default=28,
+                    help="agent loop: turns of field toggles, each an erratum (0 to skip)")
+    co.add_argument("--seed", type=int, default=0)
+    co.add_argument("--json", metavar="FILE")
+    co.set_defaults(func=cmd_compose)
+
     b = sub.add_parser("bench", help="benchmarks: two ways side by side, with the ratio")
     bsub = b.add_subparsers(dest="bench", required=True)
     ps = bsub.add_parser("patch-sweep", help="per-slot transplant sweep: engine vs naive full forwards")
@@ -92,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--slots", type=int, default=64, help="how many trailing slots to sweep")
     ps.add_argument("--json", metavar="FILE")
     ps.set_defaults(func=cmd_bench_patch_sweep)
+    tt = bsub.add_parser("ttft", help="time to first token: spliced precompiled chunk vs full prefill")
+    tt.add_argument("--model", default="gemma-3-270m")
+    tt.add_argument("--lengths", default="512,1024,2048,4096,8192", help="comma-separated total lengths")
+    tt.add_argument("--seam", type=int, default=8, help="chunk tokens recomputed in context at the seam")
+    tt.add_argument("--json", metavar="FILE")
+    tt.set_defaults(func=cmd_bench_ttft)
     return p
 
 

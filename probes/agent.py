@@ -1,0 +1,78 @@
+"""A multi-turn edit+compose agent loop: does splicing plus errata drift as the turns pile up?
+
+Per prompt: the policy chunk is precompiled once and spliced (seam repaired) after a host line
+it never saw; the live
+state is computed after it. Then for `turns` turns the gating field toggles, and each change is
+appended as one erratum line — nothing is ever recomputed. Each turn the decision is read and
+compared with recompute-every-turn: a fresh full prefill of exactly the same text.
+"""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from kvnotes.engine import run
+from kvnotes.errors import OutOfRange
+from kvnotes.metrics import logit_cosine
+from kvnotes.models.model import KVModel
+from kvnotes.ops import append, decide, prefill, splice
+from kvnotes.tasks import Task, load_task, sample
+from kvnotes.ttft import HOST
+from probes.compose import chunk_end
+from probes.edit import ERRATUM
+from probes.results import Estimate, ProbeResult
+
+
+def agent_loop(model: KVModel, task: Task | str, *, n: int = 2, turns: int = 28, seam: int = 4,
+               erratum: str = ERRATUM, seed: int = 0, progress: bool = True) -> ProbeResult:
+    """Per turn: `cosine@t` (logit cosine to recompute-every-turn) and `agree@t` (same answer).
+
+    Headline `cosine_last` (the last turn); `cosine_min` is the worst turn of each prompt;
+    `follows` whether the decision follows the toggled value (against the task's expected answer).
+    """
+    task = load_task(task)
+    field = task.gate.field
+    acc: dict[str, list[float]] = {}
+    bos = model.tokenizer.bos_token_id or 0
+    host = model.encode(HOST)  # the policy is composed into a context it was not compiled in
+    pairs = sample(task, model, n, seed=seed)
+    longest = max(len(model.encode(erratum.format(field=field, value=v), bos=False))
+                  for v in task.gate.values)
+    need = len(host) + max(len(p.old) for p in pairs) + turns * longest
+    if need > model.n_ctx:
+        raise OutOfRange(f"{turns} turns of errata need about {need} positions but {model.name} has "
+                         f"n_ctx={model.n_ctx}; use at most {(model.n_ctx - need) // longest + turns} turns")
+    for pair in tqdm(pairs, desc="agent loop", disable=not progress, unit="prompt"):
+        p = pair.old
+        ids = list(p.ids)
+        c1, d0 = chunk_end(p, field), p.span("decision").start
+        query = ids[d0:]
+        chunk = prefill(model, [bos, *ids[1:c1]]).select(list(range(1, c1)))
+        nb = splice(model, prefill(model, host), chunk, seam=seam)
+        nb, _ = run(model, nb, ids[c1:d0], logits_at=())
+        text_ids = host + ids[1:d0]
+        values = [v for v in task.gate.values if task.outcome(v) != task.outcome(p.values[field])]
+        current = p.values[field]
+        worst = 1.0
+        for turn in range(1, turns + 1):
+            current = values[0] if task.outcome(current) == task.outcome(p.values[field]) else p.values[field]
+            line = model.encode(erratum.format(field=field, value=current), bos=False)
+            nb = append(model, nb, line)
+            text_ids = text_ids + line
+            out = decide(model, nb, query).last[0]
+            ref = decide(model, prefill(model, text_ids), query).last[0]
+            cos = float(logit_cosine(out, ref))
+            worst = min(worst, cos)
+            a = list(pair.answers)
+            acc.setdefault(f"cosine@{turn}", []).append(cos)
+            acc.setdefault(f"agree@{turn}", []).append(float(out[a].argmax() == ref[a].argmax()))
+            acc.setdefault("follows", []).append(float(int(out[a].argmax()) == task.outcome(current)))
+        acc.setdefault("cosine_last", []).append(cos)
+        acc.setdefault("cosine_min", []).append(worst)
+    order = ["cosine_last", "cosine_min", "follows"] + [f"{k}@{t}" for k in ("cosine", "agree")
+                                                       for t in range(1, turns + 1)]
+    return ProbeResult(name="agent_loop", headline="cosine_last",
+                       parts={k: Estimate.of(acc[k]) for k in order},
+                       details={"turns": turns, "seam": seam, "erratum": erratum},
+                       description="spliced policy, one erratum per turn as the field toggles, "
+                                   "vs recompute every turn")

@@ -1,0 +1,107 @@
+"""Editing: one changed field, every way to fix a stale notebook, side by side.
+
+For each pair (old prompt prefilled; the field then changes to the new value) every method
+produces a decision that is compared with full recompute of the new prompt (the reference):
+recovery toward it, agreement on the answer, the number of tokens the method computed, and its
+wall time. Methods:
+
+- `refresh`      in-place field refresh: recompute the field's tokens only
+- `selective@K`  the field plus the top-K downstream slots, ranked by causal effect (the note map)
+                 or by KV deviation between the old and new notebooks (CacheBlend's rule, here with
+                 the true deviation: the most favourable version of it)
+- `suffix`       recompute everything from the field to the decision
+- `erratum`      append one correction line before the decision, nothing recomputed
+- `hoist`        oracle: the field's line moved to just before the decision, prefilled fresh
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, refresh
+from kvnotes.tasks import Task
+from probes.causal import single_slot_map
+from probes.results import Estimate, ProbeResult
+from probes.trials import Trial, each
+
+KS = (1, 2, 4, 8, 16, 32, 64)
+ERRATUM = "\n[STATE UPDATE] {field} → {value}; overrides any earlier value and conclusion.\n"
+
+
+def _ld(t: Trial, out) -> float:
+    return float(out[0, 0] - out[0, 1])
+
+
+def hoisted_text(t: Trial) -> str:
+    """The new prompt's text with the changed field's line moved to just before the decision."""
+    p = t.pair.new
+    cs, ce = p.char_spans[t.pair.changed]
+    d0 = p.char_spans["decision"][0]
+    start = p.text.rfind("\n", 0, cs) + 1
+    end = p.text.find("\n", ce)
+    end = len(p.text) if end < 0 else end + 1
+    if end > d0:
+        return p.text  # the field's line is the decision's own: already at the end
+    line = p.text[start:end]
+    return p.text[:start] + p.text[end:d0] + line + p.text[d0:]
+
+
+def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float, int, float]]:
+    """method -> (ld, tokens computed, seconds) for one trial."""
+    m, new = t.model, t.pair.new
+    field = list(t.pair.field_span)
+    down = t.pair.downstream()
+    out: dict[str, tuple[float, int, float]] = {}
+
+    def timed(name, fn, n_tokens):
+        s = time.perf_counter()
+        ld = fn()
+        out[name] = (ld, n_tokens, time.perf_counter() - s)
+
+    def read(nb):
+        return _ld(t, decide(m, nb, new, vocab=t.pair.answers).last)
+
+    n_dec = len(new) - new.span("decision").start
+    timed("refresh", lambda: read(refresh(m, t.old_nb, new, t.pair.changed)), len(field) + n_dec)
+    smap = single_slot_map(t, 1)
+    causal = [p for _, p, role in sorted(zip(smap["recovery"], smap["positions"], smap["role"]),
+                                         key=lambda x: -x[0]) if role == "note"]
+    deviation = [p for _, p, role in sorted(zip(smap["deviation"], smap["positions"], smap["role"]),
+                                            key=lambda x: -x[0]) if role == "note"]
+    for k in ks:
+        if k > len(down):
+            continue
+        for rank, order in (("causal", causal), ("deviation", deviation)):
+            pos = field + order[:k]
+            timed(f"selective_{rank}@{k}", lambda pos=pos: read(recompute(m, t.old_nb, new, pos)),
+                  len(pos) + n_dec)
+    timed("suffix", lambda: read(recompute_suffix(m, t.old_nb, new, t.pair.changed)),
+          len(field) + len(down) + n_dec)
+    text = erratum.format(field=t.pair.changed, value=new.values[t.pair.changed])
+    n_err = len(m.encode(text, bos=False))
+    timed("erratum", lambda: read(append(m, t.old_nb, text)), n_err + n_dec)
+    hoisted = m.encode(hoisted_text(t))
+    timed("hoist", lambda: _ld(t, decide(m, prefill(m, hoisted[:-n_dec]), hoisted[-n_dec:],
+                                          vocab=t.pair.answers).last), len(hoisted))
+    timed("full", lambda: read(prefill(m, new)), len(new))
+    return out
+
+
+def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM,
+                 task: Task | None = None) -> ProbeResult:
+    """Every editing method on every pair: parts `{method}` (recovery), `{method}.agree` (same
+    answer as full recompute), `{method}.tokens` and `{method}.seconds`. Headline: erratum."""
+    acc: dict[str, list[float]] = {}
+    for t in each(trials, "edit methods"):
+        res = methods(t, ks, erratum)
+        ref_choice = t.ld_new > 0
+        for name, (ld, n_tok, sec) in res.items():
+            acc.setdefault(name, []).append(float(t.recovery(ld)))
+            acc.setdefault(f"{name}.agree", []).append(float((ld > 0) == ref_choice))
+            acc.setdefault(f"{name}.tokens", []).append(float(n_tok))
+            acc.setdefault(f"{name}.seconds", []).append(sec)
+    return ProbeResult(name="edit_methods", headline="erratum",
+                       parts={k: Estimate.of(v) for k, v in acc.items()},
+                       details={"erratum": erratum, "ks": list(ks)},
+                       description="one changed field: every way to bring the stale notebook up to date")
