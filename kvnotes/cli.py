@@ -47,19 +47,42 @@ def cmd_bench_ttft(args) -> int:
     return 0
 
 
+def cmd_bench_edit_cost(args) -> int:
+    from kvnotes.models import load_model
+    from kvnotes.ttft import edit_cost
+
+    report = edit_cost(load_model(args.model), args.tokens)
+    print(report.table())
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
 def cmd_edit(args) -> int:
+    from kvnotes.errors import KVNotesError
     from kvnotes.models import load_model
     from kvnotes.tasks import builtin_tasks, load_task
     from probes import make_trials
     from probes.edit import ERRATUM, edit_methods
     from probes.results import ProbeReport
 
+    if args.weights and args.n < 2:  # before the (slow) model load
+        raise KVNotesError(f"--weights needs --n 2 or more (contamination is read on another pair's "
+                           f"prompt), got --n {args.n}")
     task = load_task(args.task or (args.model if args.model in builtin_tasks() else "order-cancel"))
     model = load_model(args.model)
     trials = make_trials(model, task, args.n, seed=args.seed)
-    result = edit_methods(trials, erratum=args.erratum or ERRATUM)
-    report = ProbeReport(model=model.name, task=task.name, n=args.n, seed=args.seed,
-                         probes={"edit_methods": result})
+    results = {"edit_methods": edit_methods(trials, erratum=args.erratum or ERRATUM)}
+    if args.weights:
+        from probes.weights import drift_trials, weight_edit
+
+        other = drift_trials(model, task, args.n, seed=args.seed)  # another built-in task's decisions
+        results["weight_edit"] = weight_edit(trials, layer=args.layer, other_trials=other,
+                                             erratum=args.erratum or ERRATUM)
+    if args.cot:
+        from probes.cot import cot_refresh
+
+        results["cot_refresh"] = cot_refresh(trials, max_tokens=args.cot_tokens)
+    report = ProbeReport(model=model.name, task=task.name, n=args.n, seed=args.seed, probes=results)
     print(report.table())
     _write_json(args.json, report.to_dict())
     return 0
@@ -75,6 +98,10 @@ def cmd_compose(args) -> int:
     offsets = [int(x) for x in args.offsets.split(",") if x.strip()]
     results = {"seam_repair": seam_repair(model, args.task, n=args.n, seams=seams, offsets=offsets,
                                           seed=args.seed)}
+    if args.memory:
+        from probes.memory import memory_blocks
+
+        results["memory_blocks"] = memory_blocks(model, n=2 * args.n, seed=args.seed)
     if args.turns:
         from probes.agent import agent_loop
 
@@ -141,7 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     ed.add_argument("--n", type=int, default=8)
     ed.add_argument("--seed", type=int, default=0)
     ed.add_argument("--erratum", help="correction line; {field} and {value} are filled in")
+    ed.add_argument("--weights", action="store_true",
+                    help="also run the weight-edit baseline: a rank-one MLP edit per pair, with its "
+                         "contamination, drift (on another built-in task) and cost (docs/edit-compose.md)")
+    ed.add_argument("--layer", type=int, help="--weights: the MLP layer edited (default: the middle one)")
     ed.add_argument("--json", metavar="FILE")
+    ed.add_argument("--cot", action="store_true",
+                    help="also decode a greedy reasoning chain from the refreshed and a clean cache")
+    ed.add_argument("--cot-tokens", type=int, default=48, help="longest chain (tokens)")
     ed.set_defaults(func=cmd_edit)
 
     co = sub.add_parser("compose", help="splice a precompiled chunk, repair the seam, compare to recompute")
@@ -150,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--n", type=int, default=4, help="prompts (each at every offset)")
     co.add_argument("--seams", default="0,1,2,4,8,16", help="chunk tokens recomputed at the seam")
     co.add_argument("--offsets", default="32,128", help="host context lengths before the chunk")
+    co.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the two-hop memory-blocks experiment (split vs colocated facts)")
     co.add_argument("--turns", type=int, default=28,
                     help="agent loop: turns of field toggles, each an erratum (0 to skip)")
     co.add_argument("--seed", type=int, default=0)
@@ -170,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--seam", type=int, default=8, help="chunk tokens recomputed in context at the seam")
     tt.add_argument("--json", metavar="FILE")
     tt.set_defaults(func=cmd_bench_ttft)
+    ec = bsub.add_parser("edit-cost", help="one changed field: erratum vs suffix recompute vs full prefill, "
+                                           "as the field moves through the prompt")
+    ec.add_argument("--model", default="gemma-3-270m")
+    ec.add_argument("--tokens", type=int, default=2048, help="prompt length")
+    ec.add_argument("--json", metavar="FILE")
+    ec.set_defaults(func=cmd_bench_edit_cost)
     return p
 
 

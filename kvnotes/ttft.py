@@ -130,3 +130,80 @@ def ttft(model: KVModel, lengths: list[int], *, seam: int = 8, progress: bool = 
         exp_f = float(np.polyfit(x, np.log([p.full_s for p in points]), 1)[0])
     return TTFTReport(model=model.name, machine=machine(), seam=seam, suffix_tokens=len(suffix),
                       results=points, exponent_composed=exp_c, exponent_full=exp_f)
+
+
+# --- the cost of one edit as the changed field moves through the prompt --------------------------
+@dataclass(frozen=True)
+class EditCostPoint:
+    field_position: int
+    tokens: int
+    erratum_s: float
+    suffix_s: float
+    full_s: float
+    suffix_tokens: int
+    erratum_tokens: int
+
+
+@dataclass(frozen=True)
+class EditCostReport:
+    model: str
+    machine: str
+    results: list[EditCostPoint]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EditCostReport:
+        return cls(**{**d, "results": [EditCostPoint(**r) for r in d["results"]]})
+
+    def table(self) -> str:
+        lines = [f"one changed field — {self.model} — {self.machine}",
+                 f"{'field at':>9}{'tokens':>8}{'erratum s':>11}{'suffix s':>10}{'full s':>9}"
+                 f"{'full/erratum':>14}{'suffix tok':>12}"]
+        for r in self.results:
+            lines.append(f"{r.field_position:>9}{r.tokens:>8}{r.erratum_s:>11.3f}{r.suffix_s:>10.3f}"
+                         f"{r.full_s:>9.3f}{r.full_s / r.erratum_s:>13.1f}x{r.suffix_tokens:>12}")
+        return "\n".join(lines)
+
+
+def edit_cost(model: KVModel, n_tokens: int = 2048,
+              fractions: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9), *,
+              progress: bool = True) -> EditCostReport:
+    """Erratum vs suffix recompute vs full prefill for one changed field at each position.
+
+    The prompt is about `n_tokens` of policy-like lines with `order_status: pending` placed after
+    the given fraction of them; the stale notebook is prefilled beforehand (not timed). Each way
+    then brings it up to `shipped` and decides, timed side by side.
+    """
+    from kvnotes.prompt import Template
+
+    n_lines = max(2, n_tokens // max(1, len(model.encode(FILLER.format(i=10), bos=False))))
+    lines = [FILLER.format(i=i) for i in range(n_lines)]
+    points = []
+    ops.prefill(model, model.encode("".join(lines)))  # warm-up: first calls pay one-off costs
+    for f in tqdm(fractions, desc="edit cost", disable=not progress, unit="position"):
+        k = int(round(f * n_lines))
+        tpl = Template("".join(lines[:k]) + "order_status: {order_status}\n" + "".join(lines[k:])
+                       + "[[decision:Q: Can the order be cancelled?\nA:]]")
+        old = tpl.render(model, order_status="pending")
+        new = old.with_values(model, order_status="shipped")
+        if len(new) > model.n_ctx:
+            raise OutOfRange(f"{len(new)} tokens exceed {model.name}'s n_ctx={model.n_ctx}; "
+                             "lower n_tokens")
+        stale = ops.prefill(model, old)
+        line = model.encode("[STATE UPDATE] order_status → shipped; overrides any earlier value.\n",
+                            bos=False)
+        t0 = time.perf_counter()
+        ops.decide(model, ops.append(model, stale, line), new)
+        t1 = time.perf_counter()
+        ops.decide(model, ops.recompute_suffix(model, stale, new, "order_status"), new)
+        t2 = time.perf_counter()
+        ops.decide(model, ops.prefill(model, new), new)
+        t3 = time.perf_counter()
+        start = new.span("order_status").start
+        points.append(EditCostPoint(field_position=start, tokens=len(new), erratum_s=t1 - t0,
+                                    suffix_s=t2 - t1, full_s=t3 - t2,
+                                    suffix_tokens=new.span("decision").start - start,
+                                    erratum_tokens=len(line)))
+    return EditCostReport(model=model.name, machine=machine(), results=points)

@@ -18,11 +18,17 @@ from collections.abc import Sequence
 from kvnotes.errors import KVNotesError
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import RULE, Task, load_task
+from probes.agent import agent_loop
 from probes.causal import field_refresh, note_map, notes_transplant
+from probes.compose import seam_repair
 from probes.controls import dissociation, false_note_injection, knockout
+from probes.cot import cot_refresh
+from probes.edit import edit_methods
+from probes.memory import memory_blocks
 from probes.regime import regime
 from probes.results import Estimate, ProbeReport, ProbeResult
 from probes.trials import MIN_EFFECT, Trial, make_trials
+from probes.weights import weight_edit
 
 PROBES = ("field_refresh", "notes_transplant", "note_map", "knockout", "dissociation", "false_note_injection")
 
@@ -84,4 +90,5 @@ def _not_applicable(name: str, why: str) -> ProbeResult:
 
 __all__ = ["PROBES", "run_probes", "make_trials", "Trial", "ProbeReport", "ProbeResult", "Estimate",
            "field_refresh", "notes_transplant", "note_map", "knockout", "dissociation",
-           "false_note_injection", "regime", "UnknownProbeError", "MIN_EFFECT"]
+           "false_note_injection", "regime", "UnknownProbeError", "MIN_EFFECT",
+           "edit_methods", "seam_repair", "agent_loop", "cot_refresh", "memory_blocks", "weight_edit"]

@@ -10,7 +10,18 @@ import pytest
 from kvnotes.cli import main
 from kvnotes.errors import OutOfRange
 from kvnotes.ops import decide, prefill
-from kvnotes.ttft import HOST, QUERY, SUFFIX, TTFTReport, _text_ids, compose_and_decide, precompile, ttft
+from kvnotes.ttft import (
+    HOST,
+    QUERY,
+    SUFFIX,
+    EditCostReport,
+    TTFTReport,
+    _text_ids,
+    compose_and_decide,
+    edit_cost,
+    precompile,
+    ttft,
+)
 from tests.helpers import assert_close, get_model
 
 
@@ -42,3 +53,14 @@ def test_cli_bench_ttft_writes_the_documented_json(tmp_path):
     d = json.loads(out.read_text())
     assert {"model", "results", "exponent_composed", "exponent_full"} <= set(d)
     assert all({"tokens", "composed_s", "full_s", "ratio"} <= set(r) for r in d["results"])
+
+
+def test_edit_cost_moves_the_field_and_round_trips(tmp_path):
+    report = edit_cost(get_model("tiny-gemma3"), 300, (0.2, 0.8), progress=False)
+    a, b = report.results
+    assert a.field_position < b.field_position and a.tokens == b.tokens
+    assert a.suffix_tokens > b.suffix_tokens and a.erratum_tokens == b.erratum_tokens
+    assert EditCostReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    out = tmp_path / "cost.json"
+    assert main(["bench", "edit-cost", "--model", "tiny-llama", "--tokens", "200", "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())["results"]) == 5

@@ -41,3 +41,11 @@ def test_agent_loop_with_a_full_seam_is_exact_every_turn():
     for turn in range(1, 6):
         assert abs(r[f"cosine@{turn}"].mean - 1.0) < 1e-9 and r[f"agree@{turn}"].mean == 1.0
     assert r["follows"].n == 5
+
+
+def test_memory_blocks_with_a_full_seam_are_exact():
+    from probes.memory import memory_blocks
+
+    r = memory_blocks(get_model("tiny-gqa"), n=2, seam=10_000, progress=False)
+    assert r["colocated_agree"].mean == 1.0 and r["split_agree"].mean == 1.0
+    assert all(abs(c - 1.0) < 1e-6 for c in r["colocated_cosine"].values + r["split_cosine"].values)

@@ -1,0 +1,78 @@
+"""Chain of thought from an edited cache: does a reasoning chain re-read the refreshed field?
+
+Per pair, three notebooks that end where the decision would start: the stale one (old value),
+the in-place refreshed one (only the field's K/V recomputed with the new value), and a clean
+prefill of the new prompt. From each, a reasoning cue is appended and a chain is decoded greedily
+(until a blank line, the decision's own text, or `max_tokens`); then the decision span is appended
+and the answer read. Recovery of the refreshed chain is measured between the stale and clean
+chains' decisions, next to the same refresh without a chain. The chain lengths are reported too:
+if recomputation moves into the chain, the edited chain is the longer one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvnotes.engine import run
+from kvnotes.notebook import Notebook
+from kvnotes.ops import decide, prefill, refresh
+from probes.results import Estimate, ProbeResult
+from probes.trials import MIN_EFFECT, Trial, each
+
+CUE = "reasoning:"
+
+
+def chain(t: Trial, nb: Notebook, *, cue: str, max_tokens: int) -> tuple[Notebook, list[int]]:
+    """Append `cue`, then greedy-decode until a blank line, the decision's text, or `max_tokens`."""
+    m = t.model
+    decision_text = m.tokenizer.decode(list(t.pair.new.ids[t.pair.new.span("decision").start:])).strip()
+    nb, out = run(m, nb, m.encode(cue, bos=False))
+    generated: list[int] = []
+    for _ in range(max_tokens):
+        tok = int(out.last[0].argmax())
+        generated.append(tok)
+        nb, out = run(m, nb, [tok])
+        text = m.tokenizer.decode(generated)
+        if "\n\n" in text or (decision_text and decision_text in text):
+            break
+    return nb, generated
+
+
+def _decision_ld(t: Trial, nb: Notebook) -> float:
+    d = t.pair.new
+    query = list(d.ids[d.span("decision").start:])
+    out = decide(t.model, nb, [*t.model.encode("\n", bos=False), *query], vocab=t.pair.answers).last
+    return float(out[0, 0] - out[0, 1])
+
+
+def cot_refresh(trials: Sequence[Trial], *, cue: str = CUE, max_tokens: int = 48,
+                min_effect: float = MIN_EFFECT) -> ProbeResult:
+    """Parts: `recovery` (refreshed chain, between the stale and clean chains; headline),
+    `no_cot_recovery` (the same refresh read directly), `edited_tokens` / `clean_tokens` (chain
+    lengths), `same_chain` (the refreshed chain's text equals the clean one's), `chain_effect`
+    (logits between the stale and clean chains' decisions)."""
+    acc: dict[str, list[float]] = {}
+    examples = []
+    for t in each(trials, "chain of thought"):
+        m = t.model
+        edited = refresh(m, t.old_nb, t.pair.new, t.pair.changed)
+        runs = {}
+        for name, nb in (("stale", t.old_nb), ("edited", edited), ("clean", prefill(m, t.pair.new))):
+            end, gen = chain(t, nb, cue=cue, max_tokens=max_tokens)
+            runs[name] = (_decision_ld(t, end), gen)
+        s, e, c = runs["stale"][0], runs["edited"][0], runs["clean"][0]
+        acc.setdefault("chain_effect", []).append(c - s)
+        if abs(c - s) >= min_effect:
+            acc.setdefault("recovery", []).append((e - s) / (c - s))
+        acc.setdefault("no_cot_recovery", []).append(float(t.recovery(t.ld(edited))))
+        acc.setdefault("edited_tokens", []).append(float(len(runs["edited"][1])))
+        acc.setdefault("clean_tokens", []).append(float(len(runs["clean"][1])))
+        acc.setdefault("same_chain", []).append(float(runs["edited"][1] == runs["clean"][1]))
+        if len(examples) < 2:
+            examples.append({k: m.tokenizer.decode(v[1]) for k, v in runs.items()})
+    order = ["recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain", "chain_effect"]
+    return ProbeResult(name="cot_refresh", headline="recovery",
+                       parts={k: Estimate.of(acc.get(k, [])) for k in order},
+                       details={"cue": cue, "max_tokens": max_tokens, "examples": examples},
+                       description="in-place field refresh, then a greedy reasoning chain, "
+                                   "vs a clean prefill's chain")

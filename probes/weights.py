@@ -1,0 +1,378 @@
+"""The weight-edit baseline: a ROME-style rank-one edit of one MLP, measured against the erratum.
+
+The paper argues that per-request state belongs in the KV cache, not in the weights. A weight
+edit can flip the edited request's decision, but it is global: a concurrent request that still
+holds the old value is pushed too, unrelated decisions drift, and every cached notebook above
+the edited layer goes stale. This module builds that baseline and measures those costs side by
+side with the one-line erratum (`probes.edit.ERRATUM`).
+
+The edit, for one pair at layer L: the key k is the MLP's hidden activation (`hook_post`, the
+input of `W_out`) at the decision's last token of the OLD prompt; v* is the MLP output wanted
+there; the update is
+
+    W_out += k (v* − k·W_out − b_out)ᵀ / (kᵀk)
+
+so that k maps to v* exactly. ROME whitens k with the covariance C of keys over a corpus (C⁻¹k
+in place of the first k); this is the covariance-free version (C = identity): any other hidden
+activation h moves by (h·k / k·k)(v* − k·W_out − b_out), the more the more it resembles k.
+
+Two targets v*, one function each:
+- `match_decision` (default): ROME's own aim. The smallest change of the MLP output at the key
+  for which the old prompt's decision equals the new run's (ld_new), solved through the layers
+  above L by Gauss-Newton. It reaches the target at any layer, so contamination and drift are
+  the costs of an edit that works.
+- `match_residual`: state matching. Move the MLP output at the key by the new-minus-old
+  residual stream after layer L at that token, so the edited run's residual stream there is the
+  new run's. Exact at the last layer, but at a middle layer the decision token's own state may
+  not yet hold the conclusion (on the notes organism it is read from the notes in the last
+  layer), and then this edit barely moves the decision.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kvnotes.errors import KVNotesError, OutOfRange
+from kvnotes.models.model import KVModel
+from kvnotes.notebook import Notebook
+from kvnotes.ops import append, decide, prefill
+from kvnotes.prompt import Prompt
+from kvnotes.tasks import Task, load_task
+from kvnotes.types import Float, Tensor
+from probes.causal import split
+from probes.edit import ERRATUM
+from probes.results import Estimate, ProbeResult
+from probes.trials import MIN_EFFECT, Trial, each, make_trials
+
+# Drift is read on another task's decisions: unrelated to the edited one, same tokenizer.
+DRIFT_TASKS = {"order-cancel": "account-access", "account-access": "order-cancel",
+               "refund-window": "order-cancel", "notes-organism": "lookup-organism",
+               "lookup-organism": "notes-organism"}
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RankOneEdit:
+    """A rank-one change of `blocks.{layer}.mlp.W_out` that maps the hidden activation `key` to the
+    pre-norm MLP output `value` exactly; apply it with `applied(model, edit)`.
+
+    `target` is the wanted contribution to the residual stream (after the post-MLP norm, if the
+    model has one) and `old` the unedited one, both at the key's token; they are kept so the
+    achieved change can be checked against the wanted one.
+    """
+
+    layer: int
+    key: Float[Tensor, " d_mlp"]
+    value: Float[Tensor, " d_model"]
+    target: Float[Tensor, " d_model"]
+    old: Float[Tensor, " d_model"]
+
+    def delta(self, model: KVModel) -> Float[Tensor, "d_mlp d_model"]:
+        """ΔW = k (v* − k·W_out − b_out)ᵀ / (kᵀk), against the model's current weights (float64 math)."""
+        mlp = model.tl.blocks[self.layer].mlp
+        k = self.key.double()
+        current = k @ mlp.W_out.double() + mlp.b_out.double()
+        return (torch.outer(k, self.value.double() - current) / (k @ k)).to(mlp.W_out.dtype)
+
+
+EditTarget = Callable[..., RankOneEdit]  # (trial, layer, *, new_nb=None) -> RankOneEdit
+
+
+@contextmanager
+def applied(model: KVModel, edit: RankOneEdit) -> Iterator[KVModel]:
+    """The model with `edit` applied in place for the block's duration; on exit, even on an
+    error, `W_out` is restored bit for bit from a saved copy (models are cached and shared).
+
+    Notebooks keep the model's fingerprint across the edit, so a notebook prefilled before it
+    is accepted but stale above the edited layer: prefill again inside the block.
+
+    >>> from kvnotes import load_model
+    >>> m = load_model("tiny-llama")
+    >>> w = m.tl.blocks[1].mlp.W_out.clone()
+    >>> e = RankOneEdit(layer=1, key=torch.ones(m.cfg.d_mlp), value=torch.zeros(m.cfg.d_model),
+    ...                 target=torch.zeros(m.cfg.d_model), old=torch.zeros(m.cfg.d_model))
+    >>> with applied(m, e):
+    ...     changed = not torch.equal(m.tl.blocks[1].mlp.W_out, w)
+    >>> changed, torch.equal(m.tl.blocks[1].mlp.W_out, w)
+    (True, True)
+    """
+    w = model.tl.blocks[edit.layer].mlp.W_out
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.add_(edit.delta(model))
+        yield model
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+def check_layer(model: KVModel, layer: int | None) -> int:
+    """The layer to edit: `layer`, or the middle one (n_layers // 2) when None."""
+    if layer is None:
+        return model.n_layers // 2
+    if not 0 <= layer < model.n_layers:
+        raise OutOfRange(f"layer {layer} is out of range for {model.name} ({model.n_layers} layers); "
+                         f"pick a layer in 0..{model.n_layers - 1}, or None for the middle one")
+    return layer
+
+
+def match_decision(trial: Trial, layer: int, *, new_nb: Notebook | None = None,
+                   steps: int = 30) -> RankOneEdit:
+    """ROME's target, without its covariance or KL terms: a small change u of the layer's MLP
+    output at the key for which the old prompt's decision reaches the new run's (ld_new).
+
+    The decision is read through the layers above with the edit emulated by hooks on the old
+    notebook (`edit_hooks`; it is the edit itself on the decision tokens). u is solved from 0 by
+    Gauss-Newton on the one constraint ld(u) = ld_new: each step adds the minimum-norm solution
+    of the linearised constraint, halved until |ld − ld_new| shrinks (the full step can overshoot
+    where attention switches). Each try is one forward and one backward over the decision tokens.
+    It stops within 0.1% of the effect, or after `steps` tries, keeping the best u. `new_nb`
+    (default `trial.new_nb`) gives ld_new; the timing loop passes a fresh prefill, so that
+    reading the target is counted in the edit's cost.
+    """
+    m, pair = trial.model, trial.pair
+    post, out = f"blocks.{layer}.mlp.hook_post", f"blocks.{layer}.hook_mlp_out"
+    goal = _ld(m, pair.new, pair.answers, trial.new_nb if new_nb is None else new_nb)
+    acts = decide(m, trial.old_nb, pair.old, capture=[post, out], vocab=pair.answers).activations
+    key, y_old = acts[post][0, -1], acts[out][0, -1]
+    tol = 1e-3 * abs(goal - trial.ld_old) + 1e-5
+
+    def gap_and_grad(u: Tensor) -> tuple[float, Tensor]:
+        u = u.clone().requires_grad_(True)
+        hooks = edit_hooks(m, layer, key, u)
+        logits = decide(m, trial.old_nb, pair.old, hooks=hooks, vocab=pair.answers).last
+        ld = logits[0, 0] - logits[0, 1]
+        (g,) = torch.autograd.grad(ld, u)
+        return goal - ld.item(), g
+
+    u = torch.zeros_like(y_old)
+    gap, g = gap_and_grad(u)
+    step = 1.0
+    for _ in range(steps):
+        if abs(gap) <= tol or not float(g @ g) > 0:
+            break
+        trial_u = u + step * (gap / (g @ g)) * g
+        trial_gap, trial_g = gap_and_grad(trial_u)
+        if abs(trial_gap) < abs(gap):
+            u, gap, g, step = trial_u, trial_gap, trial_g, min(1.0, 2 * step)
+        else:
+            step /= 2
+    value = _mlp_out(m, layer, key) + u
+    return RankOneEdit(layer=layer, key=key, value=value, target=_contribution(m, layer, value), old=y_old)
+
+
+def match_residual(trial: Trial, layer: int, *, new_nb: Notebook | None = None) -> RankOneEdit:
+    """A state-matching target: move the layer's MLP output at the key by the new-minus-old
+    residual stream after that layer (`hook_resid_post`) at the decision token, so the edited old
+    run's residual stream there is the new run's. Exact at the last layer; below it the decision
+    also reads the other (still old) tokens, and on a model that keeps its conclusion in notes
+    the decision token's own state barely differs at a middle layer (docs/edit-compose.md).
+    """
+    m, pair = trial.model, trial.pair
+    post, out, resid = (f"blocks.{layer}.mlp.hook_post", f"blocks.{layer}.hook_mlp_out",
+                        f"blocks.{layer}.hook_resid_post")
+    old = decide(m, trial.old_nb, pair.old, capture=[post, out, resid], vocab=pair.answers).activations
+    new = decide(m, trial.new_nb if new_nb is None else new_nb, pair.new, capture=[resid],
+                 vocab=pair.answers).activations
+    key, y_old = old[post][0, -1], old[out][0, -1]
+    target = y_old + (new[resid][0, -1] - old[resid][0, -1])
+    x_old = _mlp_out(m, layer, key).double()
+    value = pre_norm_value(m, layer, x_old, target.double()).to(key.dtype)
+    return RankOneEdit(layer=layer, key=key, value=value, target=target, old=y_old)
+
+
+def edit_hooks(model: KVModel, layer: int, key: Tensor, u: Tensor) -> list:
+    """Hooks that make layer `layer`'s MLP output what it is after the update k uᵀ/(kᵀk), at every
+    computed token: x + (h·k / k·k) u before the post-MLP norm, h being the token's hook_post.
+    Differentiable in `u`; on decision tokens read against an unedited notebook it is the edit."""
+    store: dict[str, Tensor] = {}
+
+    def save(h, hook):
+        store["h"] = h
+        return h
+
+    def edited(y, hook):
+        h = store["h"]
+        coef = (h @ key) / (key @ key)
+        return _contribution(model, layer, _mlp_out(model, layer, h) + coef[..., None] * u)
+
+    return [(f"blocks.{layer}.mlp.hook_post", save), (f"blocks.{layer}.hook_mlp_out", edited)]
+
+
+def _mlp_out(model: KVModel, layer: int, h: Tensor) -> Tensor:
+    """The MLP's output for hidden activations h (its hook_post), before any post-MLP norm."""
+    mlp = model.tl.blocks[layer].mlp
+    return h @ mlp.W_out + mlp.b_out
+
+
+def _contribution(model: KVModel, layer: int, x: Tensor) -> Tensor:
+    """What an MLP output x adds to the residual stream: x, or ln2_post(x) where the model has one."""
+    return model.tl.blocks[layer].ln2_post(x) if model.cfg.use_normalization_before_and_after else x
+
+
+def pre_norm_value(model: KVModel, layer: int, x_old: Tensor, target: Tensor) -> Tensor:
+    """The MLP output (before `ln2_post`) whose contribution to the residual stream is `target`.
+
+    Without a post-MLP norm that is `target` itself, and the edit is exact. With one (Gemma 2/3:
+    y = w ⊙ x / rms(x)), a rank-one change of W_out only moves y on the sphere of normalised
+    outputs, so we take the point of that sphere closest to `target` (least squares; the scale
+    of x is kept at the unedited one, so the norm's eps acts as before) and the edit is exact
+    only where the target lies on it.
+    """
+    if not model.cfg.use_normalization_before_and_after:
+        return target
+    ln = model.tl.blocks[layer].ln2_post
+    rho2 = x_old.pow(2).mean()
+    a = ln.w.double() * torch.sqrt(rho2 / (rho2 + ln.eps))  # y = a ⊙ s for x = rms(x_old)·s, mean(s²) = 1
+    d = target.numel()
+    ay, a2 = a * target, a * a
+    # min |a⊙s − y|² s.t. |s|² = d: s = a y / (a² + λ) with λ > −min a², |s|² decreasing in λ
+    lo, hi = -float(a2.min()), float(ay.norm()) / math.sqrt(d) - float(a2.min())
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if float(((ay / (a2 + mid)) ** 2).sum()) > d else (lo, mid)
+    s = ay / (a2 + hi)
+    return s * torch.sqrt(rho2)
+
+
+def _ld(model: KVModel, prompt: Prompt, answers: Sequence[int], nb: Notebook | None = None) -> float:
+    nb = prefill(model, prompt) if nb is None else nb
+    out = decide(model, nb, prompt, vocab=answers).last[0]
+    return float(out[0] - out[1])
+
+
+def concurrent(trials: Sequence[Trial], i: int) -> tuple[int, Prompt, float, float]:
+    """Another request of the same task that still holds trial i's OLD value: (its pair's index,
+    its prompt, its unedited ld, the ld of the same prompt with the NEW value). It is the next
+    pair (cyclically) whose prompt with that value is a different text (other names and ids)."""
+    t = trials[i]
+    field, value = t.pair.changed, t.pair.old.values[t.pair.changed]
+    for j in [*range(i + 1, len(trials)), *range(i)]:
+        u = trials[j]
+        c, ld_c, ld_alt = ((u.pair.old, u.ld_old, u.ld_new) if u.pair.old.values[field] == value
+                           else (u.pair.new, u.ld_new, u.ld_old))
+        if c.text != t.pair.old.text:
+            return j, c, ld_c, ld_alt
+    raise KVNotesError(f"contamination needs another request holding {field}={value!r} with other "
+                     f"names and ids, and the {len(trials)} pair(s) given have none; sample n >= 2")
+
+
+def weight_edit(trials: Sequence[Trial], *, layer: int | None = None,
+                other_trials: Sequence[Trial] | None = None, target: EditTarget = match_decision,
+                erratum: str = ERRATUM, min_effect: float = MIN_EFFECT) -> ProbeResult:
+    """Edit the weights for each pair (one rank-one MLP edit at `layer`, default the middle one,
+    aimed by `target`: `match_decision` or `match_residual`) and measure, with the edit applied
+    and the original weights restored after each pair:
+
+    - `target`: recovery of the edited model's decision on the OLD prompt, prefilled again with
+      the edited weights, toward the new one; `target.agree`: same answer as the new prompt;
+      `target.stale_cache`: the same read from the old notebook kept as it was.
+    - `contamination` (headline): the same recovery-like shift on a concurrent request of the
+      same task that still holds the old value (another pair's prompt, other names and ids);
+      `contamination.flips`: the fraction of those whose answer switches to the new value's,
+      over concurrent requests whose two values give different answers.
+    - `drift`: on the decisions of `other_trials` (both prompts of each; another task), the
+      fraction whose answer changes; `drift.dld`: their mean |Δld| in logits. Undefined (no
+      values) when `other_trials` is None.
+    - `seconds`: one edit's wall time (k and v*, the new prompt's prefill for v* included, and
+      the update); `reprefill_seconds`: prefilling the edited request again, which every cached
+      notebook above the layer now needs; `erratum_seconds` and `erratum` (recovery): appending
+      the erratum line to the stale notebook and deciding, timed in the same loop.
+    - `update_error`: |achieved − wanted| / |wanted − old| of the layer's MLP output at the key
+      (0 up to rounding unless a post-MLP norm keeps the wanted output out of reach).
+
+    The headline is contamination: the target can be reached by construction, and a notebook edit
+    has no contamination by construction; it is what a weight edit costs that the cache does not.
+
+    >>> from kvnotes import load_model
+    >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
+    >>> r = weight_edit(trials, layer=1, min_effect=0.0)
+    >>> r.headline, r.details["layer"], r.details["target"], r["target.agree"].mean
+    ('contamination', 1, 'match_decision', 1.0)
+    """
+    if len(trials) < 2:
+        raise KVNotesError(f"weight_edit needs at least 2 pairs (contamination is read on another "
+                         f"pair's prompt), got {len(trials)}; sample n >= 2")
+    model = trials[0].model
+    layer = check_layer(model, layer)
+    out_name = f"blocks.{layer}.hook_mlp_out"
+    used, excluded = split(trials, min_effect)
+    acc: dict[str, list] = {k: [] for k in (
+        "target", "target.agree", "target.stale_cache", "contamination", "contamination.flips", "drift",
+        "drift.dld", "seconds", "reprefill_seconds", "erratum", "erratum_seconds", "update_error")}
+    per_pair = []
+    other = list(other_trials or [])
+    index = {id(t): i for i, t in enumerate(trials)}
+    for t in each(used, "weight edit"):
+        m, pair, i = t.model, t.pair, index[id(t)]
+        j, c, ld_c, ld_alt = concurrent(trials, i)
+        s = time.perf_counter()
+        edit = target(t, layer, new_nb=prefill(m, pair.new))
+        with applied(m, edit):
+            acc["seconds"].append(time.perf_counter() - s)
+            stale = decide(m, t.old_nb, pair.old, capture=[out_name], vocab=pair.answers)
+            s = time.perf_counter()
+            ld = _ld(m, pair.old, pair.answers)
+            acc["reprefill_seconds"].append(time.perf_counter() - s)
+            ld_c_edit = _ld(m, c, trials[j].pair.answers)
+            drift = [(_ld(m, o.pair.old, o.pair.answers), o.ld_old) for o in other]
+            drift += [(_ld(m, o.pair.new, o.pair.answers), o.ld_new) for o in other]
+        s = time.perf_counter()
+        text = erratum.format(field=pair.changed, value=pair.new.values[pair.changed])
+        ld_err = _ld(m, pair.new, pair.answers, append(m, t.old_nb, text))
+        acc["erratum_seconds"].append(time.perf_counter() - s)
+
+        wanted = float((edit.target - edit.old).norm())
+        achieved = stale.activations[out_name][0, -1]
+        acc["update_error"].append(float((achieved - edit.target).norm()) / wanted if wanted else None)
+        acc["target"].append(float(t.recovery(ld)))
+        acc["target.agree"].append(float((ld > 0) == (t.ld_new > 0)))
+        acc["target.stale_cache"].append(float(t.recovery(float(stale.last[0, 0] - stale.last[0, 1]))))
+        acc["erratum"].append(float(t.recovery(ld_err)))
+        acc["contamination"].append((ld_c_edit - ld_c) / (ld_alt - ld_c)
+                                    if abs(ld_alt - ld_c) >= min_effect else None)
+        acc["contamination.flips"].append(float((ld_c_edit > 0) == (ld_alt > 0))
+                                          if (ld_c > 0) != (ld_alt > 0) else None)
+        if drift:
+            acc["drift"].append(sum((a > 0) != (b > 0) for a, b in drift) / len(drift))
+            acc["drift.dld"].append(sum(abs(a - b) for a, b in drift) / len(drift))
+        per_pair.append({"index": i, "concurrent": j, "concurrent_text": c.text, "ld_edited": ld,
+                         "ld_concurrent": ld_c, "ld_concurrent_edited": ld_c_edit,
+                         "ld_concurrent_new_value": ld_alt, "wanted_norm": wanted,
+                         "update_norm": float(edit.delta(m).norm() / m.tl.blocks[layer].mlp.W_out.norm())})
+    return ProbeResult(
+        name="weight_edit", headline="contamination",
+        parts={k: Estimate.of([x for x in v if x is not None]) for k, v in acc.items()},
+        details={"layer": layer, "n_layers": model.n_layers, "target": target.__name__,
+                 "covariance": "identity (covariance-free ROME)", "excluded": excluded, "pairs": per_pair,
+                 "drift_task": other[0].pair.task if other else None, "drift_decisions": 2 * len(other),
+                 "erratum": erratum},
+        description="a rank-one MLP weight edit per pair: target recovery, contamination of a concurrent "
+                    "request, drift of other decisions, and its cost beside the erratum")
+
+
+def drift_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0) -> list[Trial]:
+    """Trials on which to read drift: `n` pairs of another built-in task (`DRIFT_TASKS`; order-cancel
+    for a task without an entry), unrelated to the edited decision but in the same tokenizer. If
+    that task cannot be rendered for this model, other pairs of the same task (seed + 1) instead;
+    `trials[0].pair.task` says which.
+
+    >>> from kvnotes import load_model
+    >>> drift_trials(load_model("tiny-llama"), "refund-window", 1)[0].pair.task
+    'order-cancel'
+    """
+    task = load_task(task)
+    other = DRIFT_TASKS.get(task.name, "account-access" if task.name == "order-cancel" else "order-cancel")
+    try:
+        with warnings.catch_warnings():  # an organism's task run on the other organism: wanted here
+            warnings.filterwarnings("ignore", message="task .* was made for", category=UserWarning)
+            return make_trials(model, other, n, seed=seed, progress=False)
+    except KVNotesError:
+        return make_trials(model, task, n, seed=seed + 1, progress=False)
