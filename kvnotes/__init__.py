@@ -35,6 +35,7 @@ _EXPORTS = {
     "append": "kvnotes.ops",
     "rerotate": "kvnotes.ops",
     "splice": "kvnotes.ops",
+    "precompile": "kvnotes.ops",
     "logit_diff": "kvnotes.metrics",
     "recovery": "kvnotes.metrics",
     "logit_cosine": "kvnotes.metrics",

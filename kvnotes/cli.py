@@ -15,13 +15,24 @@ def _write_json(path: str | None, data: dict) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
+def _emit(report, path: str | None) -> int:
+    """Print a result's table and write its JSON if asked; the command's success exit code."""
+    print(report.table())
+    _write_json(path, report.to_dict())
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    """A comma-separated list of integers from the command line ("512,1024")."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def cmd_verify(args) -> int:
     from kvnotes.conformance import verify
     from kvnotes.models import load_model
 
     report = verify(load_model(args.model))
-    print(report.table())
-    _write_json(args.json, report.to_dict())
+    _emit(report, args.json)
     return 0 if report.passed else 1
 
 
@@ -29,22 +40,18 @@ def cmd_bench_patch_sweep(args) -> int:
     from kvnotes.bench import patch_sweep_report
     from kvnotes.models import load_model
 
-    lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
+    lengths = _ints(args.tokens)
     report = patch_sweep_report(load_model(args.model), lengths, n_slots=args.slots)
-    print(report.table())
-    _write_json(args.json, report.to_dict())
-    return 0
+    return _emit(report, args.json)
 
 
 def cmd_bench_ttft(args) -> int:
     from kvnotes.models import load_model
     from kvnotes.ttft import ttft
 
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    lengths = _ints(args.lengths)
     report = ttft(load_model(args.model), lengths, seam=args.seam)
-    print(report.table())
-    _write_json(args.json, report.to_dict())
-    return 0
+    return _emit(report, args.json)
 
 
 def cmd_bench_edit_cost(args) -> int:
@@ -52,9 +59,7 @@ def cmd_bench_edit_cost(args) -> int:
     from kvnotes.ttft import edit_cost
 
     report = edit_cost(load_model(args.model), args.tokens)
-    print(report.table())
-    _write_json(args.json, report.to_dict())
-    return 0
+    return _emit(report, args.json)
 
 
 def cmd_edit(args) -> int:
@@ -83,9 +88,7 @@ def cmd_edit(args) -> int:
 
         results["cot_refresh"] = cot_refresh(trials, max_tokens=args.cot_tokens)
     report = ProbeReport(model=model.name, task=task.name, n=args.n, seed=args.seed, probes=results)
-    print(report.table())
-    _write_json(args.json, report.to_dict())
-    return 0
+    return _emit(report, args.json)
 
 
 def cmd_compose(args) -> int:
@@ -94,8 +97,8 @@ def cmd_compose(args) -> int:
     from probes.results import ProbeReport
 
     model = load_model(args.model)
-    seams = [int(x) for x in args.seams.split(",") if x.strip()]
-    offsets = [int(x) for x in args.offsets.split(",") if x.strip()]
+    seams = _ints(args.seams)
+    offsets = _ints(args.offsets)
     results = {"seam_repair": seam_repair(model, args.task, n=args.n, seams=seams, offsets=offsets,
                                           seed=args.seed)}
     if args.memory:
@@ -108,9 +111,7 @@ def cmd_compose(args) -> int:
         results["agent_loop"] = agent_loop(model, args.task, n=min(args.n, 2), turns=args.turns,
                                            seed=args.seed)
     report = ProbeReport(model=model.name, task=args.task, n=args.n, seed=args.seed, probes=results)
-    print(report.table())
-    _write_json(args.json, report.to_dict())
-    return 0
+    return _emit(report, args.json)
 
 
 def cmd_probe(args) -> int:
@@ -126,15 +127,13 @@ def cmd_probe(args) -> int:
     model = load_model(args.model)
     n = args.n or (4 if args.name == "regime" else 8)
     if args.name == "regime":
-        distances = [int(x) for x in args.distances.split(",") if x.strip()]
+        distances = _ints(args.distances)
         result = regime(model, task, n=n, distances=distances, seed=args.seed, min_effect=args.min_effect)
         report = ProbeReport(model=model.name, task=task.name, n=n, seed=args.seed,
                              probes={"regime": result}, meta={"min_effect": args.min_effect})
     else:
         report = run_probes(model, task, names, n=n, seed=args.seed, min_effect=args.min_effect)
-    print(report.table())
-    _write_json(args.json, report.to_dict())
-    return 0
+    return _emit(report, args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:

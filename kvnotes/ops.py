@@ -280,6 +280,16 @@ def rerotate(model: KVModel, notebook: Notebook, positions: Sequence[int] | Tens
     return replace(notebook, keys=keys, positions=new, spans=spans)
 
 
+def precompile(model: KVModel, chunk: Sequence[int]) -> Notebook:
+    """A chunk's notebook computed in isolation, as a cached skill or memory block is: after its
+    own BOS (the attention sink any prefill has), which is then dropped. Slots at 1..len(chunk);
+    `splice` re-rotates them to wherever they go."""
+    ids = [int(t) for t in chunk]
+    bos = model.tokenizer.bos_token_id
+    nb = prefill(model, ([bos] if bos is not None else []) + ids)
+    return nb if bos is None else nb.select(list(range(1, len(ids) + 1)))
+
+
 def splice(model: KVModel, host: Notebook, chunk: Notebook, *, offset: int | None = None,
            seam: int = 0) -> Notebook:
     """Place a precompiled `chunk` after `host` (at `offset`, default right after it), re-rotated,

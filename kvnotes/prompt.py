@@ -88,6 +88,10 @@ class Template:
         out.append(self.text[last:])
         return "".join(out), spans
 
+    def fill(self, **values: str) -> str:
+        """The template's text with its fields filled (no tokenizer: for text inside a prompt)."""
+        return self._parse({f: str(values[f]) for f in self.fields})[0]
+
     def render(self, model, **values: str) -> Prompt:
         """Fill the fields and tokenize with `model`'s tokenizer (BOS first when it has one)."""
         vals = {**self.defaults, **values}

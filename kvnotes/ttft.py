@@ -85,12 +85,6 @@ def _text_ids(model: KVModel, n: int) -> list[int]:
     return ids[:n]
 
 
-def precompile(model: KVModel, chunk: list[int]) -> Notebook:
-    """A chunk's notebook computed in isolation (after its own BOS, which is then dropped)."""
-    nb = ops.prefill(model, [model.tokenizer.bos_token_id or 0, *chunk])
-    return nb.select(list(range(1, len(chunk) + 1)))
-
-
 def compose_and_decide(model: KVModel, host: list[int], chunk_nb: Notebook, suffix: list[int],
                        query: list[int], *, seam: int) -> torch.Tensor:
     """The host tokens, the spliced chunk (seam repaired), the live suffix; the query's last logits."""
@@ -113,7 +107,7 @@ def ttft(model: KVModel, lengths: list[int], *, seam: int = 8, progress: bool = 
     points = []
     for n in tqdm(lengths, desc="ttft", disable=not progress, unit="length"):
         chunk = _text_ids(model, n - fixed)
-        chunk_nb = precompile(model, chunk)  # offline: not part of time to first token
+        chunk_nb = ops.precompile(model, chunk)  # offline: not part of time to first token
         t0 = time.perf_counter()
         composed = compose_and_decide(model, host, chunk_nb, suffix, query, seam=seam)
         t1 = time.perf_counter()

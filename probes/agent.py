@@ -15,7 +15,7 @@ from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
-from kvnotes.ops import append, decide, prefill, splice
+from kvnotes.ops import append, decide, precompile, prefill, splice
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.ttft import HOST
 from probes.compose import chunk_end
@@ -33,7 +33,6 @@ def agent_loop(model: KVModel, task: Task | str, *, n: int = 2, turns: int = 28,
     task = load_task(task)
     field = task.gate.field
     acc: dict[str, list[float]] = {}
-    bos = model.tokenizer.bos_token_id or 0
     host = model.encode(HOST)  # the policy is composed into a context it was not compiled in
     pairs = sample(task, model, n, seed=seed)
     longest = max(len(model.encode(erratum.format(field=field, value=v), bos=False))
@@ -47,7 +46,7 @@ def agent_loop(model: KVModel, task: Task | str, *, n: int = 2, turns: int = 28,
         ids = list(p.ids)
         c1, d0 = chunk_end(p, field), p.span("decision").start
         query = ids[d0:]
-        chunk = prefill(model, [bos, *ids[1:c1]]).select(list(range(1, c1)))
+        chunk = precompile(model, ids[1:c1])
         nb = splice(model, prefill(model, host), chunk, seam=seam)
         nb, _ = run(model, nb, ids[c1:d0], logits_at=())
         text_ids = host + ids[1:d0]

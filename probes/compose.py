@@ -21,7 +21,7 @@ from kvnotes.errors import TaskError
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.ops import decide, prefill, splice
+from kvnotes.ops import decide, precompile, prefill, splice
 from kvnotes.tasks import Task, load_task, sample
 from probes.regime import filler_text
 from probes.results import Estimate, ProbeResult
@@ -61,7 +61,6 @@ def seam_repair(model: KVModel, task: Task | str, *, n: int = 4, seams: Sequence
     seams = sorted(set(int(b) for b in seams))
     acc: dict[str, list[float]] = {}
     pairs = sample(task, model, n, seed=seed)
-    bos = model.tokenizer.bos_token_id or 0
     chunk_sizes = []
     for pair in tqdm(pairs, desc="seam repair", disable=not progress, unit="prompt"):
         p = pair.old
@@ -70,10 +69,10 @@ def seam_repair(model: KVModel, task: Task | str, *, n: int = 4, seams: Sequence
         d0 = p.span("decision").start
         chunk_ids, live, query = ids[c0:c1], ids[c1:d0], ids[d0:]
         chunk_sizes.append(len(chunk_ids))
-        chunk = prefill(model, [bos, *chunk_ids]).select(list(range(1, 1 + len(chunk_ids))))
+        chunk = precompile(model, chunk_ids)
         answers = torch.tensor(pair.answers)
         for off in offsets:
-            host_ids = [bos, *model.encode(filler_text(model, off), bos=False)[:off]]
+            host_ids = model.encode(filler_text(model, off))[:off + 1]  # BOS + off tokens
             ref = decide(model, prefill(model, host_ids + chunk_ids + live), query).last[0]
             host = prefill(model, host_ids)
             for b in seams:

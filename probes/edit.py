@@ -29,10 +29,6 @@ KS = (1, 2, 4, 8, 16, 32, 64)
 ERRATUM = "\n[STATE UPDATE] {field} → {value}; overrides any earlier value and conclusion.\n"
 
 
-def _ld(t: Trial, out) -> float:
-    return float(out[0, 0] - out[0, 1])
-
-
 def hoisted_text(t: Trial) -> str:
     """The new prompt's text with the changed field's line moved to just before the decision."""
     p = t.pair.new
@@ -60,7 +56,7 @@ def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float,
         out[name] = (ld, n_tokens, time.perf_counter() - s)
 
     def read(nb):
-        return _ld(t, decide(m, nb, new, vocab=t.pair.answers).last)
+        return float(t.ld(nb)[0])
 
     n_dec = len(new) - new.span("decision").start
     timed("refresh", lambda: read(refresh(m, t.old_nb, new, t.pair.changed)), len(field) + n_dec)
@@ -82,8 +78,11 @@ def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float,
     n_err = len(m.encode(text, bos=False))
     timed("erratum", lambda: read(append(m, t.old_nb, text)), n_err + n_dec)
     hoisted = m.encode(hoisted_text(t))
-    timed("hoist", lambda: _ld(t, decide(m, prefill(m, hoisted[:-n_dec]), hoisted[-n_dec:],
-                                          vocab=t.pair.answers).last), len(hoisted))
+    def hoist():
+        out = decide(m, prefill(m, hoisted[:-n_dec]), hoisted[-n_dec:], vocab=t.pair.answers).last
+        return float(out[0, 0] - out[0, 1])
+
+    timed("hoist", hoist, len(hoisted))
     timed("full", lambda: read(prefill(m, new)), len(new))
     return out
 

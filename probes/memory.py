@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.ops import decide, prefill, splice
+from kvnotes.ops import decide, precompile, prefill, splice
 from probes.results import Estimate, ProbeResult
 
 NAMES = ("Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi")
@@ -25,9 +25,7 @@ QUESTION = "\nOnly pending orders can be cancelled.\nQuestion: can {name}'s orde
 
 
 def _block(model: KVModel, text: str) -> Notebook:
-    bos = model.tokenizer.bos_token_id or 0
-    ids = model.encode(text, bos=False)
-    return prefill(model, [bos, *ids]).select(list(range(1, len(ids) + 1)))
+    return precompile(model, model.encode(text, bos=False))
 
 
 def memory_blocks(model: KVModel, *, n: int = 8, people: int = 4, seam: int = 2, seed: int = 0,

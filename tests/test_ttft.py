@@ -9,7 +9,7 @@ import pytest
 
 from kvnotes.cli import main
 from kvnotes.errors import OutOfRange
-from kvnotes.ops import decide, prefill
+from kvnotes.ops import decide, precompile, prefill
 from kvnotes.ttft import (
     HOST,
     QUERY,
@@ -19,7 +19,6 @@ from kvnotes.ttft import (
     _text_ids,
     compose_and_decide,
     edit_cost,
-    precompile,
     ttft,
 )
 from tests.helpers import assert_close, get_model

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from kvnotes.errors import MissingDependency
+from kvnotes.models.cache import publish
 from kvnotes.models.hf import hooked_from_state_dict, tl_from_hf_model, tl_kwargs
 from kvnotes.models.model import KVModel
 
@@ -126,31 +125,14 @@ def _write_cache(root: Path, model: KVModel, cfg: dict) -> None:
     """Write weights, config and tokenizer to a temp dir, then rename it into place."""
     from safetensors.torch import save_file
 
-    try:
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=root.parent))
-    except OSError as e:
-        _say(True, f"kvnotes: cannot cache {NAME} under {root.parent} ({e}); "
-                   "it will be converted again next time")
-        return
-    try:
+    def fill(tmp: Path) -> None:
         weights = {k: p.detach().contiguous() for k, p in model.tl.named_parameters()}
         save_file(weights, str(tmp / "weights.safetensors"))
-        os.chmod(tmp / "weights.safetensors", 0o644)  # mkdtemp and safetensors make these private
-        os.chmod(tmp, 0o755)
         model.tokenizer.save_pretrained(str(tmp / "tokenizer"))
         config = {**cfg, "dtype": str(cfg["dtype"]).removeprefix("torch.")}
         (tmp / "meta.json").write_text(json.dumps({"stamp": _stamp(), "config": config}, indent=1))
-        if root.exists():  # stale: move aside, then swap in the new one
-            stale = Path(tempfile.mkdtemp(prefix=f".{NAME}-stale-", dir=root.parent))
-            os.replace(root, stale / NAME)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.replace(tmp, root)
-    except OSError as e:  # disk full, read-only, or another process won the rename
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (root / "meta.json").is_file():
-            _say(True, f"kvnotes: could not write the {NAME} cache at {root} ({e}); "
-                       "it will be converted again next time")
+
+    publish(root, NAME, "converted again", fill)
 
 
 def _say(progress: bool, line: str) -> None:

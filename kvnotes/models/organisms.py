@@ -36,11 +36,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -51,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvnotes.models.cache import publish
 from kvnotes.models.model import KVModel
 from kvnotes.models.tiny import tiny_tokenizer
 from kvnotes.prompt import Prompt
@@ -447,30 +445,14 @@ def _write_cache(root: Path, tl, cfg: OrganismConfig, metrics: dict) -> None:
     """Weights (safetensors) and metadata (JSON) into a temp dir, then renamed into place."""
     from safetensors.torch import save_file
 
-    try:
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    except OSError as e:
-        _say(True, f"kvnotes: cannot cache {cfg.name} under {root.parent} ({e}); it will be trained again")
-        return
-    try:
+    def fill(tmp: Path) -> None:
         save_file({k: p.detach().contiguous() for k, p in tl.named_parameters()},
                   str(tmp / "weights.safetensors"))
         meta = {"format": "kvnotes.organism", "version": CACHE_VERSION, "name": cfg.name,
                 "config_hash": config_hash(cfg), "config": cfg.to_dict(), "metrics": metrics}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.chmod(tmp / "weights.safetensors", 0o644)
-        os.chmod(tmp, 0o755)
-        if root.exists():  # unreadable or stale: move aside, then swap in the new one
-            stale = Path(tempfile.mkdtemp(prefix=f".{root.name}-stale-", dir=root.parent))
-            os.replace(root, stale / root.name)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.replace(tmp, root)
-    except OSError as e:  # disk full, read-only, or another process won the rename
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (root / "meta.json").is_file():
-            _say(True, f"kvnotes: could not write the {cfg.name} cache at {root} ({e}); "
-                       "it will be trained again next time")
+
+    publish(root, cfg.name, "trained again", fill)
 
 
 def _resolve(name: str, config: OrganismConfig | None) -> OrganismConfig:

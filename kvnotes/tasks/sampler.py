@@ -67,7 +67,7 @@ def shots_text(task: Task, rng: random.Random, filler: str = "") -> str:
     for v in values:
         vals = {**values_for(task, rng), task.gate.field: v, "answer": task.answers[task.outcome(v)],
                 "filler": filler}
-        parts.append(tpl._parse({f: vals[f] for f in tpl.fields})[0])
+        parts.append(tpl.fill(**vals))
     return "".join(parts)
 
 

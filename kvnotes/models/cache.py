@@ -1,0 +1,41 @@
+"""Atomic cache directories for converted and trained models (safetensors + JSON, never pickle)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def publish(root: Path, what: str, again: str, fill: Callable[[Path], None]) -> None:
+    """Write the cache directory `root` atomically: `fill` writes into a temp dir beside it, which
+    is then renamed into place (a stale `root` moved aside first). A failure (disk full, read-only,
+    another process won the rename) is reported — `what` will be `again` next time — and leaves
+    no partial directory behind."""
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    except OSError as e:
+        say(f"kvnotes: cannot cache {what} under {root.parent} ({e}); it will be {again} next time")
+        return
+    try:
+        fill(tmp)
+        for p in tmp.rglob("*"):  # mkdtemp and safetensors make these private
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        os.chmod(tmp, 0o755)
+        if root.exists():
+            stale = Path(tempfile.mkdtemp(prefix=f".{root.name}-stale-", dir=root.parent))
+            os.replace(root, stale / root.name)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (root / "meta.json").is_file():
+            say(f"kvnotes: could not write the {what} cache at {root} ({e}); it will be {again} next time")
