@@ -10,10 +10,10 @@ d_head d_model d_vocab d_sae   the usual widths
 
 from __future__ import annotations
 
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["Float", "Int", "Tensor", "KV", "Logits", "Positions", "TokenIds"]
+__all__ = ["Bool", "Float", "Int", "Tensor", "KV", "Logits", "Positions", "TokenIds"]
 
 KV = Float[Tensor, "batch n_kv_heads slot d_head"]
 Logits = Float[Tensor, "batch pos d_vocab"]

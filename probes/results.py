@@ -73,6 +73,46 @@ def bootstrap_ci(values: Sequence[float], *, seed: int = 0, confidence: float = 
 
 
 @dataclass(frozen=True)
+class Curve:
+    """One Estimate per value of `x` (e.g. recovery against the number of heads patched, k).
+
+    >>> c = Curve.of("k", [1, 2], [[0.1, 0.3], [0.5, 0.7]])
+    >>> c.x, [round(e.mean, 2) for e in c.points]
+    ((1, 2), [0.2, 0.6])
+    """
+
+    x_name: str
+    x: tuple[int | float, ...]
+    points: tuple[Estimate, ...]
+
+    @classmethod
+    def of(cls, x_name: str, x: Sequence[int | float], values: Sequence[Sequence[float]], *,
+           seed: int = 0) -> Curve:
+        if len(x) != len(values):
+            raise ValueError(f"{len(x)} x values but {len(values)} lists of values")
+        return cls(x_name=x_name, x=tuple(x), points=tuple(Estimate.of(v, seed=seed) for v in values))
+
+    @property
+    def means(self) -> list[float | None]:
+        return [p.mean for p in self.points]
+
+    def to_dict(self) -> dict:
+        return {"x_name": self.x_name, "x": list(self.x), "mean": self.means,
+                "ci": [list(p.ci) if p.ci else None for p in self.points],
+                "values": [list(p.values) for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Curve:
+        pts = tuple(Estimate.from_dict({"mean": m, "ci": c, "values": v})
+                    for m, c, v in zip(d["mean"], d["ci"], d["values"]))
+        return cls(x_name=d["x_name"], x=tuple(d["x"]), points=pts)
+
+    def __str__(self) -> str:
+        return "  ".join(f"{self.x_name}={x:g}: {'n/a' if p.mean is None else f'{p.mean:+.2f}'}"
+                         for x, p in zip(self.x, self.points))
+
+
+@dataclass(frozen=True)
 class ProbeResult:
     """One probe's figures: named `parts` (each an Estimate over prompts), with `headline` the
     part whose mean is the probe's `mean`. `details` holds JSON-safe extras (per-prompt maps,
@@ -83,10 +123,17 @@ class ProbeResult:
     parts: Mapping[str, Estimate]
     details: Mapping = field(default_factory=dict)
     description: str = ""
+    curves: Mapping[str, Curve] = field(default_factory=dict)
+    tables: Mapping[str, list] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.headline not in self.parts:
             raise ValueError(f"headline {self.headline!r} is not one of the parts {list(self.parts)}")
+        names = [*self.parts, *self.curves, *self.tables]
+        clash = {n for n in names if names.count(n) > 1} | (set(names) & _RESERVED)
+        if clash:
+            raise ValueError(f"part, curve and table names must be distinct and not reserved: "
+                             f"{sorted(clash)}")
 
     @property
     def estimate(self) -> Estimate:
@@ -101,21 +148,30 @@ class ProbeResult:
 
     def to_dict(self) -> dict:
         return {**self.estimate.to_dict(), "headline": self.headline, "description": self.description,
-                **{k: v.to_dict() for k, v in self.parts.items()}, "details": dict(self.details)}
+                **{k: v.to_dict() for k, v in self.parts.items()},
+                **{k: v.to_dict() for k, v in self.curves.items()},
+                **{k: list(v) for k, v in self.tables.items()}, "details": dict(self.details)}
 
     @classmethod
     def from_dict(cls, name: str, d: Mapping) -> ProbeResult:
-        reserved = {"mean", "ci", "values", "headline", "description", "details"}
-        parts = {k: Estimate.from_dict(v) for k, v in d.items() if k not in reserved}
+        rest = {k: v for k, v in d.items() if k not in _RESERVED}
+        parts = {k: Estimate.from_dict(v) for k, v in rest.items()
+                 if isinstance(v, Mapping) and "x" not in v}
+        curves = {k: Curve.from_dict(v) for k, v in rest.items() if isinstance(v, Mapping) and "x" in v}
+        tables = {k: list(v) for k, v in rest.items() if isinstance(v, list)}
         return cls(name=name, headline=d["headline"], parts=parts, details=d.get("details", {}),
-                   description=d.get("description", ""))
+                   description=d.get("description", ""), curves=curves, tables=tables)
 
     def __repr__(self) -> str:
         return f"ProbeResult({self.name}: {self.headline} {self.estimate}; parts {list(self.parts)})"
 
     def rows(self) -> list[tuple[str, str]]:
-        return [(f"{self.name}.{k}" + (" *" if k == self.headline else ""), str(v))
-                for k, v in self.parts.items()]
+        return ([(f"{self.name}.{k}" + (" *" if k == self.headline else ""), str(v))
+                 for k, v in self.parts.items()]
+                + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()])
+
+
+_RESERVED = {"mean", "ci", "values", "headline", "description", "details"}
 
 
 @dataclass(frozen=True)
