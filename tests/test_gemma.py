@@ -126,3 +126,35 @@ def test_docs_example_task_runs_on_gemma(gemma, tmp_path):
     trials = make_trials(gemma, str(path), 2, progress=False)
     assert field_refresh(trials, min_effect=0.0)["recovery"].n == 2
     assert notes_transplant(trials, min_effect=0.0)["kv"].n == 2
+
+
+def test_head_patches_on_gemma_equal_the_unbatched_engine_and_find_the_field_reader(gemma):
+    """Multi-query attention on real weights (4 query heads share one KV head per layer): batched
+    read patches equal a plain decide with the same hook, every head gives the new decision, and
+    the head whose attention to the field carries the conclusion (docs/circuits.md) is found."""
+    from circuits import all_heads, read_sweep
+    from circuits.heads import path_delta, read_site
+    from circuits.read_write import path_positions
+    from kvnotes.ops import decide
+    from probes import make_trials
+
+    t = make_trials(gemma, "order-cancel", 1, progress=False)[0]
+    names = [f"blocks.{l}.attn.hook_z" for l in range(gemma.n_layers)]
+    z_new = decide(gemma, t.new_nb, t.pair.new, capture=names).activations
+    sets = [[(10, 3)], [(11, 2), (15, 0)], all_heads(gemma)]
+    got = t.ld_old + read_sweep(t, sets) * (t.ld_new - t.ld_old)
+    for heads, ld in zip(sets, got.tolist()):
+        def hook(z, hook, heads=heads):
+            z = z.clone()
+            for l, h in heads:
+                if hook.name == names[l]:
+                    z[:, -1, h] = z_new[names[l]][:, -1, h]
+            return z
+        out = decide(gemma, t.old_nb, t.pair.new, hooks=[(n, hook) for n in names], vocab=t.pair.answers)
+        assert abs(ld - float(out.last[0, 0] - out.last[0, 1])) < 1e-3
+    assert abs(got[-1].item() - t.ld_new) < 1e-3
+    site = read_site(t)
+    total = sum(path_delta(t, where) for where in path_positions(t).values())
+    torch.testing.assert_close(total, site.z_new - site.z_old, rtol=1e-4, atol=1e-4)
+    field = read_sweep(t, [[(10, 3)]], path=list(t.pair.field_span))
+    assert float(field[0]) > 0.5  # L10H3 reads the conclusion from the field's slot

@@ -1,0 +1,244 @@
+"""Patching attention-head outputs: at the decision (the read side) and at the note slots
+during prefill (the write side), many head sets per batched forward.
+
+A head is a *query* head `(layer, head)`. Under grouped- and multi-query attention (Gemma 3
+270M: four query heads share its one KV head) the heads of a group read the same keys and
+values and differ only by their queries and output weights; patching one head's output
+(`hook_z`) leaves what its siblings read untouched, so each query head is its own component.
+
+Read side, for each trial: the query tokens before the decision position are computed once
+onto both notebooks, so a head patch costs one token's forward. `output` patching replaces
+the head's `hook_z` at the decision with the new-value run's; `path` patching adds only the
+change in what its attention brings from chosen slots (the note slots, or the field):
+z + Σ_{s∈slots} (p_new[s]·v_new[s] − p_old[s]·v_old[s]), everything else kept as in the run.
+
+Write side: the old-value notebook is rebuilt from the first note slot with the chosen
+heads' `hook_z` at the note slots taken from the new-value run, so later layers' K/V at
+those slots are recomputed from there, and the decision is read from the rebuilt notebook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvnotes.engine import run
+from kvnotes.models.model import KVModel
+from kvnotes.notebook import Notebook
+from kvnotes.ops import query_tokens
+from kvnotes.types import Bool, Float, Tensor
+from probes.trials import Trial
+
+Head = tuple[int, int]
+ROWS = 32  # head sets per batched forward
+
+
+def all_heads(model: KVModel) -> list[Head]:
+    """Every query head, layer-major: index = layer * n_heads + head."""
+    return [(l, h) for l in range(model.n_layers) for h in range(model.n_heads)]
+
+
+def kv_head(model: KVModel, head: int) -> int:
+    """The KV head a query head reads (query heads are grouped in order under each KV head)."""
+    return head // (model.n_heads // model.n_kv_heads)
+
+
+def grouping(model: KVModel) -> dict:
+    """How the model's query heads share keys and values, for the results."""
+    g = model.n_heads // model.n_kv_heads
+    kind = "multi-query" if model.n_kv_heads == 1 else "grouped-query" if g > 1 else "multi-head"
+    return {"n_layers": model.n_layers, "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads,
+            "queries_per_kv_head": g, "attention": kind,
+            "note": ("heads are query heads: under grouped/multi-query attention the heads of a group "
+                     "read the same keys and values and differ only by their queries and output "
+                     "weights; a head patch replaces one query head's output, never the shared K/V")}
+
+
+def masks_for(model: KVModel, sets: Sequence[Sequence[Head]]) -> Bool[Tensor, "batch layer n_heads"]:
+    """One boolean `[layer, head]` mask per head set."""
+    m = torch.zeros(len(sets), model.n_layers, model.n_heads, dtype=torch.bool)
+    for i, heads in enumerate(sets):
+        for l, h in heads:
+            m[i, l, h] = True
+    return m
+
+
+def _z(l: int) -> str:
+    return f"blocks.{l}.attn.hook_z"
+
+
+# --- read side -------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class ReadSite:
+    """A trial's decision position, ready for head patches: both notebooks extended by the
+    query tokens before it, and each run's head outputs there (`z`: `[layer, head, d_head]`)
+    and attention patterns (`pattern`: per layer `[head, slot]`, slots of the extended
+    notebook then the decision token itself), and the decision token's own values
+    (`v_self`: `[layer, n_kv_heads, d_head]`)."""
+
+    old: Notebook
+    new: Notebook
+    token: int
+    position: int
+    z_old: Float[Tensor, "layer n_heads d_head"]
+    z_new: Float[Tensor, "layer n_heads d_head"]
+    pattern_old: tuple[Tensor, ...]
+    pattern_new: tuple[Tensor, ...]
+    v_self_old: Float[Tensor, "layer n_kv_heads d_head"]
+    v_self_new: Float[Tensor, "layer n_kv_heads d_head"]
+
+
+def read_site(t: Trial) -> ReadSite:
+    """The trial's `ReadSite` (computed once, cached on the trial)."""
+    if "read_site" in t.cache:
+        return t.cache["read_site"]
+    model = t.model
+    ids, pos = query_tokens(model, t.old_nb, t.pair.new)
+    names = [_z(l) for l in range(model.n_layers)]
+    pats = [f"blocks.{l}.attn.hook_pattern" for l in range(model.n_layers)]
+    vals = [f"blocks.{l}.attn.hook_v" for l in range(model.n_layers)]
+    ext, zs, ps, vs = [], [], [], []
+    for nb in (t.old_nb, t.new_nb):
+        if len(ids) > 1:
+            nb, _ = run(model, nb, ids[:-1], pos[:-1], logits_at=())
+        _, out = run(model, nb, ids[-1:], pos[-1:], write=False, capture=names + pats + vals,
+                     vocab=t.pair.answers)
+        ext.append(nb)
+        vs.append(torch.stack([out.activations[n][0, -1] for n in vals]))
+        zs.append(torch.stack([out.activations[n][0, -1] for n in names]))
+        ps.append(tuple(out.activations[n][0, :, -1] for n in pats))
+    site = ReadSite(old=ext[0], new=ext[1], token=ids[-1], position=int(pos[-1]),
+                    z_old=zs[0], z_new=zs[1], pattern_old=ps[0], pattern_new=ps[1],
+                    v_self_old=vs[0], v_self_new=vs[1])
+    t.cache["read_site"] = site
+    return site
+
+
+def path_delta(t: Trial, positions: Sequence[int]) -> Float[Tensor, "layer n_heads d_head"]:
+    """Per head, the change in what its attention at the decision brings from `positions`
+    (new run minus old run): Σ_s p[s]·v[s] over those slots; the decision's own position is
+    its own key and value. Over every position the deltas add up to z_new - z_old."""
+    site = read_site(t)
+    model = t.model
+    kv = torch.tensor([kv_head(model, h) for h in range(model.n_heads)])
+    out = torch.zeros_like(site.z_old)
+    slots = [p for p in positions if p != site.position]
+    itself = len(slots) < len(positions)
+    for nb, pats, v_self, sign in ((site.new, site.pattern_new, site.v_self_new, 1.0),
+                                   (site.old, site.pattern_old, site.v_self_old, -1.0)):
+        idx = nb.slot_index(slots) if slots else None
+        for l in range(model.n_layers):
+            if idx is not None:
+                p = pats[l][:, idx]  # [head, slots]
+                v = nb.values[l][0][kv][:, idx]  # [head, slots, d_head]
+                out[l] += sign * torch.einsum("hs,hsd->hd", p, v)
+            if itself:
+                out[l] += sign * pats[l][:, -1:] * v_self[l][kv]
+    return out
+
+
+def read_hooks(model: KVModel, masks: Tensor, source: Tensor, *, add: bool) -> list:
+    """`hook_z` hooks for one decision token: where `masks[b, l, h]`, replace (or, with `add`,
+    add to) head h's output with `source[l, h]`."""
+    def make(l: int):
+        def hook(z, hook):
+            m = masks[:, l][:, None, :, None]  # [B, 1, head, 1]
+            s = source[l][None, None]
+            return z + m * s if add else torch.where(m, s, z)
+        return hook
+    layers = masks.any(0).any(-1).nonzero().flatten().tolist()
+    return [(_z(l), make(l)) for l in layers]
+
+
+def read_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, path: Sequence[int] | None = None,
+               batch_size: int = ROWS) -> Float[Tensor, " n"]:
+    """Recovery for each head set patched at the decision (new → old run).
+
+    path=None: output patching (each head's whole output from the new run). path=positions:
+    path patching (only the part of each head's attention that lands on those slots changes).
+    """
+    site = read_site(t)
+    source = site.z_new if path is None else path_delta(t, path)
+    out = []
+    for i in range(0, len(sets), batch_size):
+        m = masks_for(t.model, sets[i:i + batch_size])
+        hooks = read_hooks(t.model, m, source, add=path is not None)
+        tok = torch.tensor([[site.token]]).expand(len(m), 1)
+        _, r = run(t.model, site.old, tok, [site.position], write=False, hooks=hooks, vocab=t.pair.answers)
+        out.append(r.last[:, 0].double() - r.last[:, 1].double())
+    return t.recovery(torch.cat(out)) if out else torch.zeros(0, dtype=torch.float64)
+
+
+# --- write side ------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class WriteSite:
+    """The note slots' recompute and the decision in one pass: the old notebook before the
+    first note slot, the note tokens then the query tokens with their positions, and the new
+    run's head outputs at the note slots (per layer `[pos, head, d_head]`)."""
+
+    base: Notebook
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    n_notes: int
+    z_new: tuple[Tensor, ...]
+
+
+def write_site(t: Trial) -> WriteSite | None:
+    """The trial's `WriteSite` (cached), or None when the pair has no note slots."""
+    if "write_site" in t.cache:
+        return t.cache["write_site"]
+    notes = t.pair.downstream()
+    site = None
+    if notes:
+        model = t.model
+        pos = tuple(notes)
+        ids = tuple(t.pair.new.ids[p] for p in pos)
+        q_ids, q_pos = query_tokens(model, t.old_nb, t.pair.new)
+        names = [_z(l) for l in range(model.n_layers)]
+        _, out = run(model, t.new_nb.truncate(pos[0]), ids, pos, capture=names, logits_at=())
+        site = WriteSite(base=t.old_nb.truncate(pos[0]), tokens=ids + tuple(q_ids),
+                         positions=pos + tuple(q_pos.tolist()), n_notes=len(pos),
+                         z_new=tuple(out.activations[n][0] for n in names))
+    t.cache["write_site"] = site
+    return site
+
+
+def write_hooks(model: KVModel, masks: Tensor, z_new: Sequence[Tensor], n_total: int) -> list:
+    """`hook_z` hooks over the note slots (the first `len(z_new[l])` computed tokens of
+    `n_total`): where `masks[b, l, h]`, head h's output at every note slot is the new run's."""
+    n = z_new[0].shape[0]
+    at_note = torch.arange(n_total) < n
+
+    def make(l: int):
+        src = torch.cat([z_new[l], z_new[l].new_zeros(n_total - n, *z_new[l].shape[1:])])
+        def hook(z, hook):
+            m = masks[:, l][:, None, :, None] & at_note[None, :, None, None]
+            return torch.where(m, src[None], z)
+        return hook
+    layers = masks.any(0).any(-1).nonzero().flatten().tolist()
+    return [(_z(l), make(l)) for l in layers]
+
+
+def write_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, batch_size: int = ROWS) -> Float[Tensor, " n"]:
+    """Recovery for each head set whose outputs at the note slots come from the new run while
+    the old notebook's note slots are recomputed (NaN for every set when there are no notes).
+
+    The note slots and the query are computed in one pass, the query attending to the
+    recomputed note slots as it would after writing them."""
+    site = write_site(t)
+    if site is None:
+        return torch.full((len(sets),), float("nan"), dtype=torch.float64)
+    out = []
+    n = len(site.tokens)
+    for i in range(0, len(sets), batch_size):
+        m = masks_for(t.model, sets[i:i + batch_size])
+        tok = torch.tensor([site.tokens]).expand(len(m), -1)
+        _, r = run(t.model, site.base, tok, site.positions, write=False, vocab=t.pair.answers,
+                   hooks=write_hooks(t.model, m, site.z_new, n))
+        out.append(r.last[:, 0].double() - r.last[:, 1].double())
+    return t.recovery(torch.cat(out)) if out else torch.zeros(0, dtype=torch.float64)
+
+
+Sweep = Callable[[Trial, Sequence[Sequence[Head]]], Tensor]
