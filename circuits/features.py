@@ -1,0 +1,519 @@
+"""SAE features of the conclusion: does a feature that *decodes* it also *carry* it?
+
+A TopK sparse autoencoder (sae-lens) is trained on the residual stream after one block
+(`blocks.{L}.hook_resid_post`, the hook name sae-lens uses), on every position from the changed
+field through the last token of fresh prompt pairs of the task. At a *site* — the note slots (every
+position after the field and before the decision) or the decision's last query token — each
+feature is then scored twice:
+
+- decoding: on held-out prompts, how well its activation at the site separates the two
+  conclusions (AUC, as max(AUC, 1 − AUC): 0.5 is chance, 1.0 a perfect separation either way);
+- causing: in the old-value run its activation at the site is moved to the new-value run's,
+  keeping the SAE's error term, and the decision's recovery is read (0: still the old decision,
+  1: the new one). At the notes site the patch is written during prefill, so later layers' K/V
+  at the note slots are recomputed from it before the decision reads them.
+
+The hypothesis under test, not a result to reproduce: a feature can decode the conclusion at
+AUC 1.0 yet be causally useless alone, while the causal content is spread over ~10–30 features
+along a low-rank direction. `topk_curve` patches together the k features that push hardest along
+the conclusion direction (ranked on the other half of the trials); `random_curve` patches k random
+features among those whose activation changes between the two runs. A feature's AUC is measured
+on held-out prompts, never on the trials it is patched in.
+
+    from kvnotes import load_model
+    from probes import make_trials
+    from circuits.sae import SAEConfig, sae_analysis, train_sae
+    model = load_model("gemma-3-270m")
+    trials = make_trials(model, "order-cancel", 8)
+    sae = train_sae(model, "order-cancel")             # about a minute; sae.save_model(path) keeps it
+    res = sae_analysis(trials, "order-cancel", sae=sae)
+    res["single_feature_recovery"], res["best_auc"], res.curves["topk_curve"]
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from jaxtyping import Bool, Int
+from scipy.stats import rankdata
+from tqdm.auto import tqdm
+
+from circuits.sae import (
+    EVAL_SEED,
+    HOOK,
+    SITES,
+    TRAIN_SEED,
+    Residuals,
+    SAEConfig,
+    check_sae,
+    collect_residuals,
+    decoder_rows,
+    train_sae,
+)
+from kvnotes.engine import run
+from kvnotes.notebook import Notebook
+from kvnotes.ops import query_tokens
+from kvnotes.tasks import Task, load_task, sample
+from kvnotes.types import Float, Tensor
+from probes.causal import split
+from probes.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
+from probes.trials import MIN_EFFECT, Trial
+
+Labels = Int[np.ndarray, " n"] | Bool[np.ndarray, " n"]  # the answer index (conclusion) of each prompt
+TOP = 32  # features ranked by AUC whose single-feature recovery is measured
+ROWS = 32  # feature sets per batched forward
+
+
+# --- decoding: AUC ---------------------------------------------------------------------------
+def feature_auc(scores: Float[np.ndarray, "n f"], labels: Labels) -> Float[np.ndarray, " f"]:
+    """Per column, P(score of a label-1 prompt > score of a label-0 prompt), ties counted half:
+    the Mann–Whitney U of the label-1 prompts over n1 * n0, from average ranks (vectorised)."""
+    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels).astype(bool)
+    n1 = int(labels.sum())
+    n0 = len(labels) - n1
+    if n1 == 0 or n0 == 0:
+        raise ValueError(f"AUC needs prompts of both conclusions; got {n1} of one and {n0} of the other")
+    ranks = rankdata(scores, axis=0)
+    return (ranks[labels].sum(0) - n1 * (n1 + 1) / 2) / (n1 * n0)
+
+
+def auc_estimate(scores: Float[np.ndarray, " n"], labels: Labels, *, seed: int = 0) -> Estimate:
+    """One feature's decoding score max(AUC, 1 − AUC), with a percentile-bootstrap CI over prompts.
+
+    `values` are per-prompt placements in the winning orientation (for a prompt of one
+    conclusion, the share of the other conclusion's prompts it ranks beyond, ties half): they
+    average to the AUC exactly. Resamples holding a single conclusion are skipped.
+    """
+    s, y = np.asarray(scores, dtype=np.float64), np.asarray(labels).astype(bool)
+    a = float(feature_auc(s[:, None], y)[0])
+    s = s if a >= 0.5 else -s
+    pos, neg = s[y], s[~y]
+    place_pos = ((pos[:, None] > neg[None]).mean(1) + 0.5 * (pos[:, None] == neg[None]).mean(1))
+    place_neg = ((pos[None] > neg[:, None]).mean(1) + 0.5 * (pos[None] == neg[:, None]).mean(1))
+    values = np.empty(len(s))
+    values[y], values[~y] = place_pos, place_neg
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(s), size=(N_RESAMPLES, len(s)))
+    sb, yb = s[idx], y[idx]
+    n1 = yb.sum(1)
+    ok = (n1 > 0) & (n1 < len(s))
+    sb, yb, n1 = sb[ok], yb[ok], n1[ok]
+    u = (rankdata(sb, axis=1) * yb).sum(1) - n1 * (n1 + 1) / 2
+    boot = u / (n1 * (len(s) - n1))
+    tail = (1 - CONFIDENCE) / 2 * 100
+    ci = (float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))) if len(boot) else None
+    return Estimate(values=tuple(float(v) for v in values), mean=max(a, 1 - a), ci=ci)
+
+
+# --- causing: feature patches at a site ----------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class FeatureSite:
+    """One trial's site, ready for feature patches: both runs' residual there (`x_*`), its SAE
+    code (`a_*`) and error (`err_* = x − decode(a)`), one row per site position.
+
+    A patch of feature set F writes, at every site position of the old-value run,
+        x' = x_old + Σ_{f∈F} (a_new_f − a_old_f) · d_f  =  decode(a_patched) + (x_old − decode(a_old)),
+    with d_f feature f's decoder direction (`decoder_rows`): the features move, the old run's
+    error term stays. With `error=True` the error term moves too, so every feature gives x_new.
+    """
+
+    trial: Trial
+    site: str
+    hook_name: str
+    positions: tuple[int, ...]
+    tokens: tuple[int, ...]
+    x_old: Float[Tensor, "pos d_model"]
+    x_new: Float[Tensor, "pos d_model"]
+    a_old: Float[Tensor, "pos d_sae"]
+    a_new: Float[Tensor, "pos d_sae"]
+    err_old: Float[Tensor, "pos d_model"]
+    err_new: Float[Tensor, "pos d_model"]
+    decoder: Float[Tensor, "d_sae d_model"]
+    base_old: Notebook  # what the site's tokens run against, in each run
+    base_new: Notebook
+
+    def deltas(self, sets: Sequence[Sequence[int]], *, error: bool = False
+               ) -> Float[Tensor, "batch pos d_model"]:
+        """What each feature set adds to the old run's residual at the site positions."""
+        mask = torch.zeros(len(sets), self.decoder.shape[0])
+        for i, feats in enumerate(sets):
+            mask[i, list(feats)] = 1.0
+        delta = (mask[:, None, :] * (self.a_new - self.a_old)[None]) @ self.decoder
+        return delta + (self.err_new - self.err_old)[None] if error else delta
+
+    def recovery(self, sets: Sequence[Sequence[int]], *, error: bool = False) -> Float[Tensor, " n"]:
+        """Recovery of each feature set patched toward the new run (batched, `ROWS` per forward)."""
+        lds = [self.lds(self.base_old, self.deltas(sets[i:i + ROWS], error=error))
+               for i in range(0, len(sets), ROWS)]
+        return self.trial.recovery(torch.cat(lds)) if lds else torch.zeros(0, dtype=torch.float64)
+
+    def ld_reconstructed(self) -> float:
+        """The new run's decision logit difference with the site's residual replaced by the SAE's
+        reconstruction, error term dropped."""
+        return float(self.lds(self.base_new, -self.err_new[None])[0])
+
+    def lds(self, base: Notebook, deltas: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, " batch"]:
+        """Decision logit difference with `deltas[i]` added to the residual at the site (row i)."""
+        model, n = self.trial.model, deltas.shape[0]
+
+        def add(act, hook):
+            return act + deltas.to(act)
+
+        tok = torch.tensor(self.tokens)[None].expand(n, -1)
+        hooks = [(self.hook_name, add)]
+        if self.site == "notes":  # rewrite the note slots (K/V of later layers follow), then decide
+            nb, _ = run(model, base, tok, self.positions, hooks=hooks, logits_at=())
+            return self.trial.ld(nb)
+        _, out = run(model, base, tok, self.positions, write=False, hooks=hooks,
+                     vocab=self.trial.pair.answers)
+        return (out.last[:, 0] - out.last[:, 1]).double()
+
+
+@torch.no_grad()
+def feature_site(trial: Trial, sae, site: str = "notes", *, decoder: Tensor | None = None) -> FeatureSite:
+    """Set up `trial` for feature patches at `site` ("notes": the note slots, recomputed from the
+    first one; "decision": the last query token, the tokens before it computed once)."""
+    hook, _ = check_sae(sae, trial.model)
+    model, pair = trial.model, trial.pair
+    if site == "notes":
+        positions = pair.downstream()
+        if not positions:
+            raise ValueError("this pair has no note slots between the field and the decision; "
+                             "use site='decision'")
+        first = positions[0]
+        tokens = [pair.new.ids[p] for p in positions]
+        base_old, base_new = trial.old_nb.truncate(first), trial.new_nb.truncate(first)
+    elif site == "decision":
+        ids, pos = query_tokens(model, trial.old_nb, pair.new)
+        positions, tokens = [int(pos[-1])], [ids[-1]]
+        base_old, base_new = (run(model, nb, ids[:-1], pos[:-1], logits_at=())[0] for nb in
+                              (trial.old_nb, trial.new_nb))
+    else:
+        raise ValueError(f"site must be one of {SITES}, got {site!r}")
+
+    def capture(base: Notebook) -> Tensor:
+        _, out = run(model, base, tokens, positions, write=False, capture=[hook], logits_at=())
+        return out.activations[hook][0].float().cpu()
+
+    x_old, x_new = capture(base_old), capture(base_new)
+    a_old, a_new = (_encode(sae, x) for x in (x_old, x_new))
+    err_old, err_new = x_old - _decode(sae, a_old), x_new - _decode(sae, a_new)
+    return FeatureSite(trial=trial, site=site, hook_name=hook, positions=tuple(positions),
+                       tokens=tuple(tokens), x_old=x_old, x_new=x_new, a_old=a_old, a_new=a_new,
+                       err_old=err_old, err_new=err_new,
+                       decoder=decoder_rows(sae).cpu() if decoder is None else decoder,
+                       base_old=base_old, base_new=base_new)
+
+
+@torch.no_grad()
+def _encode(sae, x: Tensor) -> Tensor:
+    return sae.encode(x.to(sae.device, sae.dtype)).float().cpu()
+
+
+@torch.no_grad()
+def _decode(sae, a: Tensor) -> Tensor:
+    return sae.decode(a.to(sae.device, sae.dtype)).float().cpu()
+
+
+# --- where the conclusion lives: whole-residual patches per layer ----------------------------------
+LOCATE_NOTES = 0.5  # "auto" takes the notes when their whole residual carries this much of the decision
+LOCATE_SHARE = 0.9  # the layer: the earliest reaching this share of the site's best recovery
+
+
+def residual_scan(t: Trial, site: str) -> Float[Tensor, " layer"]:
+    """Recovery when the whole residual at `site` after each layer is the new run's (one layer
+    at a time; at the notes site the note slots are recomputed from there, so later layers'
+    K/V follow). NaN everywhere for the notes site of a pair without note slots."""
+    model, pair = t.model, t.pair
+    L = model.n_layers
+    names = [HOOK.format(layer=l) for l in range(L)]
+    if site == "notes":
+        positions = pair.downstream()
+        if not positions:
+            return torch.full((L,), float("nan"), dtype=torch.float64)
+        tokens = [pair.new.ids[p] for p in positions]
+        base_old, base_new = t.old_nb.truncate(positions[0]), t.new_nb.truncate(positions[0])
+    else:
+        ids, pos = query_tokens(model, t.old_nb, pair.new)
+        positions, tokens = [int(pos[-1])], [ids[-1]]
+        base_old, base_new = (run(model, nb, ids[:-1], pos[:-1], logits_at=())[0]
+                              for nb in (t.old_nb, t.new_nb))
+    _, ref = run(model, base_new, tokens, positions, write=False, capture=names, logits_at=())
+    rows = torch.arange(L)
+
+    def make(l: int):
+        def hook(act, hook):
+            return torch.where((rows == l)[:, None, None], ref.activations[names[l]], act)
+        return hook
+    tok = torch.tensor(tokens)[None].expand(L, -1)
+    hooks = [(n, make(l)) for l, n in enumerate(names)]
+    if site == "notes":
+        nb, _ = run(model, base_old, tok, positions, hooks=hooks, logits_at=())
+        return t.recovery(t.ld(nb))
+    _, out = run(model, base_old, tok, positions, write=False, hooks=hooks, vocab=pair.answers)
+    return t.recovery(out.last[:, 0].double() - out.last[:, 1].double())
+
+
+def locate(trials: Sequence[Trial], cfg: SAEConfig, *, progress: bool = True) -> tuple[str, int, dict]:
+    """The site and layer to read: `cfg`'s where set; else from whole-residual scans over the
+    trials. "auto" takes the notes if their residual carries at least `LOCATE_NOTES` of the
+    decision at some layer, else the decision; an unset layer is the earliest reaching
+    `LOCATE_SHARE` of the site's best. Returns (site, layer, {site: Curve over layers})."""
+    model = trials[0].model if trials else None
+    sites = SITES if cfg.site == "auto" else (cfg.site,)
+    scans = {}
+    for s in sites:
+        vals = [residual_scan(t, s).numpy() for t in tqdm(trials, desc=f"residual scan ({s})",
+                                                          disable=not progress, unit="pair")]
+        if vals and model is not None:
+            arr = np.array(vals)
+            scans[s] = Curve.of("layer", list(range(model.n_layers)), arr.T.tolist())
+    site = cfg.site
+    if site == "auto":
+        notes = [m for m in scans["notes"].means if m is not None] if "notes" in scans else []
+        site = "notes" if notes and max(notes) >= LOCATE_NOTES else "decision"
+    layer = cfg.layer
+    if layer is None:
+        if site in scans:
+            means = np.array([np.nan if m is None else m for m in scans[site].means])
+            best = np.nanmax(means) if np.isfinite(means).any() else np.nan
+            ok = np.nonzero(means >= LOCATE_SHARE * best)[0] if np.isfinite(best) else []
+            layer = int(ok[0]) if len(ok) else model.n_layers // 2
+        else:
+            layer = cfg.layer_for(model) if model is not None else 0
+    return site, layer, scans
+
+
+# --- the analysis --------------------------------------------------------------------------------
+def sae_analysis(trials: Sequence[Trial], task: Task | str, *, cfg: SAEConfig | None = None, sae=None,
+                 min_effect: float = MIN_EFFECT, progress: bool = True) -> ProbeResult:
+    """Which SAE features at the site decode the conclusion, and which carry it (module docstring).
+
+    Trains an SAE (`train_sae`) unless `sae` is given (its layer then comes from its hook name).
+    Decoding is measured on `cfg.n_eval_pairs` fresh pairs (both prompts each), causing on the
+    trials whose decision moves (|ld_new − ld_old| >= `min_effect`; the others are listed under
+    `details["excluded"]`).
+
+    Parts: `single_feature_recovery` (headline: the best-AUC feature patched alone), `best_auc`
+    (that feature's AUC, CI over held-out prompts), `best_causal_feature` (the best single feature
+    among the top 32 by AUC, picked on these trials: optimistic), `all_features` (every feature
+    and the error term: the whole residual at the site, a sanity figure), `features_only` (every
+    feature, the old error term kept), `reconstruction` (per held-out prompt, the share of the
+    site's variance the SAE explains), `reconstruction_decision` (in the new run, ld with the
+    site's residual replaced by its reconstruction, error dropped, over ld_new; unstable where
+    ld_new is near 0) and `reconstruction_recovery` (the same run as a recovery). Curves
+    `topk_curve` (features by push along the conclusion direction, cross-fitted over trials),
+    `auc_topk_curve` (by held-out AUC) and `random_curve` (mean over `cfg.draws` random sets of
+    features that change at the site). `details["top_features"]` pairs each top-32 feature's AUC
+    with its single-feature recovery.
+
+    >>> from kvnotes import load_model
+    >>> from probes import make_trials
+    >>> model = load_model("tiny-llama")
+    >>> trials = make_trials(model, "order-cancel", 2, progress=False)
+    >>> cfg = SAEConfig(n_train_pairs=4, n_eval_pairs=4, training_samples=512, max_k=4, draws=2)
+    >>> res = sae_analysis(trials, "order-cancel", cfg=cfg, min_effect=0.0, progress=False)
+    >>> res.name, res.headline, res.details["located"]["site"] in ("notes", "decision")
+    ('sae', 'single_feature_recovery', True)
+    >>> sorted(res.curves)
+    ['auc_topk_curve', 'random_curve', 'scan_decision', 'scan_notes', 'topk_curve']
+    """
+    if not trials:
+        raise ValueError("no trials: make some with probes.make_trials(model, task, n)")
+    cfg = asked = cfg or SAEConfig()
+    model, task = trials[0].model, load_task(task)
+    kind = trials[0].pair.kind
+    _check_seeds(trials, cfg)
+    clock = _Clock()
+    used, excluded = split(trials, min_effect)
+    if sae is not None:
+        cfg = replace(cfg, layer=check_sae(sae, model, layer=cfg.layer)[1])
+    site, layer, scans = locate(used, cfg, progress=progress)
+    cfg = replace(cfg, site=site, layer=layer)
+    clock.lap("scan")
+    if sae is None:
+        sae = train_sae(model, task, cfg, kind=kind, progress=progress)
+        clock.lap("train")
+    hook, layer = check_sae(sae, model, layer=cfg.layer)
+    decoder = decoder_rows(sae).cpu()
+    pairs = sample(task, model, cfg.n_eval_pairs, seed=EVAL_SEED + cfg.seed, kind=kind)
+    held = collect_residuals(model, pairs, hook, progress=progress)
+    dec = _decoding(sae, held, cfg, model.token_strings(list(pairs[0].answers)))
+    clock.lap("decoding")
+
+    if cfg.site == "notes":
+        excluded += [{"index": trials.index(t), "reason": "no note slots between the field and the decision"}
+                     for t in used if not t.pair.downstream()]
+        used = [t for t in used if t.pair.downstream()]
+    sites = [feature_site(t, sae, cfg.site, decoder=decoder)
+             for t in tqdm(used, desc=f"SAE sites ({cfg.site})", disable=not progress, unit="pair")]
+    causal = _causal(sites, dec["ranked"][:TOP], cfg, progress) if sites else None
+    clock.lap("patches")
+
+    kv = sae.cfg.metadata.kvnotes or {}
+    best = dec["ranked"][0]
+    top_rows = [{"feature": f, "auc": float(dec["auc"][f]), "score": float(dec["score"][f]),
+                 "high_for": dec["high_for"][f],
+                 **({"recovery": Estimate.of(causal["singles"][:, j].tolist()).to_dict()} if causal else {})}
+                for j, f in enumerate(dec["ranked"][:TOP])]
+    details = {
+        "layer": layer, "hook_name": hook, "site": cfg.site, "d_sae": int(sae.cfg.d_sae),
+        "k": getattr(sae.cfg, "k", None), "L0": dec["L0"], "dead_features": dec["dead"], "mse": dec["mse"],
+        "training_seconds": kv.get("train_seconds"), "n_train_activations": kv.get("n_train_activations"),
+        "sae_model_name": sae.cfg.metadata.model_name,
+        "best_feature": {"feature": best, "auc": float(dec["auc"][best]), "high_for": dec["high_for"][best],
+                         "n_auc_ge_0.95": int((dec["score"] >= 0.95).sum()),
+                         "n_auc_ge_0.99": int((dec["score"] >= 0.99).sum())},
+        "top_features": top_rows, "n_eval_prompts": len(dec["labels"]), "eval_seed": EVAL_SEED + cfg.seed,
+        "excluded": excluded, "config": cfg.to_dict(),
+        "note": ("best_auc and best_causal_feature pick their feature on the prompts they are "
+                 "measured on (optimistic); AUC is max(AUC, 1 - AUC)"),
+    }
+    parts = {"best_auc": dec["best_auc"], "reconstruction": Estimate.of(dec["reconstruction"])}
+    curves: dict[str, Curve] = {}
+    if causal:
+        parts |= causal["parts"]
+        curves = causal["curves"]
+        details |= causal["details"]
+    else:
+        parts |= {name: Estimate.of([]) for name in ("single_feature_recovery", "best_causal_feature",
+                                                      "all_features", "features_only",
+                                                      "reconstruction_decision",
+                                                      "reconstruction_recovery")}
+        details["not_applicable"] = "no usable trials"
+    curves |= {f"scan_{s}": c for s, c in scans.items()}
+    details["located"] = {
+        "site": cfg.site, "layer": layer, "asked": {"site": asked.site, "layer": asked.layer},
+        "rule": (f"scan_<site>: recovery with the whole residual at the site after one layer from the new "
+                 f"run; 'auto' takes the notes if that reaches {LOCATE_NOTES} at some layer, else the "
+                 f"decision; an unset layer is the earliest reaching {LOCATE_SHARE} of the site's best")}
+    details["seconds"] = clock.laps
+    return ProbeResult(
+        name="sae", headline="single_feature_recovery", parts=parts, curves=curves, details=details,
+        description=(f"TopK SAE at {hook}, site {cfg.site}: features that decode the conclusion "
+                     "(AUC) against features that carry it (patched toward the new run, error kept)"),
+    )
+
+
+class _Clock:
+    """Seconds per phase, for the results."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self.last, 2)
+        self.laps["total"] = round(now - self.start, 2)
+        self.last = now
+
+
+def _check_seeds(trials: Sequence[Trial], cfg: SAEConfig) -> None:
+    ours = {TRAIN_SEED + cfg.seed: "training", EVAL_SEED + cfg.seed: "held-out"}
+    clash = sorted({t.pair.seed for t in trials} & set(ours))
+    if clash:
+        raise ValueError(f"the trials were sampled with seed {clash[0]}, the seed of the SAE's "
+                         f"{ours[clash[0]]} prompts; make trials with another seed or set "
+                         "SAEConfig(seed=...)")
+
+
+@torch.no_grad()
+def _decoding(sae, held: Residuals, cfg: SAEConfig, answers: Sequence[str]) -> dict:
+    """Per-feature AUC on the held-out prompts' site activations, and reconstruction figures."""
+    at = held.at(cfg.site)
+    keep = [i for i, x in enumerate(at) if len(x)]
+    xs = [at[i] for i in keep]
+    codes = np.stack([_encode(sae, x).mean(0).numpy() for x in xs])  # [prompt, d_sae]
+    labels = np.array([held.labels[i] for i in keep])
+    auc = feature_auc(codes, labels)
+    score = np.maximum(auc, 1 - auc)
+    ranked = [int(f) for f in np.argsort(-score, kind="stable")]
+    mu = torch.cat(xs).mean(0)
+    recon = [1 - float(((x - _decode(sae, _encode(sae, x))) ** 2).sum() / ((x - mu) ** 2).sum()) for x in xs]
+    x_all = held.all()
+    a_all = _encode(sae, x_all)
+    return {
+        "auc": auc, "score": score, "ranked": ranked, "labels": labels,
+        "high_for": [answers[int(a >= 0.5)] for a in auc],
+        "best_auc": auc_estimate(codes[:, ranked[0]], labels, seed=cfg.seed),
+        "reconstruction": recon,
+        "L0": float((a_all != 0).sum(-1).float().mean()),
+        "dead": int(((a_all != 0).sum(0) == 0).sum()),
+        "mse": float(((_decode(sae, a_all) - x_all) ** 2).mean()),
+    }
+
+
+def push_ranking(sites: Sequence[FeatureSite]) -> tuple[list[int], Float[Tensor, " d_sae"]]:
+    """Features ordered by how hard their change pushes along the conclusion direction.
+
+    The direction u is the mean over trials and site positions of x_new − x_old, each trial signed
+    so that + favours answer 0 (pairs alternate which way they flip); a feature's push is its mean
+    signed change in activation times d_f · u. Returns the order (largest push first) and the pushes.
+    """
+    sign = [1.0 if s.trial.pair.expected[1] == 0 else -1.0 for s in sites]
+    dx = torch.stack([g * (s.x_new - s.x_old).mean(0) for g, s in zip(sign, sites)]).mean(0)
+    u = dx / dx.norm().clamp_min(1e-12)
+    da = torch.stack([g * (s.a_new - s.a_old).mean(0) for g, s in zip(sign, sites)]).mean(0)
+    push = da * (sites[0].decoder @ u)
+    return [int(f) for f in torch.argsort(-push, stable=True)], push
+
+
+def _causal(sites: Sequence[FeatureSite], top: Sequence[int], cfg: SAEConfig, progress: bool) -> dict:
+    """Every patch of the analysis on every usable trial (see `sae_analysis`).
+
+    The top-k order is cross-fitted: each trial's features are ranked on the other half of the
+    trials (even/odd), so the curve measures a direction that generalises across prompts (with
+    one trial it falls back to in-sample ranking and says so).
+    """
+    d_sae, n = sites[0].decoder.shape[0], len(sites)
+    folds = [list(range(0, n, 2)), list(range(1, n, 2))]
+    crossed = n >= 2
+    by_fold = [push_ranking([sites[j] for j in folds[1 - f]])[0] if crossed else None for f in (0, 1)]
+    everywhere, push = push_ranking(sites)
+    ks = list(range(1, min(cfg.max_k, d_sae) + 1))
+    rks = sorted({min(2 ** i, ks[-1]) for i in range(ks[-1].bit_length() + 1)})
+    singles, topk, auck, rnd, whole, feats_only, recon, recon_rec, none, pools = ([] for _ in range(10))
+    for i, s in enumerate(tqdm(sites, desc="SAE feature patches", disable=not progress, unit="pair")):
+        pool = [int(f) for f in ((s.a_new - s.a_old) != 0).any(0).nonzero().flatten()]
+        ranked = by_fold[i % 2] if crossed else everywhere
+        rng = random.Random(f"sae/{cfg.seed}/{i}")
+        draws = [rng.sample(pool, min(k, len(pool))) for k in rks for _ in range(cfg.draws)]
+        groups = {"none": [[]], "features_only": [range(d_sae)], "singles": [[f] for f in top],
+                  "topk": [ranked[:k] for k in ks], "auck": [top[:k] for k in ks], "random": draws}
+        r = s.recovery([x for g in groups.values() for x in g]).numpy()
+        got = dict(zip(groups, np.split(r, np.cumsum([len(g) for g in groups.values()])[:-1])))
+        none.append(float(got["none"][0]))
+        feats_only.append(float(got["features_only"][0]))
+        singles.append(got["singles"])
+        topk.append(got["topk"])
+        auck.append(got["auck"])
+        rnd.append(got["random"].reshape(len(rks), cfg.draws).mean(1))
+        whole.append(float(s.recovery([range(d_sae)], error=True)[0]))
+        ld_recon = s.ld_reconstructed()
+        recon.append(ld_recon / s.trial.ld_new)
+        recon_rec.append(float(s.trial.recovery(ld_recon)))
+        pools.append(len(pool))
+    singles, topk, auck, rnd = (np.array(v) for v in (singles, topk, auck, rnd))
+    best_causal = int(np.argmax(singles.mean(0)))
+    return {
+        "singles": singles,
+        "parts": {"single_feature_recovery": Estimate.of(singles[:, 0].tolist()),
+                  "best_causal_feature": Estimate.of(singles[:, best_causal].tolist()),
+                  "all_features": Estimate.of(whole), "features_only": Estimate.of(feats_only),
+                  "reconstruction_decision": Estimate.of(recon),
+                  "reconstruction_recovery": Estimate.of(recon_rec)},
+        "curves": {"topk_curve": Curve.of("k", ks, topk.T.tolist()),
+                   "auc_topk_curve": Curve.of("k", ks, auck.T.tolist()),
+                   "random_curve": Curve.of("k", rks, rnd.T.tolist())},
+        "details": {"best_causal_feature": {"feature": top[best_causal], "auc_rank": best_causal},
+                    "topk_cross_fitted": crossed, "topk_features": everywhere[:ks[-1]],
+                    "topk_push": [float(push[f]) for f in everywhere[:ks[-1]]],
+                    "no_features": none, "random_pool_sizes": pools, "random_draws": cfg.draws,
+                    "n_trials": len(sites)},
+    }
