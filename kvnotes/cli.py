@@ -136,6 +136,28 @@ def cmd_probe(args) -> int:
     return _emit(report, args.json)
 
 
+def cmd_circuits(args) -> int:
+    from circuits import check_analyses, run_circuits
+    from kvnotes.models import load_model
+    from kvnotes.tasks import builtin_tasks, load_task
+
+    names = check_analyses(args.only.split(",") if args.only else ["all"])  # before the model load
+    task = load_task(args.task or (args.model if args.model in builtin_tasks() else "order-cancel"))
+    sae_cfg = sae = None
+    if "sae" in names:
+        from circuits.sae import SAEConfig
+
+        sae_cfg = SAEConfig(site=args.sae_site, layer=args.sae_layer, seed=args.seed)
+    model = load_model(args.model)
+    if args.sae:
+        from circuits.sae import load_sae
+
+        sae = load_sae(args.sae, args.sae_id, model=model)
+    report = run_circuits(model, task, names, n=args.n, seed=args.seed, k_max=args.k_max, draws=args.draws,
+                          sae_config=sae_cfg, sae=sae, min_effect=args.min_effect)
+    return _emit(report, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvnotes", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -159,6 +181,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="regime only: filler lengths in tokens between the field and the query")
     pr.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     pr.set_defaults(func=cmd_probe)
+
+    ci = sub.add_parser("circuits", help="head-level read/write circuits, causal scrubbing, attribution "
+                                         "patching and SAE features (docs/circuits.md)")
+    ci.add_argument("--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir")
+    ci.add_argument("--task", help="a built-in task or a task.toml (default: the organism's own, else "
+                                   "order-cancel)")
+    ci.add_argument("--n", type=int, default=8, help="prompt pairs (default 8)")
+    ci.add_argument("--only", help="comma-separated subset of read_heads, write_heads, scrubbing, "
+                                   "attribution, sae (default: all)")
+    ci.add_argument("--k-max", type=int, default=12, help="largest k of the top-k vs random-k head curves")
+    ci.add_argument("--draws", type=int, default=32, help="random head sets per k (the write side uses half)")
+    ci.add_argument("--sae", metavar="DIR_OR_RELEASE",
+                    help="use this sae-lens SAE (a local directory, or a pretrained release with --sae-id) "
+                         "instead of training one")
+    ci.add_argument("--sae-id", help="with a pretrained release: the SAE's id in it")
+    ci.add_argument("--sae-site", choices=("auto", "notes", "decision"), default="auto",
+                    help="where the SAE reads and features are patched: the note slots, the decision "
+                         "token, or auto (the notes if their residual carries the decision, else the "
+                         "decision; docs/circuits.md)")
+    ci.add_argument("--sae-layer", type=int,
+                    help="residual layer of a trained SAE (default: located by a whole-residual scan)")
+    ci.add_argument("--seed", type=int, default=0)
+    ci.add_argument("--min-effect", type=float, default=0.1)
+    ci.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ci.set_defaults(func=cmd_circuits)
 
     ed = sub.add_parser("edit", help="one changed field: every editing method against full recompute")
     ed.add_argument("--model", required=True)

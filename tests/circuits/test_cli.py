@@ -1,0 +1,29 @@
+"""`kvnotes circuits`: the whole run on an organism writes every analysis under its key, and bad
+input fails fast with a clear message."""
+
+from __future__ import annotations
+
+import json
+
+from circuits import CircuitReport
+from kvnotes.cli import main
+
+
+def test_circuits_command_writes_every_analysis(tmp_path, notes_organism, capsys):
+    out = tmp_path / "circuits.json"
+    rc = main(["circuits", "--model", "notes-organism", "--n", "4", "--draws", "4", "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert {"ranking", "topk_curve", "random_curve"} <= set(d["read_heads"])
+    assert "write_heads" in d and "scrubbing" in d
+    assert {"rank_correlation", "speedup"} <= set(d["attribution"])
+    assert {"best_auc", "single_feature_recovery", "topk_curve", "reconstruction"} <= set(d["sae"])
+    assert d["read_heads"]["details"]["grouping"]["n_kv_heads"] == notes_organism.n_kv_heads
+    assert CircuitReport.from_dict(d).to_dict() == d
+    assert "read_heads.top_k" in capsys.readouterr().out
+
+
+def test_unknown_analysis_is_refused_before_loading_the_model(capsys):
+    assert main(["circuits", "--model", "no-such-model", "--only", "read_heads,heads"]) == 2
+    err = capsys.readouterr().err
+    assert "heads" in err and "read_heads" in err and "write_heads" in err
