@@ -73,7 +73,7 @@ def attribute(model: KVModel, old: Notebook, new: Notebook, query: PromptLike,
                               for l in range(L)])
     heads = torch.stack([((ref.activations[n][0, -1] - zs[l].detach()[0, -1]) * g_z[l][0, -1]).sum(-1)
                          for l, n in enumerate(names)])
-    return Attribution(slot_layer=slot_layer.detach(), heads=heads.detach(),
+    return Attribution(slot_layer=slot_layer.detach().cpu(), heads=heads.detach().cpu(),
                        positions=tuple(old.positions.tolist()))
 
 
@@ -105,7 +105,7 @@ def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MI
         t_attr = time.perf_counter() - s
         slots = list(t.pair.field_span) + t.pair.downstream()
         s = time.perf_counter()
-        act_slots = t.sweep([Patch(positions=(p,)) for p in slots]).numpy()
+        act_slots = t.sweep([Patch(positions=(p,)) for p in slots]).cpu().numpy()
         act_heads = read_sweep(t, [[h] for h in heads]).numpy()
         t_act = time.perf_counter() - s
         scale = t.ld_new - t.ld_old  # attribution in recovery units, like activation patching

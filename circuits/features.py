@@ -168,10 +168,10 @@ class FeatureSite:
         hooks = [(self.hook_name, add)]
         if self.site == "notes":  # rewrite the note slots (K/V of later layers follow), then decide
             nb, _ = run(model, base, tok, self.positions, hooks=hooks, logits_at=())
-            return self.trial.ld(nb)
+            return self.trial.ld(nb).cpu()
         _, out = run(model, base, tok, self.positions, write=False, hooks=hooks,
                      vocab=self.trial.pair.answers)
-        return (out.last[:, 0] - out.last[:, 1]).double()
+        return (out.last[:, 0] - out.last[:, 1]).double().cpu()
 
 
 @torch.no_grad()
@@ -248,15 +248,15 @@ def residual_scan(t: Trial, site: str) -> Float[Tensor, " layer"]:
 
     def make(l: int):
         def hook(act, hook):
-            return torch.where((rows == l)[:, None, None], ref.activations[names[l]], act)
+            return torch.where((rows == l)[:, None, None].to(act.device), ref.activations[names[l]], act)
         return hook
     tok = torch.tensor(tokens)[None].expand(L, -1)
     hooks = [(n, make(l)) for l, n in enumerate(names)]
     if site == "notes":
         nb, _ = run(model, base_old, tok, positions, hooks=hooks, logits_at=())
-        return t.recovery(t.ld(nb))
+        return t.recovery(t.ld(nb).cpu())
     _, out = run(model, base_old, tok, positions, write=False, hooks=hooks, vocab=pair.answers)
-    return t.recovery(out.last[:, 0].double() - out.last[:, 1].double())
+    return t.recovery((out.last[:, 0].double() - out.last[:, 1].double()).cpu())
 
 
 def locate(trials: Sequence[Trial], cfg: SAEConfig, *, progress: bool = True) -> tuple[str, int, dict]:

@@ -144,8 +144,8 @@ def read_hooks(model: KVModel, masks: Tensor, source: Tensor, *, add: bool) -> l
     add to) head h's output with `source[l, h]`."""
     def make(l: int):
         def hook(z, hook):
-            m = masks[:, l][:, None, :, None]  # [B, 1, head, 1]
-            s = source[l][None, None]
+            m = masks[:, l][:, None, :, None].to(z.device)  # [B, 1, head, 1]
+            s = source[l][None, None].to(z)
             return z + m * s if add else torch.where(m, s, z)
         return hook
     layers = masks.any(0).any(-1).nonzero().flatten().tolist()
@@ -168,7 +168,7 @@ def read_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, path: Sequence[int] 
         tok = torch.tensor([[site.token]]).expand(len(m), 1)
         _, r = run(t.model, site.old, tok, [site.position], write=False, hooks=hooks, vocab=t.pair.answers)
         out.append(r.last[:, 0].double() - r.last[:, 1].double())
-    return t.recovery(torch.cat(out)) if out else torch.zeros(0, dtype=torch.float64)
+    return t.recovery(torch.cat(out).cpu()) if out else torch.zeros(0, dtype=torch.float64)
 
 
 # --- write side ------------------------------------------------------------------------------
@@ -214,8 +214,8 @@ def write_hooks(model: KVModel, masks: Tensor, z_new: Sequence[Tensor], n_total:
     def make(l: int):
         src = torch.cat([z_new[l], z_new[l].new_zeros(n_total - n, *z_new[l].shape[1:])])
         def hook(z, hook):
-            m = masks[:, l][:, None, :, None] & at_note[None, :, None, None]
-            return torch.where(m, src[None], z)
+            m = (masks[:, l][:, None, :, None] & at_note[None, :, None, None]).to(z.device)
+            return torch.where(m, src[None].to(z), z)
         return hook
     layers = masks.any(0).any(-1).nonzero().flatten().tolist()
     return [(_z(l), make(l)) for l in layers]
@@ -238,7 +238,7 @@ def write_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, batch_size: int = R
         _, r = run(t.model, site.base, tok, site.positions, write=False, vocab=t.pair.answers,
                    hooks=write_hooks(t.model, m, site.z_new, n))
         out.append(r.last[:, 0].double() - r.last[:, 1].double())
-    return t.recovery(torch.cat(out)) if out else torch.zeros(0, dtype=torch.float64)
+    return t.recovery(torch.cat(out).cpu()) if out else torch.zeros(0, dtype=torch.float64)
 
 
 Sweep = Callable[[Trial, Sequence[Sequence[Head]]], Tensor]

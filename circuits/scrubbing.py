@@ -78,11 +78,11 @@ def _scrub_rows(t: Trial, prompt, rows: Sequence[tuple[Sequence[int], Sequence[H
 
     def make(l: int):
         def hook(z, hook):
-            return torch.where(live[:, l][:, None, :, None], z, z_res[l])
+            return torch.where(live[:, l][:, None, :, None].to(z.device), z, z_res[l])
         return hook
     _, out = run(model, nb, torch.tensor([ids]).expand(len(rows), -1), pos, write=False,
                  hooks=[(n, make(l)) for l, n in enumerate(names)], vocab=t.pair.answers)
-    return out.last[:, 0].double() - out.last[:, 1].double(), ld_res
+    return (out.last[:, 0].double() - out.last[:, 1].double()).cpu(), ld_res
 
 
 def scrubbing(trials: Sequence[Trial], task: Task | str, heads: Sequence[Head], *, n_notes: int = 4,

@@ -59,7 +59,9 @@ def test_notes_organism_top_notes_lie_inside_the_decision_window(notes_organism,
         # a slot no decision token can attend to cannot matter on its own (up to the rounding of
         # a batched forward against the unbatched reference)
         assert all(abs(r) < 1e-5 for r, d in notes if d >= window), m
-    assert res["field_slots"].mean == pytest.approx(0.0, abs=1e-9)
+    # the field is outside every decision token's window: nothing but the batched forward's
+    # float32 rounding (measured 1.6e-8) separates its transplant from the old decision
+    assert res["field_slots"].mean == pytest.approx(0.0, abs=1e-6)
 
 
 def test_knockout_of_the_notes_costs_the_notes_organism_its_decision(notes_trials, lookup_trials):
