@@ -43,6 +43,7 @@ from jaxtyping import Bool, Int
 from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
+from circuits.heads import read_site
 from circuits.sae import (
     EVAL_SEED,
     HOOK,
@@ -57,7 +58,6 @@ from circuits.sae import (
 )
 from kvnotes.engine import run
 from kvnotes.notebook import Notebook
-from kvnotes.ops import query_tokens
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
 from probes.causal import split
@@ -174,27 +174,32 @@ class FeatureSite:
         return (out.last[:, 0] - out.last[:, 1]).double().cpu()
 
 
+def site_inputs(t: Trial, site: str) -> tuple[list[int], list[int], Notebook, Notebook]:
+    """What a site's tokens are and what they run against in each run: the note slots against
+    the notebooks before the first of them (empty for a pair without notes), or the decision
+    token against the notebooks extended by the query before it (shared with the read heads)."""
+    if site == "notes":
+        positions = t.pair.downstream()
+        if not positions:
+            return [], [], t.old_nb, t.new_nb
+        tokens = [t.pair.new.ids[p] for p in positions]
+        return positions, tokens, t.old_nb.truncate(positions[0]), t.new_nb.truncate(positions[0])
+    if site == "decision":
+        rs = read_site(t)
+        return [rs.position], [rs.token], rs.old, rs.new
+    raise ValueError(f"site must be one of {SITES}, got {site!r}")
+
+
 @torch.no_grad()
 def feature_site(trial: Trial, sae, site: str = "notes", *, decoder: Tensor | None = None) -> FeatureSite:
     """Set up `trial` for feature patches at `site` ("notes": the note slots, recomputed from the
     first one; "decision": the last query token, the tokens before it computed once)."""
     hook, _ = check_sae(sae, trial.model)
-    model, pair = trial.model, trial.pair
-    if site == "notes":
-        positions = pair.downstream()
-        if not positions:
-            raise ValueError("this pair has no note slots between the field and the decision; "
-                             "use site='decision'")
-        first = positions[0]
-        tokens = [pair.new.ids[p] for p in positions]
-        base_old, base_new = trial.old_nb.truncate(first), trial.new_nb.truncate(first)
-    elif site == "decision":
-        ids, pos = query_tokens(model, trial.old_nb, pair.new)
-        positions, tokens = [int(pos[-1])], [ids[-1]]
-        base_old, base_new = (run(model, nb, ids[:-1], pos[:-1], logits_at=())[0] for nb in
-                              (trial.old_nb, trial.new_nb))
-    else:
-        raise ValueError(f"site must be one of {SITES}, got {site!r}")
+    model = trial.model
+    positions, tokens, base_old, base_new = site_inputs(trial, site)
+    if not positions:
+        raise ValueError("this pair has no note slots between the field and the decision; "
+                         "use site='decision'")
 
     def capture(base: Notebook) -> Tensor:
         _, out = run(model, base, tokens, positions, write=False, capture=[hook], logits_at=())
@@ -232,17 +237,9 @@ def residual_scan(t: Trial, site: str) -> Float[Tensor, " layer"]:
     model, pair = t.model, t.pair
     L = model.n_layers
     names = [HOOK.format(layer=l) for l in range(L)]
-    if site == "notes":
-        positions = pair.downstream()
-        if not positions:
-            return torch.full((L,), float("nan"), dtype=torch.float64)
-        tokens = [pair.new.ids[p] for p in positions]
-        base_old, base_new = t.old_nb.truncate(positions[0]), t.new_nb.truncate(positions[0])
-    else:
-        ids, pos = query_tokens(model, t.old_nb, pair.new)
-        positions, tokens = [int(pos[-1])], [ids[-1]]
-        base_old, base_new = (run(model, nb, ids[:-1], pos[:-1], logits_at=())[0]
-                              for nb in (t.old_nb, t.new_nb))
+    positions, tokens, base_old, base_new = site_inputs(t, site)
+    if not positions:
+        return torch.full((L,), float("nan"), dtype=torch.float64)
     _, ref = run(model, base_new, tokens, positions, write=False, capture=names, logits_at=())
     rows = torch.arange(L)
 

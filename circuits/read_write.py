@@ -81,14 +81,26 @@ def topk_vs_random(trials: Sequence[Trial], scores: np.ndarray, sweep: Sweep, he
     return Curve.of("k", list(ks), top), Curve.of("k", list(ks), rnd), info
 
 
-def _sweep_all(trials: Sequence[Trial], sweep: Sweep, heads: Sequence[Head], desc: str, **kw) -> tuple:
-    """Per trial: each head alone, then all heads together."""
+def _head_analysis(used: Sequence[Trial], sweep: Sweep, desc: str, *, k_max: int, draws: int,
+                   seed: int) -> tuple[list[Head], np.ndarray, dict, dict, dict]:
+    """What the read and write sides share: each head alone and all heads together on every
+    trial, then the cross-fitted top-k vs random-k curves. Returns the heads, the per-trial
+    single-head recoveries `[trial, head]`, and the common parts, curves and details."""
+    model = used[0].model
+    heads = all_heads(model)
+    ks = list(range(1, min(k_max, len(heads)) + 1))
+    kh = headline_k(len(heads), k_max)
     singles, together = [], []
-    for t in each(trials, desc):
-        r = sweep(t, [[h] for h in heads] + [list(heads)], **kw).numpy()
+    for t in each(used, desc):
+        r = sweep(t, [[h] for h in heads] + [list(heads)]).numpy()
         singles.append(r[:-1])
         together.append(float(r[-1]))
-    return np.array(singles).reshape(len(trials), len(heads)), together
+    out = np.array(singles).reshape(len(used), len(heads))
+    topk, rnd, info = topk_vs_random(used, out, sweep, heads, ks, draws=draws, seed=seed)
+    parts = {"top_k": topk.points[kh - 1], "random_k": rnd.points[kh - 1], "top_head": topk.points[0],
+             "all_heads": Estimate.of(together)}
+    details = {"grouping": grouping(model), "k_max": ks[-1], "headline_k": kh, **info}
+    return heads, out, parts, {"topk_curve": topk, "random_curve": rnd}, details
 
 
 def read_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 32, seed: int = 0,
@@ -101,17 +113,13 @@ def read_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 32, 
     `PATHS` (every head path-patched through its attention to those keys only: the slots before
     the field, the field, the note slots, the query tokens before the decision, the decision
     token itself). Table `ranking`: heads by output-patching recovery, with their path
-    recoveries. Curves
-    `topk_curve`, `random_curve` over k = 1..k_max.
+    recoveries. Curves `topk_curve`, `random_curve` over k = 1..k_max.
     """
     used, excluded = split(trials, min_effect)
     if not used:
         return _empty("read_heads", excluded)
-    model = used[0].model
-    heads = all_heads(model)
-    ks = list(range(1, min(k_max, len(heads)) + 1))
-    kh = headline_k(len(heads), k_max)
-    out, together = _sweep_all(used, read_sweep, heads, "read heads")
+    heads, out, parts, curves, details = _head_analysis(used, read_sweep, "read heads", k_max=k_max,
+                                                        draws=draws, seed=seed)
     singles = [[h] for h in heads]
     paths = {name: ([], []) for name in PATHS}
     for t in each(used, "read paths"):
@@ -120,17 +128,13 @@ def read_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 32, 
             r = read_sweep(t, singles + [heads], path=where[name]).numpy()
             per.append(r[:-1])
             total.append(float(r[-1]))
-    topk, rnd, info = topk_vs_random(used, out, read_sweep, heads, ks, draws=draws, seed=seed)
-    table = ranking_table(model, heads, out, **{f"path_{k}": np.array(p) for k, (p, _) in paths.items()})
-    parts = {"top_k": topk.points[kh - 1], "random_k": rnd.points[kh - 1], "top_head": topk.points[0],
-             "all_heads": Estimate.of(together),
-             **{f"{k}_path": Estimate.of(total) for k, (_, total) in paths.items()},
-             "effect": effect_estimate(used)}
+    table = ranking_table(used[0].model, heads, out,
+                          **{f"path_{k}": np.array(p) for k, (p, _) in paths.items()})
+    parts |= {f"{k}_path": Estimate.of(total) for k, (_, total) in paths.items()}
+    parts["effect"] = effect_estimate(used)
     return ProbeResult(
-        name="read_heads", headline="top_k", parts=parts,
-        curves={"topk_curve": topk, "random_curve": rnd}, tables={"ranking": table},
-        details={"excluded": excluded, "grouping": grouping(model), "k_max": ks[-1], "headline_k": kh,
-                 **info},
+        name="read_heads", headline="top_k", parts=parts, curves=curves, tables={"ranking": table},
+        details={"excluded": excluded, **details},
         description="patch head outputs at the decision from the new-value run: the heads that read "
                     "the conclusion",
     )
@@ -152,24 +156,19 @@ def write_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 16,
     used = [t for i, t in enumerate(used) if i not in no_notes]
     if not used:
         return _empty("write_heads", excluded)
+    heads, out, parts, curves, details = _head_analysis(used, write_sweep, "write heads", k_max=k_max,
+                                                        draws=draws, seed=seed)
     model = used[0].model
-    heads = all_heads(model)
-    ks = list(range(1, min(k_max, len(heads)) + 1))
-    kh = headline_k(len(heads), k_max)
-    out, together = _sweep_all(used, write_sweep, heads, "write heads")
     layers = [[(l, h) for h in range(model.n_heads)] for l in range(model.n_layers)]
     per_layer = np.array([write_sweep(t, layers).numpy() for t in each(used, "write layers")])
-    topk, rnd, info = topk_vs_random(used, out, write_sweep, heads, ks, draws=draws, seed=seed)
     by_layer = [{"layer": l, **Estimate.of(per_layer[:, l].tolist()).to_dict()}
                 for l in range(model.n_layers)]
-    parts = {"top_k": topk.points[kh - 1], "random_k": rnd.points[kh - 1], "top_head": topk.points[0],
-             "all_heads": Estimate.of(together), "effect": effect_estimate(used)}
+    parts["effect"] = effect_estimate(used)
     return ProbeResult(
-        name="write_heads", headline="top_k", parts=parts,
-        curves={"topk_curve": topk, "random_curve": rnd},
+        name="write_heads", headline="top_k", parts=parts, curves=curves,
         tables={"ranking": ranking_table(model, heads, out), "by_layer": by_layer},
-        details={"excluded": excluded, "grouping": grouping(model), "k_max": ks[-1], "headline_k": kh,
-                 "note_slots": "every slot after the field and before the decision", **info},
+        details={"excluded": excluded, "note_slots": "every slot after the field and before the decision",
+                 **details},
         description="patch head outputs at the note slots during prefill: which heads write the conclusion",
     )
 
