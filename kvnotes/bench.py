@@ -15,6 +15,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
@@ -38,19 +39,25 @@ class SweepResult:
     max_logit_diff: float
 
 
-@dataclass(frozen=True)
-class SweepReport:
-    model: str
-    machine: str
-    results: list[SweepResult]
+class BenchReport:
+    """JSON for a benchmark report dataclass whose `results` are `POINT` dataclasses."""
+
+    POINT: ClassVar[type]
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> SweepReport:
-        return cls(model=d["model"], machine=d["machine"],
-                   results=[SweepResult(**r) for r in d["results"]])
+    def from_dict(cls, d: dict):
+        return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})
+
+
+@dataclass(frozen=True)
+class SweepReport(BenchReport):
+    POINT: ClassVar[type] = SweepResult
+    model: str
+    machine: str
+    results: list[SweepResult]
 
     def table(self) -> str:
         lines = [f"patch sweep — {self.model} — {self.machine}",

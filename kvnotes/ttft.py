@@ -12,14 +12,15 @@ with a different answer unnoticed.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
-from kvnotes.bench import machine
+from kvnotes.bench import BenchReport, machine
 from kvnotes.conformance import FILLER
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
@@ -44,7 +45,8 @@ class TTFTPoint:
 
 
 @dataclass(frozen=True)
-class TTFTReport:
+class TTFTReport(BenchReport):
+    POINT: ClassVar[type] = TTFTPoint
     model: str
     machine: str
     seam: int
@@ -52,13 +54,6 @@ class TTFTReport:
     results: list[TTFTPoint]
     exponent_composed: float | None
     exponent_full: float | None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TTFTReport:
-        return cls(**{**d, "results": [TTFTPoint(**r) for r in d["results"]]})
 
     def table(self) -> str:
         lines = [f"time to first token — {self.model} — {self.machine}",
@@ -139,17 +134,11 @@ class EditCostPoint:
 
 
 @dataclass(frozen=True)
-class EditCostReport:
+class EditCostReport(BenchReport):
+    POINT: ClassVar[type] = EditCostPoint
     model: str
     machine: str
     results: list[EditCostPoint]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> EditCostReport:
-        return cls(**{**d, "results": [EditCostPoint(**r) for r in d["results"]]})
 
     def table(self) -> str:
         lines = [f"one changed field — {self.model} — {self.machine}",
