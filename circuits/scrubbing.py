@@ -128,7 +128,7 @@ def scrubbing(trials: Sequence[Trial], task: Task | str, heads: Sequence[Head], 
         n_res.append(len(prompts))
     scale = float(np.mean(dens)) if dens else float("nan")
     undefined = None
-    if not abs(scale) >= min_effect:
+    if not abs(scale) >= min_effect or scale == 0.0:  # (also with min_effect 0: never divide by zero)
         undefined = (f"the resampled prompts' decisions differ from the new run's by {scale:+.3f} logits on "
                      f"average (less than min_effect {min_effect}): there is no effect to preserve, "
                      "because the decision varies from prompt to prompt as much as the field moves it")

@@ -104,6 +104,7 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
     decision = t.pair.new.span("decision").start
     out = {
         "positions": slots, "tokens": strings,
+        "prompt_tokens": t.token_strings(range(len(t.pair.new))),
         "role": ["field"] * len(field_pos) + ["note"] * n_d,
         "recovery": per_slot, "field_joint": field_joint, "deviation": dev_slot[idx].tolist(),
         "delimiter": [bool(s) and _is_delimiter(s) for s in strings],

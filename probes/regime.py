@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task, TaskError, load_task
 from probes.causal import field_refresh, notes_transplant
@@ -49,25 +50,34 @@ def regime(model: KVModel, task: Task | str, *, n: int = 4, distances: Sequence[
 
     Parts `field_refresh@{d}` and `notes_transplant@{d}` per filler length d (tokens); the
     headline is the notes transplant at the longest distance. `details["distance"]` holds the
-    measured token distance from the field to the decision at each d.
+    measured token distance from the field to the decision at each d; a d whose prompt exceeds the
+    model's context is listed under `details["skipped"]`, not measured.
     """
     task = load_task(task)
     if not task.has_filler:
         raise TaskError(f"task {task.name!r} has no {{filler}} field, so the field cannot be moved away "
                         "from the decision; add {filler} to its template after the gating field")
-    parts, distance = {}, []
+    parts, distance, measured, skipped = {}, [], [], []
     for d in tqdm(list(distances), desc="regime", disable=not progress, unit="distance"):
         filler = filler_text(model, d)
-        trials = make_trials(model, task, n, seed=seed, filler=filler, progress=False)
+        try:
+            trials = make_trials(model, task, n, seed=seed, filler=filler, progress=False)
+        except OutOfRange as e:  # the prompt outgrows the model's context: record it, measure the rest
+            skipped.append({"filler_tokens": d, "reason": str(e)})
+            continue
+        measured.append(d)
         span = trials[0].pair
         distance.append(span.new.span("decision").start - span.field_span.stop)
         parts[f"field_refresh@{d}"] = field_refresh(trials, min_effect=min_effect).estimate
         parts[f"notes_transplant@{d}"] = notes_transplant(trials, min_effect=min_effect).estimate
         parts[f"effect@{d}"] = Estimate.of([t.effect for t in trials])
-    last = list(distances)[-1]
+    if not measured:
+        raise OutOfRange(f"no filler length in {list(distances)} fits {model.name}'s context of "
+                         f"{model.n_ctx} tokens; pass shorter distances")
+    last = measured[-1]
     return ProbeResult(
         name="regime", headline=f"notes_transplant@{last}", parts=parts,
-        details={"filler_tokens": list(distances), "distance": distance,
+        details={"filler_tokens": measured, "distance": distance, "skipped": skipped,
                  "window": model.max_window, "n_layers": model.n_layers},
         description="field-only refresh vs notes transplant as filler separates the field from the decision",
     )
