@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from kvnotes import ops
 from kvnotes.conformance import POLICY, QUERY, STATE, filled_pair
+from kvnotes.display import Displayable
 from kvnotes.engine import final_logits
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
@@ -39,7 +40,7 @@ class SweepResult:
     max_logit_diff: float
 
 
-class BenchReport:
+class BenchReport(Displayable):
     """JSON for a benchmark report dataclass whose `results` are `POINT` dataclasses."""
 
     POINT: ClassVar[type]

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.display import Displayable
 from kvnotes.engine import run
 from kvnotes.errors import TokenCountChanged
 from kvnotes.metrics import kv_deviation
@@ -52,7 +53,7 @@ class InvariantResult:
 
 
 @dataclass(frozen=True)
-class VerifyReport:
+class VerifyReport(Displayable):
     model: str
     passed: bool
     invariants: list[InvariantResult]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvnotes.display import Displayable
+
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
 
@@ -113,7 +115,7 @@ class Curve:
 
 
 @dataclass(frozen=True)
-class ProbeResult:
+class ProbeResult(Displayable):
     """One probe's figures: named `parts` (each an Estimate over prompts), with `headline` the
     part whose mean is the probe's `mean`. `details` holds JSON-safe extras (per-prompt maps,
     token strings, excluded prompts) for reports and dashboards."""
@@ -175,7 +177,7 @@ _RESERVED = {"mean", "ci", "values", "headline", "description", "details"}
 
 
 @dataclass(frozen=True)
-class ProbeReport:
+class ProbeReport(Displayable):
     """Every probe run on one model and task, with the run's sizes and seed."""
 
     model: str
