@@ -158,6 +158,84 @@ def cmd_circuits(args) -> int:
     return _emit(report, args.json)
 
 
+def _read_text(path: str, what: str) -> str:
+    """A prompt file's text, less one trailing newline (what an editor adds after the last line)."""
+    from kvnotes.errors import KVNotesError
+
+    f = Path(path)
+    if not f.is_file():
+        raise KVNotesError(f"{what} file {path} does not exist; write the {what} text to a file "
+                           "and pass its path")
+    return f.read_text().removesuffix("\n").removesuffix("\r")
+
+
+def cmd_attribute(args) -> int:
+    from circuits.prompt_attribution import attribute_prompt
+    from kvnotes.errors import KVNotesError
+    from kvnotes.models import load_model
+
+    if len(args.answers) != 2:  # before the (slow) model load
+        raise KVNotesError(f"--answers takes exactly two answer strings, the decision's two outcomes "
+                           f"(e.g. --answers ' yes' ' no'); got {len(args.answers)}: {args.answers}")
+    prompt = _read_text(args.prompt, "prompt")
+    counterfactual = _read_text(args.counterfactual, "counterfactual") if args.counterfactual else None
+    model = load_model(args.model)
+    result = attribute_prompt(model, prompt, (args.answers[0], args.answers[1]),
+                              counterfactual=counterfactual, top=args.top, steps=args.steps)
+    _emit(result, args.json)
+    if args.html:
+        from dashboards.render import write_page
+
+        write_page(result, args.html)
+        print(f"wrote {args.html}", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from circuits.report import ReportConfig, run_report
+    from dashboards.render import write_report
+    from kvnotes.models import load_model
+    from kvnotes.tasks import builtin_tasks, load_task
+
+    tasks = args.task or [args.model if args.model in builtin_tasks() else "order-cancel"]
+    tasks = [load_task(t) for t in tasks]  # before the (slow) model load: a bad task file fails now
+    sizes = {k: v for k, v in {"n": args.n, "seed": args.seed}.items() if v is not None}
+    cfg = ReportConfig.quick(**sizes) if args.quick else ReportConfig.full(**sizes)
+    model = load_model(args.model)
+    out = Path(args.out)
+    report = run_report(model, tasks, out, cfg, resume=not args.fresh,
+                        on_part=lambda r: write_report(r, out))
+    write_report(report, out)
+    print(f"{report!r}\nopen {out / 'index.html'} (or `kvnotes dashboard {out}`)")
+    return 0
+
+
+def cmd_render(args) -> int:
+    from circuits.report import Report
+    from dashboards.render import write_report
+
+    report = Report.load(args.report)
+    out = Path(args.out) if args.out else Path(args.report if Path(args.report).is_dir()
+                                               else Path(args.report).parent)
+    print(f"wrote {write_report(report, out)}")
+    return 0
+
+
+def cmd_dashboard(args) -> int:
+    from dashboards.server import report_count, serve
+    from kvnotes.errors import KVNotesError
+
+    for d in args.dirs:
+        if not Path(d).is_dir():
+            raise KVNotesError(f"{d} is not a directory; pass the --out directory of `kvnotes report` "
+                               "(or a directory above several)")
+    if report_count(args.dirs) == 0:
+        raise KVNotesError(f"no report.json under {', '.join(args.dirs)}; write one with "
+                           "`kvnotes report --model M --task T --out DIR`")
+    serve(args.dirs, host=args.host, port=args.port, open_browser=args.open)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvnotes", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -207,6 +285,24 @@ def build_parser() -> argparse.ArgumentParser:
     ci.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ci.set_defaults(func=cmd_circuits)
 
+    at = sub.add_parser("attribute", help="which slots of any prompt's notebook carry the decision at its "
+                                          "last token: gradient estimate, then exact transplants")
+    at.add_argument("--model", required=True, help="gemma-3-270m, a tiny-* model, or a HF checkpoint dir")
+    at.add_argument("--prompt", required=True, metavar="FILE",
+                    help="the prompt text (one trailing newline is dropped); its last token is the decision")
+    at.add_argument("--answers", required=True, nargs="+", metavar="ANSWER",
+                    help="the two answer strings, each one token: ld = logit[first] - logit[second]")
+    at.add_argument("--counterfactual", metavar="FILE",
+                    help="a second prompt of the same token count whose K/V replace the slots (default: "
+                         "the value mean-ablation of the prompt's own notebook)")
+    at.add_argument("--top", type=int, default=8, help="slots transplanted exactly (default 8)")
+    at.add_argument("--steps", type=int, default=4,
+                    help="gradient passes along the path to the source (integrated gradients; 1 = plain "
+                         "attribution patching; default 4)")
+    at.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    at.add_argument("--html", metavar="FILE", help="also write an HTML page of the results")
+    at.set_defaults(func=cmd_attribute)
+
     ed = sub.add_parser("edit", help="one changed field: every editing method against full recompute")
     ed.add_argument("--model", required=True)
     ed.add_argument("--task", help="a built-in task or a task.toml (default: the organism's own, "
@@ -237,6 +333,35 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--seed", type=int, default=0)
     co.add_argument("--json", metavar="FILE")
     co.set_defaults(func=cmd_compose)
+
+    rp = sub.add_parser("report", help="the per-model report: probes, circuits, edits, compose and cost "
+                                       "curves, as report.json and a self-contained index.html")
+    rp.add_argument("--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir")
+    rp.add_argument("--task", action="append", help="a built-in task or a task.toml; repeat for several "
+                                                    "(default: the organism's own, else order-cancel)")
+    rp.add_argument("--out", required=True, metavar="DIR", help="where report.json, index.html and parts/ go")
+    rp.add_argument("--quick", action="store_true", help="fewer pairs, draws and lengths: a fast look")
+    rp.add_argument("--fresh", action="store_true",
+                    help="recompute every part (default: reuse the parts DIR/parts holds for this model "
+                         "and these sizes)")
+    rp.add_argument("--n", type=int, help="prompt pairs for probes, circuits and edits (default 8; 4 quick)")
+    rp.add_argument("--seed", type=int)
+    rp.set_defaults(func=cmd_report)
+
+    rn = sub.add_parser("render", help="re-render index.html from a report.json alone")
+    rn.add_argument("report", help="a report.json, or the directory holding it")
+    rn.add_argument("--out", metavar="DIR", help="where index.html goes (default: beside the report)")
+    rn.set_defaults(func=cmd_render)
+
+    da = sub.add_parser("dashboard", help="browse the reports under some directories, and compare two side "
+                                          "by side, in a local web page")
+    da.add_argument("dirs", nargs="+", metavar="DIR", help="report directories, or directories above them")
+    da.add_argument("--port", type=int, default=8765)
+    da.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1: this machine only; another address "
+                         "lets anyone who reaches it read the reports)")
+    da.add_argument("--open", action="store_true", help="also open the index in a web browser")
+    da.set_defaults(func=cmd_dashboard)
 
     b = sub.add_parser("bench", help="benchmarks: two ways side by side, with the ratio")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,186 @@
+"""The per-model report: JSON round trip into the same result objects, rendering from the JSON
+alone, resuming from saved parts, escaping, and the rich display of every result type."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from circuits import CircuitReport
+from circuits.report import Part, Report, ReportConfig, ReportFileError, run_report
+from dashboards.render import figure, html, panels, report_html, write_report
+from kvnotes.cli import main
+from kvnotes.ttft import EditCostReport, TTFTReport
+from probes.results import Estimate, ProbeReport, ProbeResult
+from tests.helpers import get_model
+
+CFG = ReportConfig.quick(n=3, draws=3, k_max=3, sae_train_pairs=4, sae_eval_pairs=4, sae_samples=1024,
+                         distances=(0, 64), seams=(0, 2), turns=2, ttft_lengths=(256, 400),
+                         edit_cost_tokens=256, min_effect=0.0)
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    report = run_report(get_model("tiny-llama"), ["order-cancel"], out, CFG, progress=False)
+    write_report(report, out)
+    return out, report
+
+
+def test_every_part_is_there_with_its_type(report_dir):
+    _, report = report_dir
+    kinds = {k: type(p.result) for k, p in report.parts.items()}
+    assert kinds == {"order-cancel/probes": ProbeReport, "order-cancel/regime": ProbeReport,
+                     "order-cancel/circuits": CircuitReport, "order-cancel/edit": ProbeReport,
+                     "order-cancel/compose": ProbeReport, "model/ttft": TTFTReport,
+                     "model/edit_cost": EditCostReport}
+    assert report.meta["pending"] == []
+    assert {"kvnotes", "torch", "plotly", "python"} <= set(report.meta["versions"])
+    assert report.meta["model_info"]["n_layers"] == get_model("tiny-llama").n_layers
+
+
+def test_report_json_round_trips_into_the_same_objects(report_dir):
+    out, report = report_dir
+    back = Report.load(out)  # the directory; report.json inside
+    assert back.config == report.config and back.tasks == report.tasks and back.model == report.model
+    assert set(back.parts) == set(report.parts)
+    for key, part in report.parts.items():
+        assert type(back.parts[key].result) is type(part.result), key
+        assert back.parts[key].result.to_dict() == json.loads(json.dumps(part.result.to_dict())), key
+    circuits = back.part("order-cancel", "circuits")
+    read = circuits.analyses["read_heads"]
+    orig = report.part("order-cancel", "circuits").analyses["read_heads"]
+    assert read.parts["top_k"] == orig.parts["top_k"] and read.curves == orig.curves
+    assert read.tables["ranking"] == json.loads(json.dumps(orig.tables["ranking"]))
+    assert back.to_dict() == json.loads(json.dumps(report.to_dict()))
+
+
+def test_html_renders_from_the_json_alone(report_dir):
+    out, report = report_dir
+    from_json = report_html(Report.load(out / "report.json"))
+    assert from_json == report_html(report)
+    assert (out / "index.html").read_text(encoding="utf-8") == from_json
+    # every figure the page declares has its data; plotly.js is inline (the page works offline)
+    ids = re.findall(r'class="kv-fig" id="([^"]+)"', from_json)
+    assert len(ids) >= 20 and len(set(ids)) == len(ids)
+    assert len(re.findall(r'class="kv-fig-data" data-target=', from_json)) == len(ids)
+    assert "Plotly.newPlot" in from_json and len(from_json) > 3_000_000  # plotly.js itself is inline
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=", from_json)  # nothing fetched
+
+
+def test_resume_reuses_parts_and_recomputes_changed_ones(report_dir, tmp_path):
+    out, report = report_dir
+    again = run_report(get_model("tiny-llama"), ["order-cancel"], out, CFG, progress=False)
+    assert again.meta["reused"] == list(report.parts)
+    assert again.part("order-cancel", "probes").to_dict() == report.part("order-cancel", "probes").to_dict()
+    # a corrupt part and a different config are recomputed, not trusted
+    work = tmp_path / "r"
+    small = replace(CFG, ttft_lengths=(), edit_cost_tokens=0)
+    run_report(get_model("tiny-llama"), ["order-cancel"], work, small, progress=False)
+    (work / "parts" / "order-cancel__edit.json").write_text("{not json")
+    r2 = run_report(get_model("tiny-llama"), ["order-cancel"], work, small, progress=False)
+    assert "order-cancel/edit" not in r2.meta["reused"] and "order-cancel/probes" in r2.meta["reused"]
+    r3 = run_report(get_model("tiny-llama"), ["order-cancel"], work, replace(small, seed=1), progress=False)
+    assert r3.meta["reused"] == []
+
+
+def test_a_bad_report_file_says_what_is_wrong(tmp_path):
+    (tmp_path / "report.json").write_text("[1, 2]")
+    with pytest.raises(ReportFileError, match="not a kvnotes report"):
+        Report.load(tmp_path)
+    (tmp_path / "report.json").write_text("{oops")
+    with pytest.raises(ReportFileError, match="not valid JSON"):
+        Report.load(tmp_path)
+    with pytest.raises(ReportFileError, match="does not exist"):
+        Report.load(tmp_path / "nowhere")
+    with pytest.raises(ReportFileError, match="kind"):
+        Part.from_dict("x/y", {"kind": "Pickle", "seconds": 0, "result": {}})
+    with pytest.raises(ValueError, match="preset"):
+        ReportConfig(preset="fast")
+
+
+PAYLOAD = ['<script>window.__pwned=1</script>', ' "q" ', " 'q' ", " Tom & Jerry",
+           "<img src=x onerror=alert(1)>"]
+
+
+def _hostile_note_map() -> ProbeResult:
+    toks = ["<bos>", "status", ":", " shipped", *PAYLOAD, "\n", "decision", ":"]
+    n = len(toks)
+    pos = list(range(3, n - 1))
+    m = {"positions": pos, "tokens": toks[3:n - 1], "prompt_tokens": toks,
+         "role": ["field"] + ["note"] * (len(pos) - 1), "recovery": [0.1 * i for i in range(len(pos))],
+         "field_joint": 0.2, "deviation": [1.0] * len(pos), "delimiter": [False] * len(pos),
+         "distance_to_decision": [n - 1 - p for p in pos], "per_layer": [0.5], "layer_windows": [[0]],
+         "per_window": [0.5], "slot_layer": [[0.1 * i] for i in range(len(pos) - 1)]}
+    return ProbeResult(name="note_map", headline="top_slot", parts={"top_slot": Estimate.of([0.5, 0.6]),
+                       "layer_0": Estimate.of([0.5, 0.6])}, details={"maps": [m], "excluded": []})
+
+
+def test_token_strings_are_escaped_in_pages_and_figures(tmp_path):
+    from dashboards.render import write_page
+
+    page = write_page(_hostile_note_map(), tmp_path / "p.html").read_text(encoding="utf-8")
+    body = page.split("</style>", 1)[1]
+    body = body.replace(body[body.index("<script>"):body.index("</script>") + 9], "", 1)  # inline plotly.js
+    assert "<script>window.__pwned" not in body and "<img src=x" not in body
+    assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in body  # the prompt text shows it, escaped
+    assert "Tom &amp; Jerry" in body
+    # figure JSON carries no raw angle brackets or ampersands that could end its <script> element
+    for data in re.findall(r'class="kv-fig-data"[^>]*>(.*?)</script>', body, flags=re.S):
+        assert "<" not in data and ">" not in data and "&" not in data
+        assert "\\u0026lt;script\\u0026gt;" in data or "window.__pwned" not in data
+    # only our own scripts: plotly.js, one data block per figure, the loader
+    scripts = re.findall(r"<script[^>]*>", body)
+    ours = re.compile(r'<script>|<script type="application/json" class="kv-fig-data" data-target="fig-\d+">')
+    assert scripts and all(ours.fullmatch(x) for x in scripts), scripts
+    assert body.count("<script>") == 1  # the loader; plotly.js was cut above
+
+
+def test_every_result_type_displays_itself(report_dir):
+    import plotly.graph_objects as go
+
+    _, report = report_dir
+    objs = [report, *[p.result for p in report.parts.values()],
+            report.part("order-cancel", "probes").probes["note_map"],
+            report.part("order-cancel", "circuits").analyses["sae"]]
+    for obj in objs:
+        fig = obj.figure()
+        assert isinstance(fig, go.Figure) and len(fig.data) > 0, type(obj).__name__
+        view = obj._repr_html_()
+        assert all(p.title in view or p.title.replace("&", "&amp;") in view for p in panels(obj))
+    assert figure(report).to_json() == report.figure().to_json()
+    n_figs = len([p for p in panels(report) if p.figure is not None])
+    assert html(report).count('class="kv-fig-data"') == n_figs
+
+
+def test_cli_report_quick_on_a_tiny_model(tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["report", "--model", "tiny-llama", "--task", "order-cancel", "--quick", "--n", "2",
+                 "--out", str(out)]) == 0
+    report = Report.load(out)
+    assert report.config.preset == "quick" and report.config.n == 2
+    assert (out / "index.html").stat().st_size > 1_000_000  # plotly.js inline
+    assert "open " in capsys.readouterr().out
+    assert main(["render", str(out / "report.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "index.html").read_text() == (out / "index.html").read_text()
+    assert main(["report", "--model", "tiny-llama", "--task", "no-such-task", "--out", str(out)]) == 2
+
+
+def test_verify_and_bench_reports_display_themselves():
+    import plotly.graph_objects as go
+
+    from kvnotes.bench import patch_sweep_report
+    from kvnotes.conformance import verify
+
+    model = get_model("tiny-llama")
+    v = verify(model)
+    fig = v.figure()
+    assert isinstance(fig, go.Figure)
+    assert list(fig.data[0].y) == [max(r.max_abs_error, 1e-12) for r in v.invariants]
+    assert "invariants hold" in v._repr_html_()
+    sweep = patch_sweep_report(model, [64], n_slots=4)
+    assert list(sweep.figure().data[0].y) == [p.ratio for p in sweep.results]
+    assert "Patch-sweep speedup" in sweep._repr_html_()
