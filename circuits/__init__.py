@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from circuits.attribution import Attribution, attribute, attribution
 from circuits.heads import Head, all_heads, read_sweep, write_sweep
+from circuits.prompt_attribution import PromptAttribution, attribute_prompt
 from circuits.read_write import read_heads, write_heads
 from circuits.scrubbing import scrubbing
 from kvnotes.errors import KVNotesError
@@ -131,5 +132,6 @@ def _versions() -> dict:
 
 
 __all__ = ["ANALYSES", "CircuitReport", "run_circuits", "read_heads", "write_heads", "scrubbing",
-           "attribution", "attribute", "Attribution", "Head", "all_heads", "read_sweep", "write_sweep",
+           "attribution", "attribute", "Attribution", "attribute_prompt", "PromptAttribution",
+           "Head", "all_heads", "read_sweep", "write_sweep",
            "UnknownAnalysisError", "check_analyses", "make_trials"]

@@ -44,6 +44,79 @@ class Attribution:
         return self.slot_layer.sum(0)
 
 
+@dataclass(frozen=True, eq=False)
+class SlotAttribution:
+    """First-order effects on the decision's logit difference of moving each slot × layer's keys
+    (`keys`) and values (`values`) from one notebook to another; `ld` is the first's logit difference."""
+
+    keys: Float[Tensor, "layer slot"]
+    values: Float[Tensor, "layer slot"]
+    ld: float
+    positions: tuple[int, ...]
+
+    @property
+    def slot_layer(self) -> Float[Tensor, "layer slot"]:
+        return self.keys + self.values
+
+
+def _backward(model: KVModel, nb: Notebook, ids: list[int], pos: Tensor, answers: Sequence[int],
+              keep: Sequence[str] = ()) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...],
+                                                  list[Tensor], tuple[Tensor, ...]]:
+    """One forward and one backward on `nb`: the logit difference, its gradients with respect to
+    every layer's keys and values, and the activations named in `keep` with their gradients."""
+    with torch.enable_grad():
+        keys = tuple(k.detach().clone().requires_grad_(True) for k in nb.keys)
+        values = tuple(v.detach().clone().requires_grad_(True) for v in nb.values)
+        leaf = replace(nb, keys=keys, values=values)
+        kept: dict[str, Tensor] = {}
+
+        def hold(act, hook):
+            kept[hook.name] = act
+            return act
+        _, out = run(model, leaf, ids, pos, write=False, hooks=[(n, hold) for n in keep], vocab=answers)
+        ld = out.last[0, 0] - out.last[0, 1]
+        acts = [kept[n] for n in keep]
+        grads = torch.autograd.grad(ld, [*keys, *values, *acts])
+    L = nb.n_layers
+    return ld.detach(), grads[:L], grads[L:2 * L], [a.detach() for a in acts], grads[2 * L:]
+
+
+def _kv_effects(old: Notebook, new: Notebook, g_k: Sequence[Tensor], g_v: Sequence[Tensor]
+                ) -> tuple[Tensor, Tensor]:
+    """(new - old) · gradient per layer and slot, summed over batch, KV heads and d_head: keys, values."""
+    new = new.select(old.positions)
+    keys = torch.stack([((nk - ok) * g).sum((0, 1, 3)) for nk, ok, g in zip(new.keys, old.keys, g_k)])
+    values = torch.stack([((nv - ov) * g).sum((0, 1, 3)) for nv, ov, g in zip(new.values, old.values, g_v)])
+    return keys.detach().cpu(), values.detach().cpu()
+
+
+def slot_attribution(model: KVModel, old: Notebook, new: Notebook, query: PromptLike,
+                     answers: tuple[int, int], *, steps: int = 1) -> SlotAttribution:
+    """Attribution patching of `new`'s K/V into `old`, slot × layer, for the decision read by
+    `query`: one forward and one backward on `old` (no head part, so no forward on `new`).
+
+    With `steps` > 1 the gradient is averaged at the midpoints of `steps` equal pieces of the
+    straight path from `old` to `new` (integrated gradients): `steps` passes instead of one, and
+    the estimates of all slots together then sum to the whole change up to the Riemann error.
+    `ld` is always `old`'s."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    ids, pos = query_tokens(model, old, query)
+    ld, g_k, g_v, _, _ = _backward(model, old, ids, pos, answers)
+    if steps > 1:
+        src = new.select(old.positions)
+        g_k, g_v = [torch.zeros_like(g) for g in g_k], [torch.zeros_like(g) for g in g_v]
+        for i in range(steps):
+            a = (i + 0.5) / steps
+            mid = replace(old, keys=tuple(o + a * (n - o) for o, n in zip(old.keys, src.keys)),
+                          values=tuple(o + a * (n - o) for o, n in zip(old.values, src.values)))
+            _, gk, gv, _, _ = _backward(model, mid, ids, pos, answers)
+            for acc, g in zip(g_k + g_v, gk + gv):
+                acc += g / steps
+    keys, values = _kv_effects(old, new, g_k, g_v)
+    return SlotAttribution(keys=keys, values=values, ld=float(ld), positions=tuple(old.positions.tolist()))
+
+
 def attribute(model: KVModel, old: Notebook, new: Notebook, query: PromptLike,
               answers: tuple[int, int]) -> Attribution:
     """Attribution patching of `new` into `old` for the decision read by `query`, whose logit
@@ -52,28 +125,11 @@ def attribute(model: KVModel, old: Notebook, new: Notebook, query: PromptLike,
     ids, pos = query_tokens(model, old, query)
     names = [f"blocks.{l}.attn.hook_z" for l in range(model.n_layers)]
     _, ref = run(model, new, ids, pos, write=False, capture=names, vocab=answers)
-    with torch.enable_grad():
-        keys = tuple(k.detach().clone().requires_grad_(True) for k in old.keys)
-        values = tuple(v.detach().clone().requires_grad_(True) for v in old.values)
-        leaf = replace(old, keys=keys, values=values)
-        kept: dict[str, Tensor] = {}
-
-        def keep(z, hook):
-            kept[hook.name] = z
-            return z
-        _, out = run(model, leaf, ids, pos, write=False, hooks=[(n, keep) for n in names], vocab=answers)
-        ld = out.last[0, 0] - out.last[0, 1]
-        zs = [kept[n] for n in names]
-        grads = torch.autograd.grad(ld, [*keys, *values, *zs])
-    L = model.n_layers
-    g_k, g_v, g_z = grads[:L], grads[L:2 * L], grads[2 * L:]
-    new_a = new.select(old.positions)
-    slot_layer = torch.stack([((new_a.keys[l] - old.keys[l]) * g_k[l]).sum((0, 1, 3))
-                              + ((new_a.values[l] - old.values[l]) * g_v[l]).sum((0, 1, 3))
-                              for l in range(L)])
-    heads = torch.stack([((ref.activations[n][0, -1] - zs[l].detach()[0, -1]) * g_z[l][0, -1]).sum(-1)
+    _, g_k, g_v, zs, g_z = _backward(model, old, ids, pos, answers, keep=names)
+    keys, values = _kv_effects(old, new, g_k, g_v)
+    heads = torch.stack([((ref.activations[n][0, -1] - zs[l][0, -1]) * g_z[l][0, -1]).sum(-1)
                          for l, n in enumerate(names)])
-    return Attribution(slot_layer=slot_layer.detach().cpu(), heads=heads.detach().cpu(),
+    return Attribution(slot_layer=keys + values, heads=heads.detach().cpu(),
                        positions=tuple(old.positions.tolist()))
 
 
