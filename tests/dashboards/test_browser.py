@@ -1,0 +1,242 @@
+"""The dashboard in a real headless Chromium (Playwright): the index, each report page and the
+comparison load without console or page errors, every plotly figure is drawn and the pages are not
+blank; a report whose prompt holds hostile HTML shows it as text and runs none of it; and a
+report's index.html opened from disk draws offline (no request leaves file:// or data:).
+
+Needs Debian's Chromium (/usr/bin/chromium; `apt-get install chromium`) and the `playwright`
+package; without them the tests skip, unless KVNOTES_REQUIRE_BROWSER=1 (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dashboards.server import create_app, report_id
+from tests.dashboards.sample_reports import XSS_AMP, XSS_IMG, XSS_SCRIPT, report_dirs, root
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+DRAW_TIMEOUT_MS = 90_000  # plotly draws ~40 figures per page; the CI machine has 2 shared cores
+
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("KVNOTES_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{why}; KVNOTES_REQUIRE_BROWSER=1 requires the browser tests to run")
+    pytest.skip(f"{why}: install it with `apt-get install chromium` (and `pip install playwright`) "
+                "to run the dashboard's browser tests")
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.is_file():
+        _unavailable(f"no Chromium at {CHROMIUM}")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("the playwright package is not installed")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    return report_dirs(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def base_url(dirs, tmp_path_factory) -> Iterator[str]:
+    """The dashboard on a free port of 127.0.0.1, served from a background thread."""
+    from werkzeug.serving import make_server
+
+    server = make_server("127.0.0.1", 0, create_app([root(tmp_path_factory)]), threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join(10)
+
+
+class Watched:
+    """A page with its console errors, page errors and requests collected."""
+
+    def __init__(self, browser):
+        self.context = browser.new_context(viewport={"width": 1280, "height": 900})
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(f"console: {m.text}"))
+        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+
+
+@pytest.fixture
+def watched(browser) -> Iterator[Watched]:
+    w = Watched(browser)
+    yield w
+    w.context.close()
+
+
+# --- checks -------------------------------------------------------------------------------------
+
+
+def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
+    """(width, height, pixels) of an 8-bit RGB/RGBA, non-interlaced PNG (what Chromium writes).
+    Stdlib only: Pillow is not a dependency."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, head = 8, b"", None
+    while pos < len(png):
+        (length,), kind = struct.unpack(">I", png[pos:pos + 4]), png[pos + 4:pos + 8]
+        data = png[pos + 8:pos + 8 + length]
+        pos += 12 + length
+        if kind == b"IHDR":
+            head = struct.unpack(">IIBBBBB", data)
+        elif kind == b"IDAT":
+            idat += data
+    w, h, depth, ctype, _, _, interlace = head
+    assert depth == 8 and ctype in (2, 6) and interlace == 0, f"unexpected PNG format {head}"
+    bpp = 3 if ctype == 2 else 4
+    raw, stride = zlib.decompress(idat), w * bpp
+    rows, prev = [], bytearray(stride)
+    for y in range(h):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    pixels = [r[i:i + 3] for r in rows for i in range(0, stride, bpp)]
+    return w, h, pixels
+
+
+def assert_not_blank(png: bytes, what: str, min_ink: float = 0.005) -> None:
+    """Not one colour: several colours, and at least `min_ink` of the pixels off the background."""
+    w, h, pixels = png_pixels(png)
+    counts = Counter(pixels)
+    ink = 1 - counts.most_common(1)[0][1] / len(pixels)
+    assert len(counts) >= 3 and ink >= min_ink, \
+        f"{what} looks blank: {len(counts)} colour(s), {ink:.2%} of {w}x{h} pixels off the background"
+
+
+DRAWN = """() => {
+  const figs = [...document.querySelectorAll('div.kv-fig')];
+  const data = document.querySelectorAll('script.kv-fig-data').length;
+  return figs.length > 0 && figs.length === data && figs.every(f => {
+    const svg = f.querySelector('.plotly .main-svg');
+    if (!svg) return false;
+    const r = svg.getBoundingClientRect();
+    return r.width > 50 && r.height > 50;
+  });
+}"""
+UNDRAWN = """() => [...document.querySelectorAll('div.kv-fig')]
+  .filter(f => !f.querySelector('.plotly .main-svg')).map(f => f.id)"""
+
+
+def wait_drawn(w: Watched, what: str) -> int:
+    """Wait until every figure div holds a drawn plotly SVG; the number of figures."""
+    try:
+        w.page.wait_for_function(DRAWN, timeout=DRAW_TIMEOUT_MS)
+    except Exception as e:  # name what was not drawn (and any error that stopped it)
+        undrawn = w.page.evaluate(UNDRAWN)
+        raise AssertionError(f"{what}: figures not drawn {undrawn}; errors {w.errors}") from e
+    n = w.page.locator("div.kv-fig").count()
+    assert_not_blank(w.page.screenshot(), f"{what} (viewport)")
+    assert_not_blank(w.page.locator("div.kv-fig").first.screenshot(), f"{what} (first figure)", min_ink=0.02)
+    return n
+
+
+def assert_clean(w: Watched, what: str) -> None:
+    assert w.errors == [], f"{what}: {w.errors}"
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+def test_png_decoder_tells_blank_from_drawn(watched):
+    """The blank check itself: a one-colour page fails it, a page with text passes."""
+    watched.page.set_content("<body style='background:#fff'></body>")
+    with pytest.raises(AssertionError, match="looks blank"):
+        assert_not_blank(watched.page.screenshot(), "empty page")
+    watched.page.set_content("<body><h1 style='font-size:80px'>kvnotes 0123</h1></body>")
+    assert_not_blank(watched.page.screenshot(), "text page")
+
+
+def test_index_then_each_report_page(watched, base_url, dirs):
+    page = watched.page
+    page.goto(base_url + "/")
+    assert page.locator("section.model h2").all_inner_texts() == ["notes-organism", "tiny-llama"]
+    assert_not_blank(page.screenshot(), "index")
+    assert_clean(watched, "index")
+    for name, d in dirs.items():
+        rid = report_id(d)
+        page.goto(base_url + "/")
+        page.locator(f'tr[data-id="{rid}"] a.open').click()
+        page.wait_for_url(f"{base_url}/report/{rid}/")
+        n = wait_drawn(watched, f"{name} report page")
+        assert n >= 10, f"{name} report page: only {n} figures"
+        assert page.title().startswith("kvnotes report")
+        assert_clean(watched, f"{name} report page")
+
+
+def test_hostile_prompt_text_is_shown_not_run(watched, base_url, dirs):
+    page = watched.page
+    page.goto(f"{base_url}/report/{report_id(dirs['xss'])}/")
+    wait_drawn(watched, "xss report page")
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    text = page.inner_text("body")
+    for s in (XSS_SCRIPT, XSS_IMG, XSS_AMP, "it's \"urgent\""):  # the token spans concatenate to it
+        assert s in text, f"{s!r} is not shown as text on the page"
+    assert page.locator("img").count() == 0  # neither the request's <img> nor the task name's
+    runnable = "els => els.filter(e => !e.type || /javascript|module/.test(e.type))" \
+               ".filter(e => e.textContent.includes('__pwned')).length"
+    assert page.locator("script").evaluate_all(runnable) == 0
+    assert_clean(watched, "xss report page")
+
+
+def test_compare_page_from_the_index(watched, base_url, dirs):
+    page = watched.page
+    page.goto(base_url + "/")
+    page.check(f'input[name="a"][value="{report_id(dirs["xss"])}"]')
+    page.check(f'input[name="b"][value="{report_id(dirs["organism"])}"]')
+    page.get_by_role("button", name="Compare A with B side by side").click()
+    page.wait_for_url(f"{base_url}/compare?*")
+    assert page.title() == "kvnotes · tiny-llama vs notes-organism"
+    n = wait_drawn(watched, "compare page")
+    assert n >= 20, f"compare page: only {n} figures"
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert XSS_SCRIPT in page.inner_text("body")
+    assert_clean(watched, "compare page")
+
+
+@pytest.mark.parametrize("name", ["xss", "organism"])
+def test_index_html_from_disk_draws_offline(watched, dirs, name):
+    page = watched.page
+    page.goto((dirs[name] / "index.html").as_uri())
+    wait_drawn(watched, f"{name} index.html from disk")
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    online = [u for u in watched.requests if not u.startswith(("file:", "data:"))]
+    assert watched.requests and online == [], f"requests beyond the file: {online}"
+    assert_clean(watched, f"{name} index.html from disk")
