@@ -84,10 +84,24 @@ class ReportConfig:
 
     @classmethod
     def quick(cls, **overrides) -> ReportConfig:
-        sizes = dict(n=6, regime_n=3, distances=(0, 64, 256), k_max=8, draws=16, sae_train_pairs=48,
-                     sae_eval_pairs=16, sae_samples=24_000, compose_n=2, seams=(0, 2, 8), offsets=(32,),
-                     turns=6, memory=True, ttft_lengths=(256, 512, 1024, 2048), edit_cost_tokens=1024,
-                     preset="quick")
+        sizes = dict(
+            n=6,
+            regime_n=3,
+            distances=(0, 64, 256),
+            k_max=8,
+            draws=16,
+            sae_train_pairs=48,
+            sae_eval_pairs=16,
+            sae_samples=24_000,
+            compose_n=2,
+            seams=(0, 2, 8),
+            offsets=(32,),
+            turns=6,
+            memory=True,
+            ttft_lengths=(256, 512, 1024, 2048),
+            edit_cost_tokens=1024,
+            preset="quick",
+        )
         return cls(**{**sizes, **overrides})
 
     def to_dict(self) -> dict:
@@ -207,8 +221,10 @@ class Report(Displayable):
             ) from e
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
             got = d.get("schema") if isinstance(d, dict) else type(d).__name__
-            raise ReportFileError(f"{path} is not a kvnotes report (schema {got!r}, expected {SCHEMA!r}); "
-                                  "write one with `kvnotes report --model M --task T --out DIR`")
+            raise ReportFileError(
+                f"{path} is not a kvnotes report (schema {got!r}, expected {SCHEMA!r}); "
+                "write one with `kvnotes report --model M --task T --out DIR`"
+            )
         try:
             return cls.from_dict(d)
         except (KeyError, TypeError, ValueError) as e:
@@ -459,5 +475,11 @@ def _skipped(model: KVModel, key: str, cfg: ReportConfig, error: KVNotesError) -
     """A part that cannot run on this model or task (a task without {filler} for the regime, a
     context too short for a bench): an empty report whose `meta["skipped"]` says why."""
     task = key.split("/")[0]
-    return ProbeReport(model=model.name, task=task, n=0, seed=cfg.seed, probes={},
-                       meta={"skipped": f"{type(error).__name__}: {error}"})
+    return ProbeReport(
+        model=model.name,
+        task=task,
+        n=0,
+        seed=cfg.seed,
+        probes={},
+        meta={"skipped": f"{type(error).__name__}: {error}"},
+    )

@@ -222,8 +222,12 @@ def sae_panels(r: ProbeResult, key: str) -> list[Panel]:
         ]
     rows = d.get("top_features", [])
     pts = [
-        {"x": row["score"], "y": (row.get("recovery") or {}).get("mean"),
-         "label": f"feature {row['feature']} (AUC {row['auc']:.2f}, high for {row.get('high_for', '?')!r})"}
+        {
+            "x": row["score"],
+            "y": (row.get("recovery") or {}).get("mean"),
+            "label": f"feature {row['feature']} (AUC {row['auc']:.2f}, "
+            f"high for {row.get('high_for', '?')!r})",
+        }
         for row in rows
         if (row.get("recovery") or {}).get("mean") is not None
     ]

@@ -18,19 +18,18 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
 from dashboards.circuit_panels import circuit_panels, prompt_attribution_panels
-from dashboards.figures import Panel, ci_bars, esc
-from dashboards.probe_panels import (
+from dashboards.edit_panels import (
     agent_panels,
     edit_cost_panels,
     edit_panels,
-    est,
     memory_panels,
-    n_note,
-    probe_panels,
-    regime_panels,
     seam_panels,
+    sweep_panels,
     ttft_panels,
+    verify_panels,
 )
+from dashboards.figures import Panel, ci_bars, esc
+from dashboards.probe_panels import est, n_note, probe_panels, regime_panels
 from probes.results import ProbeReport, ProbeResult
 
 SECTION_TITLES = {
@@ -67,8 +66,13 @@ def panels(obj, key: str = "") -> list[Panel]:
     if kind == "CircuitReport":
         return circuit_panels(obj.analyses, key or f"{obj.task}/circuits")
     if isinstance(obj, ProbeReport) and obj.meta.get("skipped"):
-        return [Panel(title="Not run", reading=f"This part could not run here: {obj.meta['skipped']}.",
-                      key=f"{key or obj.task}/skipped")]
+        return [
+            Panel(
+                title="Not run",
+                reading=f"This part could not run here: {obj.meta['skipped']}.",
+                key=f"{key or obj.task}/skipped",
+            )
+        ]
     if isinstance(obj, ProbeReport):
         return probe_report_panels(obj.probes, key or obj.task)
     if isinstance(obj, ProbeResult):
@@ -134,52 +138,6 @@ def generic_panel(r: ProbeResult, key: str) -> Panel:
         note=n_note(r),
         key=key,
     )
-
-
-def sweep_panels(b, key: str) -> list[Panel]:
-    from dashboards.figures import ci_curves
-
-    xs = [p.tokens for p in b.results]
-    fig = ci_curves(
-        [{"name": "speedup (naive / engine)", "x": xs, "mean": [p.ratio for p in b.results]}],
-        title="Per-slot transplant sweep: engine vs naive full forwards",
-        x_title="prompt tokens",
-        y_title="×",
-    )
-    return [
-        Panel(
-            title="Patch-sweep speedup",
-            figure=fig,
-            key=key,
-            note=esc(b.machine),
-            reading=", ".join(f"{p.tokens} tokens: {p.ratio:.0f}×" for p in b.results) + ".",
-        )
-    ]
-
-
-def verify_panels(v, key: str) -> list[Panel]:
-    """The exactness invariants: each one's largest error against its tolerance (log scale)."""
-    import plotly.graph_objects as go
-
-    from dashboards.figures import GREEN, RED, style
-
-    names = [esc(r.name) for r in v.invariants]
-    errs = [max(r.max_abs_error, 1e-12) for r in v.invariants]
-    fig = go.Figure([go.Bar(x=names, y=errs, name="max |error|",
-                            marker_color=[GREEN if r.passed else RED for r in v.invariants],
-                            hovertext=[f"{esc(r.description)}<br>max |error| {r.max_abs_error:.3e}"
-                                       f"<br>tolerance {r.tolerance:.1e}" for r in v.invariants],
-                            hoverinfo="text"),
-                     go.Scatter(x=names, y=[r.tolerance for r in v.invariants], mode="markers",
-                                marker={"symbol": "line-ew-open", "size": 30, "color": "#333"},
-                                name="tolerance")])
-    fig = style(fig, f"Exactness invariants on {v.model}", "", "largest |error| (0 is drawn at 1e-12)")
-    fig.update_yaxes(type="log")
-    failed = [r.name for r in v.invariants if not r.passed]
-    reading = (f"All {len(v.invariants)} invariants hold within tolerance." if not failed
-               else f"{len(failed)} invariant(s) fail: {', '.join(failed)}.")
-    return [Panel(title="Exactness", reading=reading, figure=fig, key=key,
-                  note="prompts: " + ", ".join(f"{k} ({n} tokens)" for k, n in v.prompts.items()))]
 
 
 def report_sections(report) -> list[tuple[str, list[Panel]]]:

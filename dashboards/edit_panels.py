@@ -1,0 +1,350 @@
+"""Panels for the editing and composing experiments and the benches: editing methods side by side,
+selective recompute, seam repair, memory blocks, the errata loop, time to first token, the cost
+of an edit, the patch-sweep speedup and the exactness invariants. Rendering only."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from dashboards.figures import GREEN, RED, Panel, ci_bars, ci_curves, esc, fmt, style
+from dashboards.probe_panels import est, n_note, say
+from probes.results import ProbeResult
+
+# --- edit and compose ---------------------------------------------------------------------------
+
+METHODS = ("refresh", "suffix", "erratum", "hoist", "full")
+METHOD_NAMES = {
+    "refresh": "field refresh",
+    "suffix": "suffix recompute",
+    "erratum": "erratum",
+    "hoist": "hoist to end (oracle)",
+    "full": "full recompute",
+}
+
+
+def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
+    ks = r.details.get("ks", [])
+    sel = [f"selective_causal@{k}" for k in ks if f"selective_causal@{k}" in r.parts]
+    best_sel = max(sel, key=lambda m: (r.parts[m].mean or -1e9, -int(m.split("@")[1])), default=None)
+    names = [m for m in METHODS if m in r.parts] + ([best_sel] if best_sel else [])
+    label = lambda m: METHOD_NAMES.get(m, m.replace("_", " "))  # noqa: E731
+    items = [est(r.parts[m], label(m), group="recovery") for m in names]
+    items += [est(r.parts.get(f"{m}.agree"), label(m), group="same answer as full recompute") for m in names]
+    fig = ci_bars(
+        items, title="Editing methods side by side (one changed field)", y_title="fraction", reference=1.0
+    )
+    cost = ", ".join(
+        f"{label(m)} {fmt(r.parts[f'{m}.tokens'].mean, 0)} tokens"
+        for m in names
+        if f"{m}.tokens" in r.parts and r.parts[f"{m}.tokens"].mean is not None
+    )
+    reading = (
+        f"The erratum recovers {say(r.parts.get('erratum'))}, field refresh {say(r.parts.get('refresh'))}, "
+        f"suffix recompute {say(r.parts.get('suffix'))}. Tokens computed: {cost}."
+    )
+    panels = [
+        Panel(title="Editing methods", reading=reading, figure=fig, note=n_note(r), key=f"{key}/methods")
+    ]
+    series = []
+    for kind, name in (("causal", "ranked by causal effect"), ("deviation", "ranked by KV deviation")):
+        xs = [k for k in ks if f"selective_{kind}@{k}" in r.parts]
+        es = [r.parts[f"selective_{kind}@{k}"] for k in xs]
+        if xs:
+            series.append(
+                {
+                    "name": f"selective@K, {name}",
+                    "x": xs,
+                    "mean": [e.mean for e in es],
+                    "ci": [e.ci for e in es],
+                }
+            )
+    if series:
+        fig = ci_curves(
+            series,
+            title="Selective recompute: K slots refreshed",
+            x_title="K",
+            y_title="recovery",
+            log_x=True,
+        )
+        reading = (
+            f"The best selective recompute is K = {best_sel.split('@')[1]} ({say(r.parts[best_sel])})."
+            if best_sel
+            else ""
+        )
+        panels.append(
+            Panel(
+                title="Selective recompute",
+                reading=reading,
+                figure=fig,
+                note=n_note(r),
+                key=f"{key}/selective",
+            )
+        )
+    return panels
+
+
+def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
+    seams = r.details.get("seams", [])
+    series = []
+    for prefix, name, dash in (("cosine", "re-rotated", "solid"), ("norot_cosine", "not re-rotated", "dash")):
+        es = [r.parts.get(f"{prefix}@{b}") for b in seams]
+        series.append(
+            {
+                "name": f"logit cosine, {name}",
+                "x": seams,
+                "mean": [e.mean if e else None for e in es],
+                "ci": [e.ci if e else None for e in es],
+                "dash": dash,
+            }
+        )
+    for prefix, name in (
+        ("agree", "same answer, re-rotated"),
+        ("norot_agree", "same answer, not re-rotated"),
+    ):
+        es = [r.parts.get(f"{prefix}@{b}") for b in seams]
+        series.append(
+            {
+                "name": name,
+                "x": seams,
+                "mean": [e.mean if e else None for e in es],
+                "ci": [e.ci if e else None for e in es],
+                "dash": "dot",
+            }
+        )
+    fig = ci_curves(
+        series,
+        title="Seam repair: chunk tokens recomputed in context",
+        x_title="seam b (tokens)",
+        y_title="agreement with full recompute",
+    )
+    reading = (
+        f"With no repair the spliced chunk's logits have cosine {say(r.parts.get(f'cosine@{seams[0]}'), 4)} "
+        f"to full recompute; recomputing {seams[-1]} seam tokens gives "
+        f"{say(r.parts.get(f'cosine@{seams[-1]}'), 4)}; without re-rotation "
+        f"{say(r.parts.get(f'norot_cosine@{seams[-1]}'), 4)}."
+        if seams
+        else "Not measured."
+    )
+    return [
+        Panel(
+            title="Seam-repair curve",
+            reading=reading,
+            figure=fig,
+            note=f"n = {r.estimate.n} prompt × host-offset runs; 95% bootstrap CIs",
+            key=f"{key}/seam",
+        )
+    ]
+
+
+def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
+    turns = list(range(1, int(r.details.get("turns", 0)) + 1))
+    es = [r.parts.get(f"cosine@{t}") for t in turns]
+    ag = [r.parts.get(f"agree@{t}") for t in turns]
+    fig = ci_curves(
+        [
+            {
+                "name": "logit cosine to recompute",
+                "x": turns,
+                "mean": [e.mean if e else None for e in es],
+                "ci": [e.ci if e else None for e in es],
+            },
+            {
+                "name": "same answer",
+                "x": turns,
+                "mean": [e.mean if e else None for e in ag],
+                "ci": [e.ci if e else None for e in ag],
+                "dash": "dot",
+            },
+        ],
+        title="Agent loop: one erratum per turn vs recompute every turn",
+        x_title="turn",
+        y_title="agreement",
+    )
+    reading = (
+        f"After {len(turns)} errata the cache's logits have cosine {say(r.parts.get('cosine_last'), 4)} to a "
+        f"full recompute (worst turn {say(r.parts.get('cosine_min'), 4)}); the answer follows the latest "
+        f"erratum {say(r.parts.get('follows'))} of the time."
+    )
+    return [
+        Panel(
+            title="Errata loop",
+            reading=reading,
+            figure=fig,
+            note=f"n = {r.estimate.n} prompts",
+            key=f"{key}/agent",
+        )
+    ]
+
+
+def memory_panels(r: ProbeResult, key: str) -> list[Panel]:
+    items = [
+        est(r.parts.get(k), name)
+        for k, name in (
+            ("split_agree", "split blocks: same answer"),
+            ("colocated_agree", "colocated: same answer"),
+            ("split_cosine", "split: logit cosine"),
+            ("colocated_cosine", "colocated: logit cosine"),
+            ("reference_correct", "full recompute answers right"),
+        )
+    ]
+    fig = ci_bars(
+        items,
+        title="Memory blocks: two-hop facts in separately compiled blocks",
+        y_title="fraction",
+        reference=1.0,
+    )
+    reading = (
+        f"With the two facts in separately compiled blocks the answer matches full recompute "
+        f"{say(r.parts.get('split_agree'))} of the time, against {say(r.parts.get('colocated_agree'))} "
+        "when they share a block."
+    )
+    return [
+        Panel(
+            title="Memory blocks",
+            reading=reading,
+            figure=fig,
+            note=f"n = {r.estimate.n} prompts",
+            key=f"{key}/memory",
+        )
+    ]
+
+
+# --- cost benches -------------------------------------------------------------------------------
+
+
+def ttft_panels(b, key: str) -> list[Panel]:
+    pts = b.results
+    if not pts:
+        return [Panel(title="Time to first token", reading="Not measured.", key=f"{key}/ttft")]
+    xs = [p.tokens for p in pts]
+    fig = ci_curves(
+        [
+            {"name": "full prefill", "x": xs, "mean": [p.full_s for p in pts]},
+            {
+                "name": f"composed (spliced chunk, seam {b.seam})",
+                "x": xs,
+                "mean": [p.composed_s for p in pts],
+            },
+        ],
+        title="Time to first token: composed vs full prefill",
+        x_title="context tokens",
+        y_title="seconds",
+        log_x=True,
+        log_y=True,
+    )
+    last = pts[-1]
+    reading = (
+        f"At {last.tokens} tokens composing takes {last.composed_s:.3f} s against {last.full_s:.3f} s "
+        f"({last.ratio:.1f}×); fitted growth exponents: composed {fmt(b.exponent_composed)}, full "
+        f"{fmt(b.exponent_full)}; top-1 agrees at {sum(p.top1_agree for p in pts)}/{len(pts)} lengths."
+    )
+    return [
+        Panel(
+            title="TTFT curves",
+            reading=reading,
+            figure=fig,
+            note=f"one timing per point (best of repeats), {esc(b.machine)}; no CI: a benchmark, not an "
+            "estimate over prompts",
+            key=f"{key}/ttft",
+        )
+    ]
+
+
+def edit_cost_panels(b, key: str) -> list[Panel]:
+    pts = b.results
+    if not pts:
+        return [Panel(title="Edit cost", reading="Not measured.", key=f"{key}/edit_cost")]
+    xs = [p.field_position for p in pts]
+    fig = ci_curves(
+        [
+            {"name": "full prefill", "x": xs, "mean": [p.full_s for p in pts]},
+            {"name": "suffix recompute", "x": xs, "mean": [p.suffix_s for p in pts]},
+            {"name": "erratum", "x": xs, "mean": [p.erratum_s for p in pts]},
+        ],
+        title=f"One changed field in a {pts[0].tokens}-token prompt: time to update",
+        x_title="position of the changed field",
+        y_title="seconds",
+    )
+    reading = (
+        f"An erratum costs {min(p.erratum_s for p in pts):.3f}–{max(p.erratum_s for p in pts):.3f} s "
+        "wherever "
+        f"the field is; suffix recompute grows from {pts[-1].suffix_s:.3f} s (field near the end) to "
+        f"{pts[0].suffix_s:.3f} s (near the start); full prefill ≈ {pts[0].full_s:.3f} s."
+    )
+    return [
+        Panel(
+            title="Edit cost",
+            reading=reading,
+            figure=fig,
+            note=f"one timing per point, {esc(b.machine)}",
+            key=f"{key}/edit_cost",
+        )
+    ]
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+def sweep_panels(b, key: str) -> list[Panel]:
+    xs = [p.tokens for p in b.results]
+    fig = ci_curves(
+        [{"name": "speedup (naive / engine)", "x": xs, "mean": [p.ratio for p in b.results]}],
+        title="Per-slot transplant sweep: engine vs naive full forwards",
+        x_title="prompt tokens",
+        y_title="×",
+    )
+    return [
+        Panel(
+            title="Patch-sweep speedup",
+            figure=fig,
+            key=key,
+            note=esc(b.machine),
+            reading=", ".join(f"{p.tokens} tokens: {p.ratio:.0f}×" for p in b.results) + ".",
+        )
+    ]
+
+
+def verify_panels(v, key: str) -> list[Panel]:
+    """The exactness invariants: each one's largest error against its tolerance (log scale)."""
+    names = [esc(r.name) for r in v.invariants]
+    errs = [max(r.max_abs_error, 1e-12) for r in v.invariants]
+    fig = go.Figure(
+        [
+            go.Bar(
+                x=names,
+                y=errs,
+                name="max |error|",
+                marker_color=[GREEN if r.passed else RED for r in v.invariants],
+                hovertext=[
+                    f"{esc(r.description)}<br>max |error| {r.max_abs_error:.3e}"
+                    f"<br>tolerance {r.tolerance:.1e}"
+                    for r in v.invariants
+                ],
+                hoverinfo="text",
+            ),
+            go.Scatter(
+                x=names,
+                y=[r.tolerance for r in v.invariants],
+                mode="markers",
+                marker={"symbol": "line-ew-open", "size": 30, "color": "#333"},
+                name="tolerance",
+            ),
+        ]
+    )
+    fig = style(fig, f"Exactness invariants on {v.model}", "", "largest |error| (0 is drawn at 1e-12)")
+    fig.update_yaxes(type="log")
+    failed = [r.name for r in v.invariants if not r.passed]
+    reading = (
+        f"All {len(v.invariants)} invariants hold within tolerance."
+        if not failed
+        else f"{len(failed)} invariant(s) fail: {', '.join(failed)}."
+    )
+    return [
+        Panel(
+            title="Exactness",
+            reading=reading,
+            figure=fig,
+            key=key,
+            note="prompts: " + ", ".join(f"{k} ({n} tokens)" for k, n in v.prompts.items()),
+        )
+    ]
