@@ -240,99 +240,76 @@ class Report(Displayable):
         )
 
 
-def plan(model: KVModel, tasks: Sequence[Task], cfg: ReportConfig) -> list[tuple[str, Callable]]:
+def plan(model: KVModel, tasks: Sequence[Task], cfg: ReportConfig, *, progress: bool = True
+         ) -> list[tuple[str, Callable]]:
     """The parts of a report in run order: per task, then per model (a bench sized 0 is left out)."""
     out: list[tuple[str, Callable]] = []
     for task in tasks:
-        out += [(f"{task.name}/{s}", _task_part(model, task, s, cfg)) for s in TASK_PARTS]
+        out += [(f"{task.name}/{s}", _task_part(model, task, s, cfg, progress)) for s in TASK_PARTS]
     sized = {"ttft": bool(cfg.ttft_lengths), "edit_cost": bool(cfg.edit_cost_tokens)}
-    out += [(f"model/{s}", _model_part(model, s, cfg)) for s in MODEL_PARTS if sized[s]]
+    out += [(f"model/{s}", _model_part(model, s, cfg, progress)) for s in MODEL_PARTS if sized[s]]
     return out
 
 
-def _task_part(model: KVModel, task: Task, section: str, cfg: ReportConfig) -> Callable[[], ProbeReport]:
+def _task_part(model: KVModel, task: Task, section: str, cfg: ReportConfig, progress: bool
+               ) -> Callable[[], ProbeReport]:
+    c, quiet = cfg, {"progress": progress}
+
     def report(results: dict, n: int) -> ProbeReport:
-        return ProbeReport(model=model.name, task=task.name, n=n, seed=cfg.seed, probes=results)
+        return ProbeReport(model=model.name, task=task.name, n=n, seed=c.seed, probes=results)
 
     def probes():
         from probes import run_probes
 
-        return run_probes(model, task, n=cfg.n, seed=cfg.seed, min_effect=cfg.min_effect)
+        return run_probes(model, task, n=c.n, seed=c.seed, min_effect=c.min_effect, **quiet)
 
     def regime():
         from probes.regime import regime
 
-        return report(
-            {
-                "regime": regime(
-                    model,
-                    task,
-                    n=cfg.regime_n,
-                    distances=cfg.distances,
-                    seed=cfg.seed,
-                    min_effect=cfg.min_effect,
-                )
-            },
-            cfg.regime_n,
-        )
+        return report({"regime": regime(model, task, n=c.regime_n, distances=c.distances, seed=c.seed,
+                                        min_effect=c.min_effect, **quiet)}, c.regime_n)
 
     def circuits():
         from circuits import run_circuits
         from circuits.sae import SAEConfig
 
-        sae_cfg = SAEConfig(
-            seed=cfg.seed,
-            n_train_pairs=cfg.sae_train_pairs,
-            n_eval_pairs=cfg.sae_eval_pairs,
-            training_samples=cfg.sae_samples,
-        )
-        return run_circuits(
-            model,
-            task,
-            n=cfg.n,
-            seed=cfg.seed,
-            k_max=cfg.k_max,
-            draws=cfg.draws,
-            sae_config=sae_cfg,
-            min_effect=cfg.min_effect,
-        )
+        sae = SAEConfig(seed=c.seed, n_train_pairs=c.sae_train_pairs, n_eval_pairs=c.sae_eval_pairs,
+                        training_samples=c.sae_samples)
+        return run_circuits(model, task, n=c.n, seed=c.seed, k_max=c.k_max, draws=c.draws, sae_config=sae,
+                            min_effect=c.min_effect, **quiet)
 
     def edit():
         from probes import make_trials
         from probes.edit import edit_methods
 
-        trials = make_trials(model, task, cfg.n, seed=cfg.seed)
-        return report({"edit_methods": edit_methods(trials)}, cfg.n)
+        trials = make_trials(model, task, c.n, seed=c.seed, **quiet)
+        return report({"edit_methods": edit_methods(trials)}, c.n)
 
     def compose():
         from probes.agent import agent_loop
         from probes.compose import seam_repair
         from probes.memory import memory_blocks
 
-        results = {
-            "seam_repair": seam_repair(
-                model, task, n=cfg.compose_n, seams=cfg.seams, offsets=cfg.offsets, seed=cfg.seed
-            )
-        }
-        if cfg.memory:
-            results["memory_blocks"] = memory_blocks(model, n=2 * cfg.compose_n, seed=cfg.seed)
-        if cfg.turns:
-            results["agent_loop"] = agent_loop(
-                model, task, n=min(cfg.compose_n, 2), turns=cfg.turns, seed=cfg.seed
-            )
-        return report(results, cfg.compose_n)
+        results = {"seam_repair": seam_repair(model, task, n=c.compose_n, seams=c.seams, offsets=c.offsets,
+                                              seed=c.seed, **quiet)}
+        if c.memory:
+            results["memory_blocks"] = memory_blocks(model, n=2 * c.compose_n, seed=c.seed, **quiet)
+        if c.turns:
+            results["agent_loop"] = agent_loop(model, task, n=min(c.compose_n, 2), turns=c.turns, seed=c.seed,
+                                               **quiet)
+        return report(results, c.compose_n)
 
-    return {"probes": probes, "regime": regime, "circuits": circuits, "edit": edit, "compose": compose}[
-        section
-    ]
+    parts = {"probes": probes, "regime": regime, "circuits": circuits, "edit": edit, "compose": compose}
+    return parts[section]
 
 
-def _model_part(model: KVModel, section: str, cfg: ReportConfig) -> Callable[[], BenchReport]:
+def _model_part(model: KVModel, section: str, cfg: ReportConfig, progress: bool
+                ) -> Callable[[], BenchReport]:
     from kvnotes.ttft import edit_cost, ttft
 
     if section == "ttft":
-        return lambda: ttft(model, [n for n in cfg.ttft_lengths if n <= model.n_ctx])
-    return lambda: edit_cost(model, min(cfg.edit_cost_tokens, model.n_ctx))
+        return lambda: ttft(model, [n for n in cfg.ttft_lengths if n <= model.n_ctx], progress=progress)
+    return lambda: edit_cost(model, min(cfg.edit_cost_tokens, model.n_ctx), progress=progress)
 
 
 def _part_file(out: Path, key: str) -> Path:
@@ -423,7 +400,7 @@ def run_report(
     }
     done: dict[str, Part] = {}
     reused: list[str] = []
-    steps = plan(model, tasks, cfg)
+    steps = plan(model, tasks, cfg, progress=progress)
     bar = tqdm(steps, desc="report", unit="part", disable=not progress or None, file=sys.stderr)
 
     def current() -> Report:
