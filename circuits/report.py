@@ -227,6 +227,8 @@ class Report(Displayable):
             )
         try:
             return cls.from_dict(d)
+        except ReportFileError as e:  # already says what is wrong: add only the file
+            raise ReportFileError(f"{path}: {e}; rerun `kvnotes report` to rewrite it") from e
         except (KeyError, TypeError, ValueError) as e:
             raise ReportFileError(
                 f"{path} is not a readable kvnotes report ({type(e).__name__}: {e}); "

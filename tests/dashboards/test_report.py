@@ -94,6 +94,10 @@ def test_a_bad_report_file_says_what_is_wrong(tmp_path):
     (tmp_path / "report.json").write_text("{oops")
     with pytest.raises(ReportFileError, match="not valid JSON"):
         Report.load(tmp_path)
+    (tmp_path / "report.json").write_text(json.dumps({"schema": "kvnotes.report/1", "model": "m", "tasks": [],
+                                                       "config": {"quick": True}, "parts": {}}))
+    with pytest.raises(ReportFileError, match=r"unknown report config key\(s\) \['quick'\].*rerun"):
+        Report.load(tmp_path)
     with pytest.raises(ReportFileError, match="does not exist"):
         Report.load(tmp_path / "nowhere")
     with pytest.raises(ReportFileError, match="kind"):
