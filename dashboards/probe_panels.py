@@ -200,13 +200,13 @@ def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> Panel:
     ]
     items = [i for i in items if i["n"] or i["mean"] is not None]
     fr, nt = g("field_refresh", "recovery"), g("notes_transplant", "kv")
+    part = nt is not None and nt.ci is not None and nt.ci[0] > 0
     if _above(nt, fr):
-        verdict = (
-            "the decision reads the notes, not the field: transplanting the notes recovers it, refreshing "
-            "only the field does not"
-        )
+        verdict = "the decision reads the notes more than the field's own slots"
     elif _above(fr, nt):
-        verdict = "the opposite of a notes reading: refreshing the field recovers more than the notes"
+        verdict = "the decision reads the field's own slots more than the notes" + (
+            ", though the notes carry part of it" if part
+            else "; the notes' share is indistinguishable from 0")
     else:
         verdict = "the two do not separate at this n"
     reading = f"Field-only refresh recovers {say(fr)}; the notes transplant {say(nt)}: {verdict}."
@@ -258,39 +258,41 @@ def false_note_panel(r: ProbeResult, key: str) -> Panel:
 # --- regime -------------------------------------------------------------------------------------
 
 
+def _series(name: str, x: list, es: list[Estimate | None], **kw) -> dict:
+    return {"name": name, "x": x, "mean": [e.mean if e else None for e in es],
+            "ci": [e.ci if e else None for e in es], **kw}
+
+
 def regime_panels(r: ProbeResult, key: str) -> list[Panel]:
     d = r.details.get("filler_tokens", [])
     dist = r.details.get("distance", d)
     fr = [r.parts.get(f"field_refresh@{x}") for x in d]
     nt = [r.parts.get(f"notes_transplant@{x}") for x in d]
-    series = [
-        {
-            "name": "notes transplant",
-            "x": dist,
-            "mean": [e.mean if e else None for e in nt],
-            "ci": [e.ci if e else None for e in nt],
-        },
-        {
-            "name": "field-only refresh",
-            "x": dist,
-            "mean": [e.mean if e else None for e in fr],
-            "ci": [e.ci if e else None for e in fr],
-        },
-    ]
-    fig = ci_curves(
-        series,
-        title="Regime: the field moved away from the decision",
-        x_title="tokens from the field to the decision",
-        y_title="recovery",
-    )
-    reading = (
-        f"At {dist[0]} tokens the field-only refresh recovers {say(fr[0])}, at {dist[-1]} tokens "
-        f"{say(fr[-1])}; the notes transplant {say(nt[0])} → {say(nt[-1])}."
-        if d
-        else "Not measured."
-    )
+    eff = [r.parts.get(f"effect@{x}") for x in d]
+    fig = ci_curves([_series("notes transplant", dist, nt), _series("field-only refresh", dist, fr)],
+                    title="Regime: the field moved away from the decision",
+                    x_title="tokens from the field to the decision", y_title="recovery")
+    defined = [i for i, e in enumerate(fr) if e is not None and e.mean is not None]
+    if not defined:
+        reading = "No distance has pairs whose decision moves enough to measure a recovery."
+    else:
+        a, b = defined[0], defined[-1]
+        reading = (f"At {dist[a]} tokens the field-only refresh recovers {say(fr[a])}, at {dist[b]} tokens "
+                   f"{say(fr[b])}; the notes transplant {say(nt[a])} → {say(nt[b])}.")
+        gone = [i for i in range(b + 1, len(d))]
+        if gone:
+            reading += (f" From {dist[gone[0]]} tokens on, the field moves the decision by less than the "
+                        f"minimum effect (mean {say(eff[gone[0]])} logits), so recovery is undefined there.")
     skipped = r.details.get("skipped") or []
-    note = f"n = {r.estimate.n} pairs per distance; bands are bootstrap 95% CIs" + (
-        f"; {len(skipped)} distance(s) skipped (beyond the model's context)" if skipped else ""
-    )
-    return [Panel(title="Regime curve", reading=reading, figure=fig, note=note, key=f"{key}/regime")]
+    n = max((e.n for e in eff if e is not None), default=0)
+    note = (f"n = {n} pairs per distance (fewer where a pair's decision moves too little); bands are "
+            "bootstrap 95% CIs") + (
+        f"; {len(skipped)} distance(s) skipped (beyond the model's context)" if skipped else "")
+    effect = ci_curves([_series("decision's move, new − old", dist, eff)],
+                       title="How much the field still moves the decision", y_title="logits",
+                       x_title="tokens from the field to the decision")
+    reading_e = (f"The field moves the decision by {say(eff[0])} logits at {dist[0]} tokens and "
+                 f"{say(eff[-1])} at {dist[-1]}." if d else "Not measured.")
+    return [Panel(title="Regime curve", reading=reading, figure=fig, note=note, key=f"{key}/regime"),
+            Panel(title="The field's effect with distance", reading=reading_e, figure=effect, note=note,
+                  key=f"{key}/regime_effect")]

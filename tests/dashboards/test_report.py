@@ -11,6 +11,7 @@ import pytest
 
 from circuits import CircuitReport
 from circuits.report import Part, Report, ReportConfig, ReportFileError, run_report
+from dashboards.figures import esc
 from dashboards.render import figure, html, panels, report_html, write_report
 from kvnotes.cli import main
 from kvnotes.ttft import EditCostReport, TTFTReport
@@ -154,7 +155,7 @@ def test_every_result_type_displays_itself(report_dir):
         fig = obj.figure()
         assert isinstance(fig, go.Figure) and len(fig.data) > 0, type(obj).__name__
         view = obj._repr_html_()
-        assert all(p.title in view or p.title.replace("&", "&amp;") in view for p in panels(obj))
+        assert all(esc(p.title) in view for p in panels(obj))
     assert figure(report).to_json() == report.figure().to_json()
     n_figs = len([p for p in panels(report) if p.figure is not None])
     assert html(report).count('class="kv-fig-data"') == n_figs
