@@ -7,7 +7,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from dashboards.figures import GREEN, RED, Panel, ci_bars, ci_curves, esc, fmt, style
-from dashboards.probe_panels import est, n_note, say
+from dashboards.probe_panels import est, n_note, say, series
 from probes.results import ProbeResult
 
 # --- edit and compose ---------------------------------------------------------------------------
@@ -45,22 +45,14 @@ def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
     panels = [
         Panel(title="Editing methods", reading=reading, figure=fig, note=n_note(r), key=f"{key}/methods")
     ]
-    series = []
+    curves = []
     for kind, name in (("causal", "ranked by causal effect"), ("deviation", "ranked by KV deviation")):
         xs = [k for k in ks if f"selective_{kind}@{k}" in r.parts]
-        es = [r.parts[f"selective_{kind}@{k}"] for k in xs]
         if xs:
-            series.append(
-                {
-                    "name": f"selective@K, {name}",
-                    "x": xs,
-                    "mean": [e.mean for e in es],
-                    "ci": [e.ci for e in es],
-                }
-            )
-    if series:
+            curves.append(series(f"selective@K, {name}", xs, [r.parts[f"selective_{kind}@{k}"] for k in xs]))
+    if curves:
         fig = ci_curves(
-            series,
+            curves,
             title="Selective recompute: K slots refreshed",
             x_title="K",
             y_title="recovery",
@@ -72,47 +64,22 @@ def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
             else ""
         )
         panels.append(
-            Panel(
-                title="Selective recompute",
-                reading=reading,
-                figure=fig,
-                note=n_note(r),
-                key=f"{key}/selective",
-            )
+            Panel(title="Selective recompute", reading=reading, figure=fig, note=n_note(r),
+                  key=f"{key}/selective")
         )
     return panels
 
 
 def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
     seams = r.details.get("seams", [])
-    series = []
-    for prefix, name, dash in (("cosine", "re-rotated", "solid"), ("norot_cosine", "not re-rotated", "dash")):
-        es = [r.parts.get(f"{prefix}@{b}") for b in seams]
-        series.append(
-            {
-                "name": f"logit cosine, {name}",
-                "x": seams,
-                "mean": [e.mean if e else None for e in es],
-                "ci": [e.ci if e else None for e in es],
-                "dash": dash,
-            }
-        )
-    for prefix, name in (
-        ("agree", "same answer, re-rotated"),
-        ("norot_agree", "same answer, not re-rotated"),
-    ):
-        es = [r.parts.get(f"{prefix}@{b}") for b in seams]
-        series.append(
-            {
-                "name": name,
-                "x": seams,
-                "mean": [e.mean if e else None for e in es],
-                "ci": [e.ci if e else None for e in es],
-                "dash": "dot",
-            }
-        )
+    curves = [series(f"logit cosine, {name}", seams, [r.parts.get(f"{prefix}@{b}") for b in seams], dash=dash)
+              for prefix, name, dash in (("cosine", "re-rotated", "solid"),
+                                         ("norot_cosine", "not re-rotated", "dash"))]
+    curves += [series(name, seams, [r.parts.get(f"{prefix}@{b}") for b in seams], dash="dot")
+               for prefix, name in (("agree", "same answer, re-rotated"),
+                                    ("norot_agree", "same answer, not re-rotated"))]
     fig = ci_curves(
-        series,
+        curves,
         title="Seam repair: chunk tokens recomputed in context",
         x_title="seam b (tokens)",
         y_title="agreement with full recompute",
@@ -126,13 +93,8 @@ def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
         else "Not measured."
     )
     return [
-        Panel(
-            title="Seam-repair curve",
-            reading=reading,
-            figure=fig,
-            note=f"n = {r.estimate.n} prompt × host-offset runs; 95% bootstrap CIs",
-            key=f"{key}/seam",
-        )
+        Panel(title="Seam-repair curve", reading=reading, figure=fig,
+              note=f"n = {r.estimate.n} prompt × host-offset runs; 95% bootstrap CIs", key=f"{key}/seam")
     ]
 
 
@@ -141,21 +103,7 @@ def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
     es = [r.parts.get(f"cosine@{t}") for t in turns]
     ag = [r.parts.get(f"agree@{t}") for t in turns]
     fig = ci_curves(
-        [
-            {
-                "name": "logit cosine to recompute",
-                "x": turns,
-                "mean": [e.mean if e else None for e in es],
-                "ci": [e.ci if e else None for e in es],
-            },
-            {
-                "name": "same answer",
-                "x": turns,
-                "mean": [e.mean if e else None for e in ag],
-                "ci": [e.ci if e else None for e in ag],
-                "dash": "dot",
-            },
-        ],
+        [series("logit cosine to recompute", turns, es), series("same answer", turns, ag, dash="dot")],
         title="Agent loop: one erratum per turn vs recompute every turn",
         x_title="turn",
         y_title="agreement",
@@ -166,13 +114,8 @@ def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
         f"erratum {say(r.parts.get('follows'))} of the time."
     )
     return [
-        Panel(
-            title="Errata loop",
-            reading=reading,
-            figure=fig,
-            note=f"n = {r.estimate.n} prompts",
-            key=f"{key}/agent",
-        )
+        Panel(title="Errata loop", reading=reading, figure=fig, note=f"n = {r.estimate.n} prompts",
+              key=f"{key}/agent")
     ]
 
 
@@ -199,13 +142,8 @@ def memory_panels(r: ProbeResult, key: str) -> list[Panel]:
         "when they share a block."
     )
     return [
-        Panel(
-            title="Memory blocks",
-            reading=reading,
-            figure=fig,
-            note=f"n = {r.estimate.n} prompts",
-            key=f"{key}/memory",
-        )
+        Panel(title="Memory blocks", reading=reading, figure=fig, note=f"n = {r.estimate.n} prompts",
+              key=f"{key}/memory")
     ]
 
 
@@ -272,13 +210,8 @@ def edit_cost_panels(b, key: str) -> list[Panel]:
         f"{pts[0].suffix_s:.3f} s (near the start); full prefill ≈ {pts[0].full_s:.3f} s."
     )
     return [
-        Panel(
-            title="Edit cost",
-            reading=reading,
-            figure=fig,
-            note=f"one timing per point, {esc(b.machine)}",
-            key=f"{key}/edit_cost",
-        )
+        Panel(title="Edit cost", reading=reading, figure=fig, note=f"one timing per point, {esc(b.machine)}",
+              key=f"{key}/edit_cost")
     ]
 
 
@@ -294,13 +227,8 @@ def sweep_panels(b, key: str) -> list[Panel]:
         y_title="×",
     )
     return [
-        Panel(
-            title="Patch-sweep speedup",
-            figure=fig,
-            key=key,
-            note=esc(b.machine),
-            reading=", ".join(f"{p.tokens} tokens: {p.ratio:.0f}×" for p in b.results) + ".",
-        )
+        Panel(title="Patch-sweep speedup", figure=fig, key=key, note=esc(b.machine),
+              reading=", ".join(f"{p.tokens} tokens: {p.ratio:.0f}×" for p in b.results) + ".")
     ]
 
 
@@ -340,11 +268,6 @@ def verify_panels(v, key: str) -> list[Panel]:
         else f"{len(failed)} invariant(s) fail: {', '.join(failed)}."
     )
     return [
-        Panel(
-            title="Exactness",
-            reading=reading,
-            figure=fig,
-            key=key,
-            note="prompts: " + ", ".join(f"{k} ({n} tokens)" for k, n in v.prompts.items()),
-        )
+        Panel(title="Exactness", reading=reading, figure=fig, key=key,
+              note="prompts: " + ", ".join(f"{k} ({n} tokens)" for k, n in v.prompts.items()))
     ]

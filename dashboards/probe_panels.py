@@ -139,13 +139,8 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
             else ""
         )
         panels.append(
-            Panel(
-                title="Slot × layer map",
-                reading=reading,
-                figure=fig,
-                note="pair 1; one forward per cell, exact transplants",
-                key=f"{key}/slot_layer",
-            )
+            Panel(title="Slot × layer map", reading=reading, figure=fig,
+                  note="pair 1; one forward per cell, exact transplants", key=f"{key}/slot_layer")
         )
     layers = sorted((int(k.split("_")[1]), e) for k, e in r.parts.items() if re.fullmatch(r"layer_\d+", k))
     if layers:
@@ -170,13 +165,8 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
             else "No layer measured."
         )
         panels.append(
-            Panel(
-                title="Per-layer note transplant",
-                reading=reading,
-                figure=fig,
-                note=n_note(r),
-                key=f"{key}/per_layer",
-            )
+            Panel(title="Per-layer note transplant", reading=reading, figure=fig, note=n_note(r),
+                  key=f"{key}/per_layer")
         )
     return panels
 
@@ -221,24 +211,10 @@ def false_note_panel(r: ProbeResult, key: str) -> Panel:
     ks = r.details.get("ks", [])
     top = [r.parts.get(f"k{k}") for k in ks]
     rnd = [r.parts.get(f"random_k{k}") for k in ks]
-    series = [
-        {
-            "name": "top-k note slots",
-            "x": ks,
-            "mean": [e.mean if e else None for e in top],
-            "ci": [e.ci if e else None for e in top],
-        },
-        {
-            "name": "k random downstream slots",
-            "x": ks,
-            "mean": [e.mean if e else None for e in rnd],
-            "ci": [e.ci if e else None for e in rnd],
-            "color": GREY,
-            "dash": "dash",
-        },
-    ]
+    curves = [series("top-k note slots", ks, top),
+              series("k random downstream slots", ks, rnd, color=GREY, dash="dash")]
     fig = ci_curves(
-        series,
+        curves,
         title="False-note injection: the opposite conclusion written into k notes",
         x_title="k (slots injected)",
         y_title="recovery toward the injected conclusion",
@@ -258,7 +234,8 @@ def false_note_panel(r: ProbeResult, key: str) -> Panel:
 # --- regime -------------------------------------------------------------------------------------
 
 
-def _series(name: str, x: list, es: list[Estimate | None], **kw) -> dict:
+def series(name: str, x: list, es: list[Estimate | None], **kw) -> dict:
+    """A `ci_curves` series from one Estimate per x (None where not measured)."""
     return {"name": name, "x": x, "mean": [e.mean if e else None for e in es],
             "ci": [e.ci if e else None for e in es], **kw}
 
@@ -269,7 +246,7 @@ def regime_panels(r: ProbeResult, key: str) -> list[Panel]:
     fr = [r.parts.get(f"field_refresh@{x}") for x in d]
     nt = [r.parts.get(f"notes_transplant@{x}") for x in d]
     eff = [r.parts.get(f"effect@{x}") for x in d]
-    fig = ci_curves([_series("notes transplant", dist, nt), _series("field-only refresh", dist, fr)],
+    fig = ci_curves([series("notes transplant", dist, nt), series("field-only refresh", dist, fr)],
                     title="Regime: the field moved away from the decision",
                     x_title="tokens from the field to the decision", y_title="recovery")
     defined = [i for i, e in enumerate(fr) if e is not None and e.mean is not None]
@@ -288,7 +265,7 @@ def regime_panels(r: ProbeResult, key: str) -> list[Panel]:
     note = (f"n = {n} pairs per distance (fewer where a pair's decision moves too little); bands are "
             "bootstrap 95% CIs") + (
         f"; {len(skipped)} distance(s) skipped (beyond the model's context)" if skipped else "")
-    effect = ci_curves([_series("decision's move, new − old", dist, eff)],
+    effect = ci_curves([series("decision's move, new − old", dist, eff)],
                        title="How much the field still moves the decision", y_title="logits",
                        x_title="tokens from the field to the decision")
     reading_e = (f"The field moves the decision by {say(eff[0])} logits at {dist[0]} tokens and "
