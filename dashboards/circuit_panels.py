@@ -288,6 +288,7 @@ def prompt_attribution_panels(a, key: str = "attribution") -> list[Panel]:
     """A single prompt's attribution (`circuits.PromptAttribution`): coloured text and slot × layer."""
     d = a.to_dict()
     tokens, est_grid = d["tokens"], d["estimate"]
+    steps = (d.get("meta") or {}).get("steps", 1)
     totals = [sum(col) for col in zip(*est_grid)] if est_grid else []
     exact = {row["position"]: row for row in d.get("exact", [])}
     answers = " vs ".join(repr(x) for x in d.get("answers", []))
@@ -335,7 +336,8 @@ def prompt_attribution_panels(a, key: str = "attribution") -> list[Panel]:
                 key=f"{key}/slot_layer",
                 reading=f"Spearman's rho between estimate and exact transplant over the top slots: "
                 f"{fmt(rho)}.",
-                note="one forward and one backward pass",
+                note=f"gradients from {steps} forward and backward pass(es) along the path to the source "
+                "(integrated gradients when more than one)",
             )
         )
     return panels
