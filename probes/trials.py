@@ -38,6 +38,7 @@ class Trial:
     ld_old: float
     ld_new: float
     cache: dict = field(default_factory=dict, repr=False)  # per-pair results shared across probes
+    progress: bool = field(default=True, repr=False)  # made with progress=False: probes iterate quietly
 
     @property
     def effect(self) -> float:
@@ -72,8 +73,10 @@ class Trial:
 
 
 def each(trials: Sequence[Trial], desc: str):
-    """Iterate `trials` with a progress bar on a terminal (silent when output is not a TTY)."""
-    return tqdm(trials, desc=desc, unit="pair", disable=None, leave=False)
+    """Iterate `trials` with a progress bar on a terminal (silent when output is not a TTY, or when
+    the trials were made with `progress=False`)."""
+    quiet = bool(trials) and not trials[0].progress
+    return tqdm(trials, desc=desc, unit="pair", disable=True if quiet else None, leave=False)
 
 
 def make_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0, kind: str = GATE,
@@ -97,5 +100,6 @@ def make_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0, kind
         for nb, prompt in ((old_nb, pair.old), (new_nb, pair.new)):
             o = decide(model, nb, prompt, vocab=pair.answers).last[0]
             lds.append(float(o[0] - o[1]))
-        out.append(Trial(model=model, pair=pair, old_nb=old_nb, new_nb=new_nb, ld_old=lds[0], ld_new=lds[1]))
+        out.append(Trial(model=model, pair=pair, old_nb=old_nb, new_nb=new_nb, ld_old=lds[0], ld_new=lds[1],
+                         progress=progress))
     return out
