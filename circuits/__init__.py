@@ -23,6 +23,7 @@ from circuits.heads import Head, all_heads, read_sweep, write_sweep
 from circuits.prompt_attribution import PromptAttribution, attribute_prompt
 from circuits.read_write import read_heads, write_heads
 from circuits.scrubbing import scrubbing
+from kvnotes.bench import versions
 from kvnotes.errors import KVNotesError
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task, load_task
@@ -115,20 +116,8 @@ def run_circuits(model: KVModel, task: Task | str, names: Sequence[str] = ("all"
     meta = {"min_effect": min_effect, "k_max": k_max, "draws": draws, "timings": timings,
             "seconds": round(time.perf_counter() - t0, 1), "machine": platform.machine(),
             "task_source": task.source, "prompt_tokens": [len(t.pair.old) for t in trials],
-            "versions": _versions()}
+            "versions": versions()}
     return CircuitReport(model=model.name, task=task.name, n=n, seed=seed, probes=results, meta=meta)
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("kvnotes", "torch", "transformer-lens", "sae-lens"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 __all__ = ["ANALYSES", "CircuitReport", "run_circuits", "read_heads", "write_heads", "scrubbing",

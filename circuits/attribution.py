@@ -102,10 +102,13 @@ def slot_attribution(model: KVModel, old: Notebook, new: Notebook, query: Prompt
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     ids, pos = query_tokens(model, old, query)
-    ld, g_k, g_v, _, _ = _backward(model, old, ids, pos, answers)
-    if steps > 1:
+    if steps == 1:
+        ld, g_k, g_v, _, _ = _backward(model, old, ids, pos, answers)
+    else:  # old's ld from a forward alone; the gradients from the midpoints
+        _, out = run(model, old, ids, pos, write=False, vocab=answers)
+        ld = out.last[0, 0] - out.last[0, 1]
         src = new.select(old.positions)
-        g_k, g_v = [torch.zeros_like(g) for g in g_k], [torch.zeros_like(g) for g in g_v]
+        g_k, g_v = [torch.zeros_like(k) for k in old.keys], [torch.zeros_like(v) for v in old.values]
         for i in range(steps):
             a = (i + 0.5) / steps
             mid = replace(old, keys=tuple(o + a * (n - o) for o, n in zip(old.keys, src.keys)),

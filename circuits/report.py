@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from kvnotes.bench import BenchReport
+from kvnotes.bench import BenchReport, versions
 from kvnotes.display import Displayable
 from kvnotes.errors import KVNotesError
 from kvnotes.models.model import KVModel
@@ -342,18 +342,6 @@ def model_info(model: KVModel) -> dict:
         "n_ctx": model.n_ctx,
         "rope_bases": sorted({model.rope_base(l) for l in range(model.n_layers)}),
     }
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("kvnotes", "torch", "transformer-lens", "transformers", "sae-lens", "plotly"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def run_report(

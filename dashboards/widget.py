@@ -122,7 +122,7 @@ class PatchingView:
                keys: bool = True, values: bool = True) -> PatchState:
         """Set the widgets to patch `positions` x `layers` (None: all; a contiguous range, as the
         slider shows) with K and/or V, re-decide once, and return the new state."""
-        pos = self.session.patch(positions, (0,), keys=False).positions  # checks the positions
+        pos = self.session.check_positions(positions)
         lo, hi = self._layer_range(layers)
         with self._held():
             for p, b in self._buttons.items():

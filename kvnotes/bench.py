@@ -75,6 +75,20 @@ def machine() -> str:
             f"({torch.get_num_threads()} threads)")
 
 
+def versions(packages: tuple[str, ...] = ("kvnotes", "torch", "transformer-lens", "transformers", "sae-lens",
+                                           "plotly")) -> dict[str, str | None]:
+    """Python's and each installed package's version (None where one is missing), for result metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in packages:
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
 def sweep_prompts(model: KVModel, n_tokens: int) -> tuple[Prompt, Prompt]:
     """An aligned (old, new) pair of about `n_tokens` tokens, the field near the start."""
     return filled_pair(model, POLICY + STATE, QUERY, n_tokens)

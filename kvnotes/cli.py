@@ -204,8 +204,7 @@ def cmd_report(args) -> int:
     model = load_model(args.model)
     out = Path(args.out)
     report = run_report(model, tasks, out, cfg, resume=not args.fresh,
-                        on_part=lambda r: write_report(r, out))
-    write_report(report, out)
+                        on_part=lambda r: write_report(r, out))  # the page follows every finished part
     print(f"{report!r}\nopen {out / 'index.html'} (or `kvnotes dashboard {out}`)")
     return 0
 
@@ -344,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--fresh", action="store_true",
                     help="recompute every part (default: reuse the parts DIR/parts holds for this model "
                          "and these sizes)")
-    rp.add_argument("--n", type=int, help="prompt pairs for probes, circuits and edits (default 8; 4 quick)")
+    rp.add_argument("--n", type=int, help="prompt pairs for probes, circuits and edits (default 8; 6 quick)")
     rp.add_argument("--seed", type=int)
     rp.set_defaults(func=cmd_report)
 

@@ -102,14 +102,19 @@ class PatchSession:
             raise OutOfRange(f"layers {ls[0]}..{ls[-1]} out of range: the model has {n} layers (0..{n - 1})")
         return ls
 
-    def patch(self, positions: Iterable[int] = (), layers: Iterable[int] | None = None, *,
-              keys: bool = True, values: bool = True) -> PatchState:
-        """Transplant `positions` × `layers` (None: all) from the new run, K and/or V, and re-decide."""
+    def check_positions(self, positions: Iterable[int]) -> tuple[int, ...]:
+        """`positions` sorted and checked against the old notebook's slots."""
         pos = tuple(sorted({int(p) for p in positions}))
         bad = [p for p in pos if p not in set(self.positions)]
         if bad:
             raise OutOfRange(f"position(s) {bad} are not slots of the old notebook "
                              f"({self.positions[0]}..{self.positions[-1]})")
+        return pos
+
+    def patch(self, positions: Iterable[int] = (), layers: Iterable[int] | None = None, *,
+              keys: bool = True, values: bool = True) -> PatchState:
+        """Transplant `positions` × `layers` (None: all) from the new run, K and/or V, and re-decide."""
+        pos = self.check_positions(positions)
         layers = self.layer_range(layers)
         if not pos or not (keys or values):
             ld = self.ld_old  # nothing transplanted: the old notebook as it is
