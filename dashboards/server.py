@@ -13,34 +13,63 @@ still being written by `kvnotes report` shows its newest parts. Pages are render
 
 Server: Werkzeug's threaded server (`werkzeug.serving.make_server`), which Flask ships with. This
 is a local, single-user tool bound to 127.0.0.1 by default; a production WSGI server (waitress,
-gunicorn) is not installed here and would add a dependency for no gain at this load. When bound to
-a loopback address, requests must name a loopback host (Flask's TRUSTED_HOSTS), which stops a web
-page from reading the dashboard through DNS rebinding.
+gunicorn) is not installed here and would add a dependency for no gain at this load.
+
+Access: bound to a loopback address, every request must name a loopback host in its Host header
+(`127.0.0.1`, `localhost`, `[::1]`, any port), which stops a web page elsewhere from reading the
+dashboard through DNS rebinding. The check is ours (`host_is_loopback`), not Werkzeug's
+TRUSTED_HOSTS, whose parsing of IPv6 literals differs between releases. Bound to any other
+address, every request must carry a random access token, printed at start as Jupyter does
+(`?token=...` once, then a cookie), unless the user turns it off explicitly.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
 import os
+import re
+import secrets
+import socket
 import threading
 import webbrowser
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from urllib.parse import urlencode
 
-from flask import Flask, Response, render_template, request, send_file
+from flask import Flask, Response, redirect, render_template, request, send_file
 
 from circuits.report import Report
 from dashboards.render import compare_html
 
-__all__ = ["Catalog", "create_app", "serve", "report_id"]
+__all__ = ["Catalog", "create_app", "dashboard_server", "host_is_loopback", "serve", "report_id"]
 
 REPORT_FILE = "report.json"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")                 # addresses that only this machine reaches
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")         # how requests to them name the host
+# A Host header: a name or IPv4 address, or an IPv6 address in brackets; then an optional port.
+HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::(?P<port>[0-9]{1,5}))?")
 # The index and message pages run no script: forbid any, so an escaping slip could not execute.
 NO_SCRIPT = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'"
+
+
+def host_is_loopback(header: str | None) -> bool:
+    """Whether an HTTP Host header names this machine: `localhost` or a loopback address, any port.
+
+    >>> [host_is_loopback(h) for h in ("127.0.0.1:8765", "[::1]:8765", "LOCALHOST", "evil.example", None)]
+    [True, True, True, False, False]
+    """
+    m = HOST_HEADER.fullmatch(header or "")
+    if m is None or (m["port"] is not None and not 0 < int(m["port"]) < 65536):
+        return False
+    if m["name"] is not None and m["name"].lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(m["v6"] if m["v6"] is not None else m["name"])
+    except ValueError:  # a host name other than localhost, or not an address at all
+        return False
+    return address.is_loopback and (m["v6"] is None) == (address.version == 4)
 
 
 def report_id(directory: Path) -> str:
@@ -193,15 +222,20 @@ def index_groups(entries: Sequence[Entry]) -> list[dict]:
 # --- the app ------------------------------------------------------------------------------------
 
 
-def create_app(dirs: Sequence[str | Path], *, trusted_hosts: Sequence[str] | None = None) -> Flask:
+def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token: str | None = None) -> Flask:
     """The dashboard over the reports found (recursively) under `dirs`.
+
+    `loopback_only`: answer only requests whose Host header names this machine (400 otherwise).
+    `token`: answer only requests that carry it, as `?token=` (which sets a cookie and redirects to
+    the same page without it), the cookie, or an `Authorization: token ...` header (403 otherwise).
 
     >>> app = create_app([])
     >>> app.test_client().get("/").status_code
     200
+    >>> app.test_client().get("/", headers={"Host": "attacker.example"}).status_code
+    400
     """
     app = Flask(__name__)
-    app.config["TRUSTED_HOSTS"] = list(trusted_hosts) if trusted_hosts else None
     catalog = Catalog(dirs)
     app.extensions["kvnotes_catalog"] = catalog
 
@@ -221,6 +255,36 @@ def create_app(dirs: Sequence[str | Path], *, trusted_hosts: Sequence[str] | Non
         if e is None:
             return message(404, "Unknown report", f"no report has the id {rid!r}", show_ids=True)
         return e
+
+    cookie = f"kvnotes_token_{hashlib.sha256((token or '').encode()).hexdigest()[:8]}"
+
+    def carries_token() -> bool:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        offered = [request.args.get("token"), request.cookies.get(cookie),
+                   given if scheme.lower() == "token" else None]
+        return any(t is not None and hmac.compare_digest(t.encode(), token.encode()) for t in offered)
+
+    @app.before_request
+    def check_access() -> Response | None:
+        if loopback_only and not host_is_loopback(request.environ.get("HTTP_HOST")):
+            return message(400, "Not a local address",
+                           "this dashboard answers only requests to 127.0.0.1, localhost or [::1] (the Host "
+                           "header names another host, or none); open it at the address `kvnotes dashboard` "
+                           "printed")
+        if token is None:
+            return None
+        if not carries_token():
+            return message(403, "Access token needed",
+                           "this dashboard is served beyond this machine, so it asks for the access token "
+                           "that `kvnotes dashboard` printed when it started: open the link it printed "
+                           "(ending in ?token=...)")
+        if "token" in request.args and request.method in ("GET", "HEAD"):
+            # the token leaves the address bar (and history, and any Referer) for a cookie
+            query = urlencode([(k, v) for k, v in request.args.items(multi=True) if k != "token"])
+            resp = redirect(request.path + (f"?{query}" if query else ""), code=303)
+            resp.set_cookie(cookie, token, httponly=True, samesite="Strict")
+            return resp
+        return None
 
     @app.after_request
     def headers(resp: Response) -> Response:
@@ -289,20 +353,40 @@ def report_count(dirs: Sequence[str | Path]) -> int:
     return sum(len(find_report_dirs(Path(d), [])) for d in dirs)
 
 
-def serve(dirs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8765,
-          open_browser: bool = False) -> None:
-    """Serve the dashboard until interrupted (Ctrl-C). Binds to loopback unless `host` says otherwise."""
+def is_local(host: str) -> bool:
+    """Whether binding to `host` keeps the dashboard on this machine (localhost or a loopback address)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def dashboard_server(dirs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8765, *,
+                     token: bool = True):
+    """The dashboard's server, bound but not yet serving, and the URL that opens it.
+
+    On loopback only requests naming a loopback host are answered. On any other address a random
+    access token is required, and the URL carries it, unless `token=False` (`--no-token`).
+    """
     from werkzeug.serving import make_server
 
-    trusted = list(LOOPBACK_HOSTS) if host in LOOPBACK else None
+    local = is_local(host)
+    secret = secrets.token_urlsafe(24) if token and not local else None
     # a port in use: Werkzeug says so and which way out, and exits 1
-    server = make_server(host, port, create_app(dirs, trusted_hosts=trusted), threaded=True)
-    shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{server.server_port}/"
+    server = make_server(host, port, create_app(dirs, loopback_only=local, token=secret), threaded=True)
+    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    shown = f"[{shown}]" if ":" in shown else shown
+    return server, f"http://{shown}:{server.server_port}/" + (f"?token={secret}" if secret else "")
+
+
+def serve(dirs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8765,
+          open_browser: bool = False, token: bool = True) -> None:
+    """Serve the dashboard until interrupted (Ctrl-C); see `dashboard_server` for who may read it."""
+    server, url = dashboard_server(dirs, host, port, token=token)
     print(f"kvnotes dashboard: {url} (Ctrl-C to stop)", flush=True)
-    if host not in LOOPBACK:
-        print(f"warning: listening on {host}: anyone who can reach this machine can read these reports",
-              flush=True)
+    if "?token=" not in url and not is_local(host):
+        print(f"warning: listening on {host} without an access token (--no-token): anyone who can reach "
+              "this machine can read these reports", flush=True)
     if open_browser:
         threading.Timer(0.5, webbrowser.open, (url,)).start()
     try:
@@ -311,4 +395,3 @@ def serve(dirs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8765,
         pass
     finally:
         server.server_close()
-

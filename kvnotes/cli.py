@@ -231,7 +231,7 @@ def cmd_dashboard(args) -> int:
     if report_count(args.dirs) == 0:
         raise KVNotesError(f"no report.json under {', '.join(args.dirs)}; write one with "
                            "`kvnotes report --model M --task T --out DIR`")
-    serve(args.dirs, host=args.host, port=args.port, open_browser=args.open)
+    serve(args.dirs, host=args.host, port=args.port, open_browser=args.open, token=not args.no_token)
     return 0
 
 
@@ -357,8 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("dirs", nargs="+", metavar="DIR", help="report directories, or directories above them")
     da.add_argument("--port", type=int, default=8765)
     da.add_argument("--host", default="127.0.0.1",
-                    help="address to listen on (default 127.0.0.1: this machine only; another address "
-                         "lets anyone who reaches it read the reports)")
+                    help="address to listen on (default 127.0.0.1: this machine only; on another address "
+                         "the dashboard asks for a random access token, printed in its URL at start)")
+    da.add_argument("--no-token", action="store_true",
+                    help="with --host: serve without an access token (anyone who reaches the address can "
+                         "read the reports)")
     da.add_argument("--open", action="store_true", help="also open the index in a web browser")
     da.set_defaults(func=cmd_dashboard)
 

@@ -41,3 +41,7 @@ class UnsupportedArchitecture(KVNotesError):
 
 class MissingDependency(KVNotesError):
     """An optional package that a feature needs is not installed."""
+
+
+class OrganismNotConverged(KVNotesError):
+    """A model organism whose training did not reach its accuracy and margin from any seed tried."""

@@ -24,7 +24,9 @@ read the field's slot (and the rule's) directly: a field-only refresh gives the 
 (recovery 1, up to rounding) and a downstream transplant changes nothing (recovery 0).
 
 Both are trained from a seed, deterministically (one CPU thread), until their held-out accuracy
-has been 100% with a clear margin for a while; then cached (safetensors weights + JSON metadata)
+has been 100% with a clear margin for a while. A run that does not get there is never cached:
+training starts again from the next seed, up to `SEED_TRIES` seeds, and fails with a clear error
+if none converges. The organism is then cached (safetensors weights + JSON metadata)
 under `$KVNOTES_CACHE` or `~/.cache/kvnotes`, in a directory keyed by a hash of the config, the
 task and the tokenizer, so changing any of them retrains. Retrain and print the metrics:
 
@@ -40,7 +42,7 @@ import random
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,6 +58,7 @@ from kvnotes.tasks import Task, load_task, render
 from kvnotes.tasks.sampler import values_for
 
 CACHE_VERSION = 1  # bump when training or the cache format changes, so old caches are retrained
+SEED_TRIES = 3  # seeds tried (config.seed, +1, +2) before an organism that will not converge is an error
 NOTES, LOOKUP = "notes", "lookup"
 
 
@@ -338,11 +341,33 @@ def _train(cfg: OrganismConfig, progress: bool):
         "train_prompts": train.size, "train_seconds": round(time.perf_counter() - start, 2),
         "torch": torch.__version__, "threads": 1,
     }
-    if not converged:
-        _say(True, f"kvnotes: {cfg.name} did not reach 100% held-out accuracy with margin {cfg.min_margin} "
-                   f"in {cfg.max_steps} steps (accuracy {ev['accuracy']:.3f}); raise max_steps or change "
-                   "the recipe in kvnotes/models/organisms.py")
     return tl, metrics
+
+
+def train_converged(name: str, *, config: OrganismConfig | None = None, progress: bool = True,
+                    tries: int = SEED_TRIES):
+    """`train_organism` from `config.seed`, then from the next seeds until a run converges.
+
+    Returns `(HookedTransformer, metrics)` of the first run that converged; `metrics["seed"]` is
+    the seed it trained from and `metrics["seeds_tried"]` the runs it took. Raises
+    `OrganismNotConverged` when none of `tries` seeds does.
+    """
+    from kvnotes.errors import OrganismNotConverged
+
+    cfg = _resolve(name, config)
+    failed = []
+    for seed in range(cfg.seed, cfg.seed + tries):
+        tl, metrics = train_organism(name, config=replace(cfg, seed=seed), progress=progress)
+        if metrics["converged"]:
+            return tl, {**metrics, "config_hash": config_hash(cfg), "seeds_tried": len(failed) + 1}
+        failed.append(f"seed {seed}: accuracy {metrics['heldout_accuracy']:.3f}, "
+                      f"margin {metrics['heldout_min_margin']:.2f}")
+        _say(progress, f"kvnotes: {cfg.name} did not converge from seed {seed}; "
+                       + ("trying the next seed" if len(failed) < tries else "giving up"))
+    raise OrganismNotConverged(
+        f"{cfg.name} did not reach 100% held-out accuracy with margin {cfg.min_margin} within "
+        f"{cfg.max_steps} steps from any of {tries} seeds ({'; '.join(failed)}); nothing was cached. "
+        "Raise max_steps, or change the recipe in kvnotes/models/organisms.py")
 
 
 def _last_logits(tl, tokens: torch.Tensor) -> torch.Tensor:
@@ -393,6 +418,8 @@ def load_organism(name: str, *, config: OrganismConfig | None = None, cache_dir:
                   progress: bool = True) -> KVModel:
     """Organism `name` as a `KVModel`: from the cache, or trained (first use) and cached.
 
+    Only an organism that converged is cached (see `train_converged`).
+
     >>> model = load_organism("lookup-organism", progress=False)
     >>> model.n_layers, model.window(0)
     (1, None)
@@ -402,7 +429,7 @@ def load_organism(name: str, *, config: OrganismConfig | None = None, cache_dir:
     tl = _from_cache(root, cfg, progress)
     if tl is None:
         _say(progress, f"kvnotes: training {cfg.name} (first use; cached in {root})")
-        tl, metrics = train_organism(name, config=cfg, progress=progress)
+        tl, metrics = train_converged(name, config=cfg, progress=progress)
         _write_cache(root, tl, cfg, metrics)
     return KVModel.wrap(cfg.name, tl, tiny_tokenizer())
 
@@ -426,6 +453,8 @@ def _from_cache(root: Path, cfg: OrganismConfig, progress: bool):
         meta = json.loads((root / "meta.json").read_text())
         if meta.get("format") != "kvnotes.organism" or meta.get("config_hash") != config_hash(cfg):
             raise ValueError("its metadata does not match this organism's config")
+        if not meta.get("metrics", {}).get("converged"):
+            raise ValueError("it holds a run that did not converge")
         weights = load_file(str(root / "weights.safetensors"))
         tl = _new_model(cfg)
         params = dict(tl.named_parameters())
@@ -436,7 +465,7 @@ def _from_cache(root: Path, cfg: OrganismConfig, progress: bool):
         _say(progress, f"kvnotes: loading {cfg.name} from cache ({root})")
         return tl
     except Exception as e:  # noqa: BLE001 - any failure means the cache is unusable; retrain
-        _say(True, f"kvnotes: the {cfg.name} cache at {root} is unreadable ({type(e).__name__}: {e}); "
+        _say(True, f"kvnotes: the {cfg.name} cache at {root} is unusable ({type(e).__name__}: {e}); "
                    "retraining it")
         return None
 
@@ -485,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     cfg = _config(args.name)
-    tl, metrics = train_organism(args.name, config=cfg, progress=not args.quiet)
+    tl, metrics = train_converged(args.name, config=cfg, progress=not args.quiet)
     _write_cache(cache_path(args.name, config=cfg, cache_dir=args.cache_dir), tl, cfg, metrics)
     print(json.dumps(metrics, indent=1))
     return metrics

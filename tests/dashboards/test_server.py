@@ -9,12 +9,16 @@ import inspect
 import json
 import re
 import shutil
+import socket
+import threading
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 from markupsafe import escape
+from werkzeug.test import EnvironBuilder, run_wsgi_app
 
-from dashboards.server import LOOPBACK_HOSTS, create_app, report_id, serve
+from dashboards.server import create_app, dashboard_server, report_id, serve
 from kvnotes.cli import build_parser, main
 from tests.dashboards.sample_reports import XSS_TASK_NAME, report_dirs, root
 
@@ -150,17 +154,104 @@ def test_a_changed_report_is_read_again_and_its_text_escaped(dirs, tmp_path):
     assert report_id(d) in c.get("/report/0000000000/").get_data(as_text=True)  # the 404's id list
 
 
-def test_loopback_hosts_only_when_trusted(dirs, tmp_path_factory):
-    c = create_app([root(tmp_path_factory)], trusted_hosts=LOOPBACK_HOSTS).test_client()
-    assert c.get("/", headers={"Host": "127.0.0.1:8765"}).status_code == 200
-    assert c.get("/", headers={"Host": "[::1]:8765"}).status_code == 200
-    assert c.get("/", headers={"Host": "attacker.example:8765"}).status_code == 400  # DNS rebinding
+LOCAL_HOSTS = ["127.0.0.1:8765", "127.0.0.1", "localhost:8765", "LocalHost", "[::1]:8765", "[::1]",
+               "[0:0:0:0:0:0:0:1]:80"]
+FOREIGN_HOSTS = ["attacker.example:8765", "localhost.attacker.example", "127.0.0.1.nip.io", "[::2]:8765",
+                 "192.168.1.5:8765", "[127.0.0.1]", "::1", "[::1", "127.0.0.1:99999", "127.0.0.1:abc",
+                 "localhost:8765:1", "", " 127.0.0.1"]
+
+
+@pytest.mark.parametrize("host", LOCAL_HOSTS)
+def test_loopback_host_names_are_answered(client, host):
+    assert client.get("/", headers={"Host": host}).status_code == 200
+
+
+@pytest.mark.parametrize("host", FOREIGN_HOSTS, ids=lambda h: repr(h))
+def test_other_or_malformed_hosts_are_refused(client, host):
+    """DNS rebinding: a page on attacker.example resolved to 127.0.0.1 sends its own name as Host."""
+    r = client.get("/", headers={"Host": host})
+    assert r.status_code == 400
+    assert "answers only requests to 127.0.0.1, localhost or [::1]" in r.get_data(as_text=True)
+
+
+def test_a_request_without_host_is_refused(client):
+    environ = EnvironBuilder(path="/").get_environ()
+    del environ["HTTP_HOST"]
+    _, status, _ = run_wsgi_app(client.application, environ, buffered=True)
+    assert status.startswith("400")
+
+
+def raw_get(port: int, head: str) -> str:
+    """The status line of a raw HTTP request (so the Host header is exactly what the test wrote)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n")
+        return sock.makefile("rb").readline().decode()
+
+
+def test_the_real_server_checks_the_host_it_is_sent(dirs, tmp_path_factory):
+    server, url = dashboard_server([root(tmp_path_factory)], "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_port
+        assert url == f"http://127.0.0.1:{port}/"
+        for host in ("127.0.0.1", "[::1]", "localhost"):
+            assert " 200 " in raw_get(port, f"GET / HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close")
+        assert " 400 " in raw_get(port, f"GET / HTTP/1.1\r\nHost: evil.example:{port}\r\nConnection: close")
+        assert " 400 " in raw_get(port, "GET / HTTP/1.0")  # no Host at all
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def token_client(dirs, tmp_path_factory):
+    return create_app([root(tmp_path_factory)], loopback_only=False, token="s3cret-token").test_client()
+
+
+def test_a_token_is_asked_for_when_set(token_client):
+    for r in (token_client.get("/", headers={"Host": "lab.example:8765"}),
+              token_client.get("/?token=wrong"),
+              token_client.get("/", headers={"Authorization": "token wrong"})):
+        assert r.status_code == 403 and "open the link it printed" in r.get_data(as_text=True)
+    assert token_client.get("/", headers={"Authorization": "token s3cret-token"}).status_code == 200
+
+
+def test_the_token_in_the_url_becomes_a_cookie(token_client):
+    r = token_client.get("/compare?a=1&token=s3cret-token&b=2", headers={"Host": "lab.example:8765"})
+    assert r.status_code == 303 and r.headers["Location"] == "/compare?a=1&b=2"  # out of the address bar
+    cookie = r.headers["Set-Cookie"]
+    assert "s3cret-token" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    assert token_client.get("/", headers={"Host": "lab.example:8765"}).status_code == 200  # the cookie
+    assert create_app([], loopback_only=False, token="other").test_client().get("/").status_code == 403
+
+
+def test_bound_beyond_loopback_the_url_carries_a_fresh_token(dirs, tmp_path_factory):
+    urls = []
+    for _ in range(2):
+        server, url = dashboard_server([root(tmp_path_factory)], "0.0.0.0", 0)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            urls.append(url)
+            secret = parse_qs(urlparse(url).query)["token"][0]
+            port = server.server_port
+            assert len(secret) >= 32
+            head = f"GET /{{}} HTTP/1.1\r\nHost: myhost:{port}\r\nConnection: close"
+            assert " 403 " in raw_get(port, head.format(""))
+            assert " 303 " in raw_get(port, head.format(f"?token={secret}"))
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert urls[0] != urls[1]
+    server, url = dashboard_server([root(tmp_path_factory)], "0.0.0.0", 0, token=False)  # --no-token
+    server.server_close()
+    assert "token" not in url
 
 
 def test_host_defaults_to_loopback():
     assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
     args = build_parser().parse_args(["dashboard", "some/dir"])
-    assert (args.host, args.port, args.dirs) == ("127.0.0.1", 8765, ["some/dir"])
+    assert (args.host, args.port, args.dirs, args.no_token) == ("127.0.0.1", 8765, ["some/dir"], False)
+    assert build_parser().parse_args(["dashboard", "d", "--host", "0.0.0.0", "--no-token"]).no_token
 
 
 def test_cli_refuses_a_missing_or_empty_directory(tmp_path, capsys):

@@ -7,15 +7,18 @@ downstream slots recovers everything; lookup-organism (one global layer) is the 
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
 from kvnotes import Patch, decide, decide_patched, logit_diff, patch, prefill, recovery, refresh, verify
-from kvnotes.models import builtin_names, load_model
+from kvnotes.errors import OrganismNotConverged
+from kvnotes.models import builtin_names, load_model, organisms
 from kvnotes.models.organisms import (
     ORGANISMS,
+    SEED_TRIES,
     OrganismConfig,
     cache_path,
     check_prompt,
@@ -139,8 +142,9 @@ def test_cache_round_trips(organism):
     assert again.fingerprint == organism.fingerprint
 
 
-# a few steps of training: enough to exercise writing, reading and rebuilding the cache
-SMALL = replace(ORGANISMS["lookup-organism"], max_steps=8, train_size=64, heldout_size=16, eval_every=4)
+# a small recipe that converges in about 80 steps (6 s): enough to exercise the cache
+SMALL = replace(ORGANISMS["lookup-organism"], max_steps=300, train_size=512, heldout_size=32, eval_every=10,
+                patience=1, min_margin=0.5)
 
 
 @pytest.mark.parametrize("damage", ["truncate-weights", "garbage-meta"])
@@ -155,12 +159,53 @@ def test_corrupt_cache_is_rebuilt(tmp_path, capsys, damage):
         (root / "meta.json").write_text("{not json")
     capsys.readouterr()
     rebuilt = load_organism("lookup-organism", config=SMALL, cache_dir=tmp_path, progress=False)
-    assert "unreadable" in capsys.readouterr().err
+    assert "unusable" in capsys.readouterr().err
     ids = torch.tensor([first.encode("role: admin\nA:")])
     torch.testing.assert_close(rebuilt.tl(ids), first.tl(ids), rtol=0, atol=0)  # training is deterministic
     load_organism("lookup-organism", config=SMALL, cache_dir=tmp_path, progress=False)
-    assert "unreadable" not in capsys.readouterr().err  # the rebuilt cache reads back
-    assert organism_metrics("lookup-organism", config=SMALL, cache_dir=tmp_path)["steps"] == 8
+    assert "unusable" not in capsys.readouterr().err  # the rebuilt cache reads back
+    metrics = organism_metrics("lookup-organism", config=SMALL, cache_dir=tmp_path)
+    assert metrics["converged"] and metrics["steps"] < SMALL.max_steps
+
+
+def test_an_organism_that_does_not_converge_is_refused_and_not_cached(tmp_path, capsys):
+    hopeless = replace(SMALL, max_steps=3)
+    with pytest.raises(OrganismNotConverged) as e:
+        load_organism("lookup-organism", config=hopeless, cache_dir=tmp_path)
+    message = str(e.value)
+    assert all(f"seed {s}: accuracy" in message for s in range(SEED_TRIES))
+    assert "nothing was cached" in message
+    assert "did not converge from seed 0; trying the next seed" in capsys.readouterr().err
+    assert not cache_path("lookup-organism", config=hopeless, cache_dir=tmp_path).exists()
+
+
+def test_a_run_that_did_not_converge_is_retrained_from_the_next_seed(tmp_path, monkeypatch):
+    """Seed 0 gets 3 steps (a real run that does not converge); seed 1 trains in full and is cached."""
+    real = organisms.train_organism
+
+    def seed_zero_stops_early(name, *, config, progress):
+        short = replace(config, max_steps=3) if config.seed == 0 else config
+        return real(name, config=short, progress=progress)
+
+    monkeypatch.setattr(organisms, "train_organism", seed_zero_stops_early)
+    model = load_organism("lookup-organism", config=SMALL, cache_dir=tmp_path, progress=False)
+    metrics = organism_metrics("lookup-organism", config=SMALL, cache_dir=tmp_path)
+    assert (metrics["seed"], metrics["seeds_tried"], metrics["converged"]) == (1, 2, True)
+    monkeypatch.setattr(organisms, "train_organism", None)  # a second load must not train
+    again = load_organism("lookup-organism", config=SMALL, cache_dir=tmp_path, progress=False)
+    ids = torch.tensor([model.encode("role: admin\nA:")])
+    torch.testing.assert_close(again.tl(ids), model.tl(ids), rtol=0, atol=0)
+
+
+def test_a_cached_run_that_did_not_converge_is_not_used(tmp_path, capsys):
+    load_organism("lookup-organism", config=SMALL, cache_dir=tmp_path, progress=False)
+    meta_path = cache_path("lookup-organism", config=SMALL, cache_dir=tmp_path) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["metrics"]["converged"] = False  # as an older release cached it
+    meta_path.write_text(json.dumps(meta))
+    load_organism("lookup-organism", config=SMALL, cache_dir=tmp_path, progress=False)
+    assert "holds a run that did not converge" in capsys.readouterr().err
+    assert organism_metrics("lookup-organism", config=SMALL, cache_dir=tmp_path)["converged"]
 
 
 def test_config_change_changes_the_cache_key(tmp_path):
