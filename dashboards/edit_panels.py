@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from dashboards.figures import GREEN, RED, Panel, ci_bars, ci_curves, esc, fmt, style
+from dashboards.figures import GREEN, RED, Panel, ci_bars, ci_curves, fmt, plotly_text, style
 from dashboards.probe_panels import est, n_note, say, series
 from probes.results import ProbeResult
 
@@ -181,7 +181,7 @@ def ttft_panels(b, key: str) -> list[Panel]:
             title="TTFT curves",
             reading=reading,
             figure=fig,
-            note=f"one timing per point (best of repeats), {esc(b.machine)}; no CI: a benchmark, not an "
+            note=f"one timing per point (best of repeats), {b.machine}; no CI: a benchmark, not an "
             "estimate over prompts",
             key=f"{key}/ttft",
         )
@@ -210,7 +210,7 @@ def edit_cost_panels(b, key: str) -> list[Panel]:
         f"{pts[0].suffix_s:.3f} s (near the start); full prefill ≈ {pts[0].full_s:.3f} s."
     )
     return [
-        Panel(title="Edit cost", reading=reading, figure=fig, note=f"one timing per point, {esc(b.machine)}",
+        Panel(title="Edit cost", reading=reading, figure=fig, note=f"one timing per point, {b.machine}",
               key=f"{key}/edit_cost")
     ]
 
@@ -227,14 +227,14 @@ def sweep_panels(b, key: str) -> list[Panel]:
         y_title="×",
     )
     return [
-        Panel(title="Patch-sweep speedup", figure=fig, key=key, note=esc(b.machine),
+        Panel(title="Patch-sweep speedup", figure=fig, key=key, note=b.machine,
               reading=", ".join(f"{p.tokens} tokens: {p.ratio:.0f}×" for p in b.results) + ".")
     ]
 
 
 def verify_panels(v, key: str) -> list[Panel]:
     """The exactness invariants: each one's largest error against its tolerance (log scale)."""
-    names = [esc(r.name) for r in v.invariants]
+    names = [plotly_text(r.name) for r in v.invariants]
     errs = [max(r.max_abs_error, 1e-12) for r in v.invariants]
     fig = go.Figure(
         [
@@ -244,7 +244,7 @@ def verify_panels(v, key: str) -> list[Panel]:
                 name="max |error|",
                 marker_color=[GREEN if r.passed else RED for r in v.invariants],
                 hovertext=[
-                    f"{esc(r.description)}<br>max |error| {r.max_abs_error:.3e}"
+                    f"{plotly_text(r.description)}<br>max |error| {r.max_abs_error:.3e}"
                     f"<br>tolerance {r.tolerance:.1e}"
                     for r in v.invariants
                 ],

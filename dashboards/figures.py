@@ -21,8 +21,15 @@ DIVERGING = "RdBu_r"  # red = pushes toward the new decision, blue = away; white
 
 
 def esc(text: object) -> str:
-    """HTML-escape any text that comes from data (token strings, task names, descriptions)."""
+    """HTML-escape any text that comes from data (token strings, task names, descriptions) for a page."""
     return html.escape(str(text), quote=True)
+
+
+def plotly_text(text: object) -> str:
+    """Escape data text for a plotly string (titles, labels, hover): `<`, `>` and `&` only. Plotly's
+    markup turns &lt; &gt; &amp; back into characters but would show &quot; or &#x27; as written,
+    and quotes outside a tag are no markup there."""
+    return html.escape(str(text), quote=False)
 
 
 _VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
@@ -36,15 +43,15 @@ def visible(token: str) -> str:
 
 def slot_label(position: int, token: str) -> str:
     """A unique, escaped axis label for a slot: its position and token."""
-    return f"{position}:{esc(visible(token))}"
+    return f"{position}:{plotly_text(visible(token))}"
 
 
 def style(fig: go.Figure, title: str, x: str, y: str, *, height: int = 380) -> go.Figure:
     fig.update_layout(
         template="plotly_white",
-        title={"text": esc(title), "x": 0.01, "font": {"size": 15}},
-        xaxis_title=esc(x),
-        yaxis_title=esc(y),
+        title={"text": plotly_text(title), "x": 0.01, "font": {"size": 15}},
+        xaxis_title=plotly_text(x),
+        yaxis_title=plotly_text(y),
         height=height,
         margin={"l": 60, "r": 20, "t": 50, "b": 60},
         legend={"orientation": "h", "y": -0.2},
@@ -97,18 +104,19 @@ def ci_curves(
                     line={"width": 0},
                     hoverinfo="skip",
                     showlegend=False,
-                    legendgroup=esc(s["name"]),
+                    legendgroup=plotly_text(s["name"]),
                 )
             )
-        hover = [f"{esc(s['name'])}<br>{esc(x_title)} = {x}<br>{fmt_ci(m, c, 3)}" for x, m, c in pts]
+        name = plotly_text(s["name"])
+        hover = [f"{name}<br>{plotly_text(x_title)} = {x}<br>{fmt_ci(m, c, 3)}" for x, m, c in pts]
         fig.add_trace(
             go.Scatter(
                 x=list(xs),
                 y=list(ms),
                 mode="lines+markers",
-                name=esc(s["name"]),
+                name=plotly_text(s["name"]),
                 line={"color": color, "dash": s.get("dash", "solid")},
-                legendgroup=esc(s["name"]),
+                legendgroup=plotly_text(s["name"]),
                 hovertext=hover,
                 hoverinfo="text",
             )
@@ -131,13 +139,13 @@ def ci_bars(
     for it in items:
         groups.setdefault(it.get("group", ""), []).append(it)
     for gi, (group, its) in enumerate(groups.items()):
-        names = [esc(it["name"]) for it in its]
+        names = [plotly_text(it["name"]) for it in its]
         means = [it["mean"] if it["mean"] is not None else 0.0 for it in its]
         hi = [(it["ci"][1] - it["mean"]) if it["mean"] is not None and it["ci"] else 0.0 for it in its]
         lo = [(it["mean"] - it["ci"][0]) if it["mean"] is not None and it["ci"] else 0.0 for it in its]
         text = [fmt(it["mean"]) for it in its]
         hover = [
-            f"{esc(it['name'])}<br>{fmt_ci(it['mean'], it['ci'], 3)}"
+            f"{plotly_text(it['name'])}<br>{fmt_ci(it['mean'], it['ci'], 3)}"
             + (f"<br>n = {it['n']}" if it.get("n") is not None else "")
             for it in its
         ]
@@ -146,7 +154,7 @@ def ci_bars(
             go.Bar(
                 x=names,
                 y=means,
-                name=esc(group) or None,
+                name=plotly_text(group) or None,
                 showlegend=bool(group),
                 marker_color=colors,
                 text=text,
@@ -186,10 +194,10 @@ def heatmap(
             x=list(x),
             y=list(y),
             colorscale=colorscale,
-            colorbar={"title": {"text": esc(colorbar)}},
+            colorbar={"title": {"text": plotly_text(colorbar)}},
             xgap=1,
             ygap=1,
-            hovertemplate="%{y} · %{x}<br>" + esc(colorbar) + " = %{z:.3f}<extra></extra>",
+            hovertemplate="%{y} · %{x}<br>" + plotly_text(colorbar) + " = %{z:.3f}<extra></extra>",
             **kw,
         )
     )
@@ -219,12 +227,12 @@ def scatter(
                 x=[p["x"] for p in ps],
                 y=[p["y"] for p in ps],
                 mode="markers",
-                name=esc(g) or None,
+                name=plotly_text(g) or None,
                 showlegend=bool(g),
                 marker={"color": PALETTE[i % len(PALETTE)], "size": 8, "opacity": 0.8},
                 hovertext=[
-                    f"{esc(p['label'])}<br>{esc(x_title)} = {fmt(p['x'], 3)}"
-                    f"<br>{esc(y_title)} = {fmt(p['y'], 3)}"
+                    f"{plotly_text(p['label'])}<br>{plotly_text(x_title)} = {fmt(p['x'], 3)}"
+                    f"<br>{plotly_text(y_title)} = {fmt(p['y'], 3)}"
                     for p in ps
                 ],
                 hoverinfo="text",

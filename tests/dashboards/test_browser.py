@@ -9,7 +9,7 @@ package; without them the tests skip, unless KVNOTES_REQUIRE_BROWSER=1 (CI), whe
 
 from __future__ import annotations
 
-import os
+import html
 import struct
 import threading
 import zlib
@@ -20,36 +20,13 @@ from pathlib import Path
 import pytest
 
 from dashboards.server import create_app, report_id
+from tests.dashboards.browser import Watched
 from tests.dashboards.sample_reports import XSS_AMP, XSS_IMG, XSS_SCRIPT, report_dirs, root
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
 DRAW_TIMEOUT_MS = 90_000  # plotly draws ~40 figures per page; the CI machine has 2 shared cores
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("KVNOTES_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"{why}; KVNOTES_REQUIRE_BROWSER=1 requires the browser tests to run")
-    pytest.skip(f"{why}: install it with `apt-get install chromium` (and `pip install playwright`) "
-                "to run the dashboard's browser tests")
-
-
 # --- fixtures -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.is_file():
-        _unavailable(f"no Chromium at {CHROMIUM}")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _unavailable("the playwright package is not installed")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True)
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")
@@ -68,26 +45,6 @@ def base_url(dirs, tmp_path_factory) -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
     thread.join(10)
-
-
-class Watched:
-    """A page with its console errors, page errors and requests collected."""
-
-    def __init__(self, browser):
-        self.context = browser.new_context(viewport={"width": 1280, "height": 900})
-        self.page = self.context.new_page()
-        self.errors: list[str] = []
-        self.requests: list[str] = []
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(f"console: {m.text}"))
-        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
-        self.page.on("request", lambda r: self.requests.append(r.url))
-
-
-@pytest.fixture
-def watched(browser) -> Iterator[Watched]:
-    w = Watched(browser)
-    yield w
-    w.context.close()
 
 
 # --- checks -------------------------------------------------------------------------------------
@@ -240,3 +197,49 @@ def test_index_html_from_disk_draws_offline(watched, dirs, name):
     online = [u for u in watched.requests if not u.startswith(("file:", "data:"))]
     assert watched.requests and online == [], f"requests beyond the file: {online}"
     assert_clean(watched, f"{name} index.html from disk")
+
+
+# Every heatmap cell (one per column) whose slot label holds a hostile token ("<", " &", '"', ">"),
+# in the first heatmap that has one, with where to point the mouse.
+HOSTILE_CELLS = """() => {
+  for (const gd of document.querySelectorAll('div.kv-fig')) {
+    const t = (gd.data || [])[0];
+    if (!t || t.type !== 'heatmap') continue;
+    gd.scrollIntoView({block: 'center'});
+    const fl = gd._fullLayout, box = gd.getBoundingClientRect(), cells = [];
+    t.x.forEach((l, col) => {
+      const row = t.z.findIndex(r => r[col] !== null);
+      if (/[<>&"']/.test(String(l).replace(/&(lt|gt|amp|quot|#x27|#39);/g, '<')) && row >= 0)
+        cells.push({id: gd.id, label: String(l), px: box.left + fl.xaxis._offset + fl.xaxis.l2p(col),
+                    py: box.top + fl.yaxis._offset + fl.yaxis.l2p(row)});
+    });
+    if (cells.length) return cells;
+  }
+  return [];
+}"""
+HOVER_SHOWS = """([id, text]) => [...document.querySelectorAll('#' + id + ' .hoverlayer .hovertext')]
+  .some(e => e.textContent.includes(text))"""
+
+
+@pytest.mark.parametrize("which", ["report", "compare"])
+def test_hover_shows_hostile_token_text_as_text(watched, base_url, dirs, which):
+    """The mouse on each note-map column whose slot is a hostile token: the hover box shows the
+    token's own characters (not markup, not an entity shown literally) and nothing runs."""
+    page = watched.page
+    xss, org = report_id(dirs["xss"]), report_id(dirs["organism"])
+    page.goto(f"{base_url}/report/{xss}/" if which == "report" else f"{base_url}/compare?a={xss}&b={org}")
+    wait_drawn(watched, f"{which} page")
+    cells = page.evaluate(HOSTILE_CELLS)
+    assert {c for cell in cells for c in html.unescape(cell["label"]) if c in "<>&\""} == set('<>&"'), \
+        f"the note map should label each hostile character; it labels {[c['label'] for c in cells]}"
+    for cell in cells:
+        meant = html.unescape(cell["label"])  # e.g. "246:␣<"
+        page.mouse.move(cell["px"], cell["py"])
+        try:
+            page.wait_for_function(HOVER_SHOWS, arg=[cell["id"], meant], timeout=10_000)
+        except Exception as e:
+            shown = page.locator(f"#{cell['id']} .hoverlayer").text_content()
+            raise AssertionError(f"{which}: hovering slot {meant!r} shows {shown!r}") from e
+        assert page.locator(f"#{cell['id']} .hoverlayer img").count() == 0
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert_clean(watched, f"{which} page hover")
