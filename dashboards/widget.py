@@ -171,7 +171,8 @@ class PatchingView:
         what = "K+V" if s.keys and s.values else "K" if s.keys else "V" if s.values else "nothing"
         sel = (f"{len(s.positions)} slot(s) × layers {s.layers[0]}–{s.layers[-1]} ({what})"
                if not s.empty else "nothing patched")
-        rec = "n/a (old and new decide alike)" if math.isnan(s.recovery) else f"{s.recovery:.2f}"
+        # (+ 0.0: an exact zero shows as 0.00, never -0.00)
+        rec = "n/a (old and new decide alike)" if math.isnan(s.recovery) else f"{s.recovery + 0.0:.2f}"
         with self.figure.batch_update():
             self.figure.data[0].y = [s.ld_old, s.ld_patched, s.ld_new]
             self.figure.layout.title.text = f"recovery {rec}"
