@@ -161,24 +161,28 @@ FOREIGN_HOSTS = ["attacker.example:8765", "localhost.attacker.example", "127.0.0
                  "localhost:8765:1", "", " 127.0.0.1"]
 
 
-@pytest.mark.parametrize("host", LOCAL_HOSTS)
-def test_loopback_host_names_are_answered(client, host):
-    assert client.get("/", headers={"Host": host}).status_code == 200
-
-
-@pytest.mark.parametrize("host", FOREIGN_HOSTS, ids=lambda h: repr(h))
-def test_other_or_malformed_hosts_are_refused(client, host):
-    """DNS rebinding: a page on attacker.example resolved to 127.0.0.1 sends its own name as Host."""
-    r = client.get("/", headers={"Host": host})
-    assert r.status_code == 400
-    assert "answers only requests to 127.0.0.1, localhost or [::1]" in r.get_data(as_text=True)
-
-
-def test_a_request_without_host_is_refused(client):
+def status_for(app, host: str | None) -> tuple[int, str]:
+    """(status, body) of GET / with exactly this Host header (None: no Host at all), straight through
+    WSGI: older Werkzeug test clients fail on a malformed Host before the app sees it."""
     environ = EnvironBuilder(path="/").get_environ()
     del environ["HTTP_HOST"]
-    _, status, _ = run_wsgi_app(client.application, environ, buffered=True)
-    assert status.startswith("400")
+    if host is not None:
+        environ["HTTP_HOST"] = host
+    body, status, _ = run_wsgi_app(app, environ, buffered=True)
+    return int(status.split()[0]), b"".join(body).decode()
+
+
+@pytest.mark.parametrize("host", LOCAL_HOSTS)
+def test_loopback_host_names_are_answered(client, host):
+    assert status_for(client.application, host)[0] == 200
+
+
+@pytest.mark.parametrize("host", [*FOREIGN_HOSTS, None], ids=repr)
+def test_other_malformed_or_missing_hosts_are_refused(client, host):
+    """DNS rebinding: a page on attacker.example resolved to 127.0.0.1 sends its own name as Host."""
+    status, body = status_for(client.application, host)
+    assert status == 400
+    assert "answers only requests to 127.0.0.1, localhost or [::1]" in body
 
 
 def raw_get(port: int, head: str) -> str:
@@ -196,7 +200,8 @@ def test_the_real_server_checks_the_host_it_is_sent(dirs, tmp_path_factory):
         assert url == f"http://127.0.0.1:{port}/"
         for host in ("127.0.0.1", "[::1]", "localhost"):
             assert " 200 " in raw_get(port, f"GET / HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close")
-        assert " 400 " in raw_get(port, f"GET / HTTP/1.1\r\nHost: evil.example:{port}\r\nConnection: close")
+        for host in ("evil.example", "[::1", "127.0.0.1:abc"):
+            assert " 400 " in raw_get(port, f"GET / HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close")
         assert " 400 " in raw_get(port, "GET / HTTP/1.0")  # no Host at all
     finally:
         server.shutdown()
