@@ -21,8 +21,10 @@ def direct() -> dict[str, str]:
     """{name: specifier} over the dependencies and every extra (first mention wins)."""
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     found: dict[str, str] = {}
-    for req in [*project["dependencies"], *(r for extra in project["optional-dependencies"].values()
-                                             for r in extra)]:
+    for req in [
+        *project["dependencies"],
+        *(r for extra in project["optional-dependencies"].values() for r in extra),
+    ]:
         name, spec = REQUIREMENT.match(req).groups()
         found.setdefault(re.sub(r"[-_.]+", "-", name).lower(), spec.strip())
     return found

@@ -47,14 +47,25 @@ class CircuitReport(ProbeReport):
         return self.probes
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "task": self.task, "n": self.n, "seed": self.seed,
-                **{k: v.to_dict() for k, v in self.probes.items()}, "meta": dict(self.meta)}
+        return {
+            "model": self.model,
+            "task": self.task,
+            "n": self.n,
+            "seed": self.seed,
+            **{k: v.to_dict() for k, v in self.probes.items()},
+            "meta": dict(self.meta),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> CircuitReport:
-        return cls(model=d["model"], task=d["task"], n=d["n"], seed=d["seed"],
-                   probes={k: ProbeResult.from_dict(k, v) for k, v in d.items() if k not in _META},
-                   meta=d.get("meta", {}))
+        return cls(
+            model=d["model"],
+            task=d["task"],
+            n=d["n"],
+            seed=d["seed"],
+            probes={k: ProbeResult.from_dict(k, v) for k, v in d.items() if k not in _META},
+            meta=d.get("meta", {}),
+        )
 
 
 def check_analyses(names: Sequence[str]) -> list[str]:
@@ -65,9 +76,20 @@ def check_analyses(names: Sequence[str]) -> list[str]:
     return names
 
 
-def run_circuits(model: KVModel, task: Task | str, names: Sequence[str] = ("all",), *, n: int = 8,
-                 seed: int = 0, k_max: int = 12, draws: int = 32, sae_config=None, sae=None,
-                 min_effect: float = MIN_EFFECT, progress: bool = True) -> CircuitReport:
+def run_circuits(
+    model: KVModel,
+    task: Task | str,
+    names: Sequence[str] = ("all",),
+    *,
+    n: int = 8,
+    seed: int = 0,
+    k_max: int = 12,
+    draws: int = 32,
+    sae_config=None,
+    sae=None,
+    min_effect: float = MIN_EFFECT,
+    progress: bool = True,
+) -> CircuitReport:
     """Run the named circuit analyses on `n` pairs of `task`, sharing prefills among them.
 
     Scrubbing's hypothesis uses the top `k_max` read heads (so it runs the read side first);
@@ -94,11 +116,17 @@ def run_circuits(model: KVModel, task: Task | str, names: Sequence[str] = ("all"
             print(f"circuits {name}: done in {timings[name]:.1f} s", file=sys.stderr, flush=True)
 
     if "read_heads" in names or "scrubbing" in names:
-        timed("read_heads", lambda: read_heads(trials, k_max=k_max, draws=draws, seed=seed,
-                                               min_effect=min_effect))
+        timed(
+            "read_heads",
+            lambda: read_heads(trials, k_max=k_max, draws=draws, seed=seed, min_effect=min_effect),
+        )
     if "write_heads" in names:
-        timed("write_heads", lambda: write_heads(trials, k_max=k_max, draws=max(draws // 2, 1),
-                                                 seed=seed, min_effect=min_effect))
+        timed(
+            "write_heads",
+            lambda: write_heads(
+                trials, k_max=k_max, draws=max(draws // 2, 1), seed=seed, min_effect=min_effect
+            ),
+        )
     if "scrubbing" in names:
         ranking = results["read_heads"].tables.get("ranking", [])
         heads = [(r["layer"], r["head"]) for r in ranking[:k_max]]
@@ -110,17 +138,42 @@ def run_circuits(model: KVModel, task: Task | str, names: Sequence[str] = ("all"
         from circuits.sae import SAEConfig
 
         cfg = sae_config or SAEConfig(seed=seed)
-        timed("sae", lambda: sae_analysis(trials, task, cfg=cfg, sae=sae, min_effect=min_effect,
-                                          progress=progress))
+        timed(
+            "sae",
+            lambda: sae_analysis(trials, task, cfg=cfg, sae=sae, min_effect=min_effect, progress=progress),
+        )
     results = {k: results[k] for k in ANALYSES if k in results}
-    meta = {"min_effect": min_effect, "k_max": k_max, "draws": draws, "timings": timings,
-            "seconds": round(time.perf_counter() - t0, 1), "machine": platform.machine(),
-            "task_source": task.source, "prompt_tokens": [len(t.pair.old) for t in trials],
-            "versions": versions()}
+    meta = {
+        "min_effect": min_effect,
+        "k_max": k_max,
+        "draws": draws,
+        "timings": timings,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "machine": platform.machine(),
+        "task_source": task.source,
+        "prompt_tokens": [len(t.pair.old) for t in trials],
+        "versions": versions(),
+    }
     return CircuitReport(model=model.name, task=task.name, n=n, seed=seed, probes=results, meta=meta)
 
 
-__all__ = ["ANALYSES", "CircuitReport", "run_circuits", "read_heads", "write_heads", "scrubbing",
-           "attribution", "attribute", "Attribution", "attribute_prompt", "PromptAttribution",
-           "Head", "all_heads", "read_sweep", "write_sweep",
-           "UnknownAnalysisError", "check_analyses", "make_trials"]
+__all__ = [
+    "ANALYSES",
+    "CircuitReport",
+    "run_circuits",
+    "read_heads",
+    "write_heads",
+    "scrubbing",
+    "attribution",
+    "attribute",
+    "Attribution",
+    "attribute_prompt",
+    "PromptAttribution",
+    "Head",
+    "all_heads",
+    "read_sweep",
+    "write_sweep",
+    "UnknownAnalysisError",
+    "check_analyses",
+    "make_trials",
+]

@@ -59,9 +59,14 @@ class SlotAttribution:
         return self.keys + self.values
 
 
-def _backward(model: KVModel, nb: Notebook, ids: list[int], pos: Tensor, answers: Sequence[int],
-              keep: Sequence[str] = ()) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...],
-                                                  list[Tensor], tuple[Tensor, ...]]:
+def _backward(
+    model: KVModel,
+    nb: Notebook,
+    ids: list[int],
+    pos: Tensor,
+    answers: Sequence[int],
+    keep: Sequence[str] = (),
+) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], list[Tensor], tuple[Tensor, ...]]:
     """One forward and one backward on `nb`: the logit difference, its gradients with respect to
     every layer's keys and values, and the activations named in `keep` with their gradients."""
     with torch.enable_grad():
@@ -73,16 +78,18 @@ def _backward(model: KVModel, nb: Notebook, ids: list[int], pos: Tensor, answers
         def hold(act, hook):
             kept[hook.name] = act
             return act
+
         _, out = run(model, leaf, ids, pos, write=False, hooks=[(n, hold) for n in keep], vocab=answers)
         ld = out.last[0, 0] - out.last[0, 1]
         acts = [kept[n] for n in keep]
         grads = torch.autograd.grad(ld, [*keys, *values, *acts])
     L = nb.n_layers
-    return ld.detach(), grads[:L], grads[L:2 * L], [a.detach() for a in acts], grads[2 * L:]
+    return ld.detach(), grads[:L], grads[L : 2 * L], [a.detach() for a in acts], grads[2 * L :]
 
 
-def _kv_effects(old: Notebook, new: Notebook, g_k: Sequence[Tensor], g_v: Sequence[Tensor]
-                ) -> tuple[Tensor, Tensor]:
+def _kv_effects(
+    old: Notebook, new: Notebook, g_k: Sequence[Tensor], g_v: Sequence[Tensor]
+) -> tuple[Tensor, Tensor]:
     """(new - old) · gradient per layer and slot, summed over batch, KV heads and d_head: keys, values."""
     new = new.select(old.positions)
     keys = torch.stack([((nk - ok) * g).sum((0, 1, 3)) for nk, ok, g in zip(new.keys, old.keys, g_k)])
@@ -90,8 +97,15 @@ def _kv_effects(old: Notebook, new: Notebook, g_k: Sequence[Tensor], g_v: Sequen
     return keys.detach().cpu(), values.detach().cpu()
 
 
-def slot_attribution(model: KVModel, old: Notebook, new: Notebook, query: PromptLike,
-                     answers: tuple[int, int], *, steps: int = 1) -> SlotAttribution:
+def slot_attribution(
+    model: KVModel,
+    old: Notebook,
+    new: Notebook,
+    query: PromptLike,
+    answers: tuple[int, int],
+    *,
+    steps: int = 1,
+) -> SlotAttribution:
     """Attribution patching of `new`'s K/V into `old`, slot × layer, for the decision read by
     `query`: one forward and one backward on `old` (no head part, so no forward on `new`).
 
@@ -111,8 +125,11 @@ def slot_attribution(model: KVModel, old: Notebook, new: Notebook, query: Prompt
         g_k, g_v = [torch.zeros_like(k) for k in old.keys], [torch.zeros_like(v) for v in old.values]
         for i in range(steps):
             a = (i + 0.5) / steps
-            mid = replace(old, keys=tuple(o + a * (n - o) for o, n in zip(old.keys, src.keys)),
-                          values=tuple(o + a * (n - o) for o, n in zip(old.values, src.values)))
+            mid = replace(
+                old,
+                keys=tuple(o + a * (n - o) for o, n in zip(old.keys, src.keys)),
+                values=tuple(o + a * (n - o) for o, n in zip(old.values, src.values)),
+            )
             _, gk, gv, _, _ = _backward(model, mid, ids, pos, answers)
             for acc, g in zip(g_k + g_v, gk + gv):
                 acc += g / steps
@@ -120,8 +137,9 @@ def slot_attribution(model: KVModel, old: Notebook, new: Notebook, query: Prompt
     return SlotAttribution(keys=keys, values=values, ld=float(ld), positions=tuple(old.positions.tolist()))
 
 
-def attribute(model: KVModel, old: Notebook, new: Notebook, query: PromptLike,
-              answers: tuple[int, int]) -> Attribution:
+def attribute(
+    model: KVModel, old: Notebook, new: Notebook, query: PromptLike, answers: tuple[int, int]
+) -> Attribution:
     """Attribution patching of `new` into `old` for the decision read by `query`, whose logit
     difference is logit[answers[0]] - logit[answers[1]]: one forward on `new` (its head outputs),
     one forward and one backward on `old`."""
@@ -130,10 +148,12 @@ def attribute(model: KVModel, old: Notebook, new: Notebook, query: PromptLike,
     _, ref = run(model, new, ids, pos, write=False, capture=names, vocab=answers)
     _, g_k, g_v, zs, g_z = _backward(model, old, ids, pos, answers, keep=names)
     keys, values = _kv_effects(old, new, g_k, g_v)
-    heads = torch.stack([((ref.activations[n][0, -1] - zs[l][0, -1]) * g_z[l][0, -1]).sum(-1)
-                         for l, n in enumerate(names)])
-    return Attribution(slot_layer=keys + values, heads=heads.detach().cpu(),
-                       positions=tuple(old.positions.tolist()))
+    heads = torch.stack(
+        [((ref.activations[n][0, -1] - zs[l][0, -1]) * g_z[l][0, -1]).sum(-1) for l, n in enumerate(names)]
+    )
+    return Attribution(
+        slot_layer=keys + values, heads=heads.detach().cpu(), positions=tuple(old.positions.tolist())
+    )
 
 
 def _rho(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -152,8 +172,17 @@ def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MI
     computed from scratch in this process), `attribution_seconds`, `activation_seconds`.
     """
     used, excluded = split(trials, min_effect)
-    parts: dict[str, list] = {k: [] for k in ("rank_correlation", "slot_rank_correlation", "top_overlap",
-                                              "speedup", "attribution_seconds", "activation_seconds")}
+    parts: dict[str, list] = {
+        k: []
+        for k in (
+            "rank_correlation",
+            "slot_rank_correlation",
+            "top_overlap",
+            "speedup",
+            "attribution_seconds",
+            "activation_seconds",
+        )
+    }
     per_slot, head_attr, head_act = [], [], []
     for t in each(used, "attribution"):
         model = t.model
@@ -178,23 +207,43 @@ def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MI
         parts["speedup"].append(t_act / t_attr)
         parts["attribution_seconds"].append(t_attr)
         parts["activation_seconds"].append(t_act)
-        per_slot.append({"positions": slots, "tokens": t.token_strings(slots),
-                         "attribution": attr_slots.tolist(), "activation": act_slots.tolist()})
+        per_slot.append(
+            {
+                "positions": slots,
+                "tokens": t.token_strings(slots),
+                "attribution": attr_slots.tolist(),
+                "activation": act_slots.tolist(),
+            }
+        )
         head_attr.append(attr_heads)
         head_act.append(act_heads)
     table = []
     if used:
         ha, hp = np.array(head_attr), np.array(head_act)
         for i, (l, h) in enumerate(all_heads(used[0].model)):
-            table.append({"layer": l, "head": h, "label": f"L{l}H{h}", "attribution": float(ha[:, i].mean()),
-                          "activation": float(hp[:, i].mean())})
+            table.append(
+                {
+                    "layer": l,
+                    "head": h,
+                    "label": f"L{l}H{h}",
+                    "attribution": float(ha[:, i].mean()),
+                    "activation": float(hp[:, i].mean()),
+                }
+            )
         table.sort(key=lambda r: -r["activation"])
     est = {k: Estimate.of([x for x in v if x is not None]) for k, v in parts.items()}
     est["effect"] = effect_estimate(used)
     return ProbeResult(
-        name="attribution", headline="rank_correlation", parts=est, tables={"heads": table},
-        details={"excluded": excluded, "slots": per_slot, "top": top,
-                 "timing": "per prompt: one attribution pass (a forward on the new run, a forward and "
-                           "backward on the old) against single-slot and single-head activation patching"},
+        name="attribution",
+        headline="rank_correlation",
+        parts=est,
+        tables={"heads": table},
+        details={
+            "excluded": excluded,
+            "slots": per_slot,
+            "top": top,
+            "timing": "per prompt: one attribution pass (a forward on the new run, a forward and "
+            "backward on the old) against single-slot and single-head activation patching",
+        },
         description="gradient attribution patching vs activation patching: rank agreement and speed",
     )

@@ -93,8 +93,8 @@ def auc_estimate(scores: Float[np.ndarray, " n"], labels: Labels, *, seed: int =
     a = float(feature_auc(s[:, None], y)[0])
     s = s if a >= 0.5 else -s
     pos, neg = s[y], s[~y]
-    place_pos = ((pos[:, None] > neg[None]).mean(1) + 0.5 * (pos[:, None] == neg[None]).mean(1))
-    place_neg = ((pos[None] > neg[:, None]).mean(1) + 0.5 * (pos[None] == neg[:, None]).mean(1))
+    place_pos = (pos[:, None] > neg[None]).mean(1) + 0.5 * (pos[:, None] == neg[None]).mean(1)
+    place_neg = (pos[None] > neg[:, None]).mean(1) + 0.5 * (pos[None] == neg[:, None]).mean(1)
     values = np.empty(len(s))
     values[y], values[~y] = place_pos, place_neg
     rng = np.random.default_rng(seed)
@@ -137,8 +137,9 @@ class FeatureSite:
     base_old: Notebook  # what the site's tokens run against, in each run
     base_new: Notebook
 
-    def deltas(self, sets: Sequence[Sequence[int]], *, error: bool = False
-               ) -> Float[Tensor, "batch pos d_model"]:
+    def deltas(
+        self, sets: Sequence[Sequence[int]], *, error: bool = False
+    ) -> Float[Tensor, "batch pos d_model"]:
         """What each feature set adds to the old run's residual at the site positions."""
         mask = torch.zeros(len(sets), self.decoder.shape[0])
         for i, feats in enumerate(sets):
@@ -148,8 +149,10 @@ class FeatureSite:
 
     def recovery(self, sets: Sequence[Sequence[int]], *, error: bool = False) -> Float[Tensor, " n"]:
         """Recovery of each feature set patched toward the new run (batched, `ROWS` per forward)."""
-        lds = [self.lds(self.base_old, self.deltas(sets[i:i + ROWS], error=error))
-               for i in range(0, len(sets), ROWS)]
+        lds = [
+            self.lds(self.base_old, self.deltas(sets[i : i + ROWS], error=error))
+            for i in range(0, len(sets), ROWS)
+        ]
         return self.trial.recovery(torch.cat(lds)) if lds else torch.zeros(0, dtype=torch.float64)
 
     def ld_reconstructed(self) -> float:
@@ -169,8 +172,9 @@ class FeatureSite:
         if self.site == "notes":  # rewrite the note slots (K/V of later layers follow), then decide
             nb, _ = run(model, base, tok, self.positions, hooks=hooks, logits_at=())
             return self.trial.ld(nb).cpu()
-        _, out = run(model, base, tok, self.positions, write=False, hooks=hooks,
-                     vocab=self.trial.pair.answers)
+        _, out = run(
+            model, base, tok, self.positions, write=False, hooks=hooks, vocab=self.trial.pair.answers
+        )
         return (out.last[:, 0] - out.last[:, 1]).double().cpu()
 
 
@@ -198,8 +202,9 @@ def feature_site(trial: Trial, sae, site: str = "notes", *, decoder: Tensor | No
     model = trial.model
     positions, tokens, base_old, base_new = site_inputs(trial, site)
     if not positions:
-        raise ValueError("this pair has no note slots between the field and the decision; "
-                         "use site='decision'")
+        raise ValueError(
+            "this pair has no note slots between the field and the decision; use site='decision'"
+        )
 
     def capture(base: Notebook) -> Tensor:
         _, out = run(model, base, tokens, positions, write=False, capture=[hook], logits_at=())
@@ -208,11 +213,22 @@ def feature_site(trial: Trial, sae, site: str = "notes", *, decoder: Tensor | No
     x_old, x_new = capture(base_old), capture(base_new)
     a_old, a_new = (_encode(sae, x) for x in (x_old, x_new))
     err_old, err_new = x_old - _decode(sae, a_old), x_new - _decode(sae, a_new)
-    return FeatureSite(trial=trial, site=site, hook_name=hook, positions=tuple(positions),
-                       tokens=tuple(tokens), x_old=x_old, x_new=x_new, a_old=a_old, a_new=a_new,
-                       err_old=err_old, err_new=err_new,
-                       decoder=decoder_rows(sae).cpu() if decoder is None else decoder,
-                       base_old=base_old, base_new=base_new)
+    return FeatureSite(
+        trial=trial,
+        site=site,
+        hook_name=hook,
+        positions=tuple(positions),
+        tokens=tuple(tokens),
+        x_old=x_old,
+        x_new=x_new,
+        a_old=a_old,
+        a_new=a_new,
+        err_old=err_old,
+        err_new=err_new,
+        decoder=decoder_rows(sae).cpu() if decoder is None else decoder,
+        base_old=base_old,
+        base_new=base_new,
+    )
 
 
 @torch.no_grad()
@@ -246,7 +262,9 @@ def residual_scan(t: Trial, site: str) -> Float[Tensor, " layer"]:
     def make(l: int):
         def hook(act, hook):
             return torch.where((rows == l)[:, None, None].to(act.device), ref.activations[names[l]], act)
+
         return hook
+
     tok = torch.tensor(tokens)[None].expand(L, -1)
     hooks = [(n, make(l)) for l, n in enumerate(names)]
     if site == "notes":
@@ -265,8 +283,10 @@ def locate(trials: Sequence[Trial], cfg: SAEConfig, *, progress: bool = True) ->
     sites = SITES if cfg.site == "auto" else (cfg.site,)
     scans = {}
     for s in sites:
-        vals = [residual_scan(t, s).numpy() for t in tqdm(trials, desc=f"residual scan ({s})",
-                                                          disable=not progress, unit="pair")]
+        vals = [
+            residual_scan(t, s).numpy()
+            for t in tqdm(trials, desc=f"residual scan ({s})", disable=not progress, unit="pair")
+        ]
         if vals and model is not None:
             arr = np.array(vals)
             scans[s] = Curve.of("layer", list(range(model.n_layers)), arr.T.tolist())
@@ -287,8 +307,15 @@ def locate(trials: Sequence[Trial], cfg: SAEConfig, *, progress: bool = True) ->
 
 
 # --- the analysis --------------------------------------------------------------------------------
-def sae_analysis(trials: Sequence[Trial], task: Task | str, *, cfg: SAEConfig | None = None, sae=None,
-                 min_effect: float = MIN_EFFECT, progress: bool = True) -> ProbeResult:
+def sae_analysis(
+    trials: Sequence[Trial],
+    task: Task | str,
+    *,
+    cfg: SAEConfig | None = None,
+    sae=None,
+    min_effect: float = MIN_EFFECT,
+    progress: bool = True,
+) -> ProbeResult:
     """Which SAE features at the site decode the conclusion, and which carry it (module docstring).
 
     Trains an SAE (`train_sae`) unless `sae` is given (its layer then comes from its hook name).
@@ -344,32 +371,59 @@ def sae_analysis(trials: Sequence[Trial], task: Task | str, *, cfg: SAEConfig | 
     clock.lap("decoding")
 
     if cfg.site == "notes":
-        excluded += [{"index": trials.index(t), "reason": "no note slots between the field and the decision"}
-                     for t in used if not t.pair.downstream()]
+        excluded += [
+            {"index": trials.index(t), "reason": "no note slots between the field and the decision"}
+            for t in used
+            if not t.pair.downstream()
+        ]
         used = [t for t in used if t.pair.downstream()]
-    sites = [feature_site(t, sae, cfg.site, decoder=decoder)
-             for t in tqdm(used, desc=f"SAE sites ({cfg.site})", disable=not progress, unit="pair")]
+    sites = [
+        feature_site(t, sae, cfg.site, decoder=decoder)
+        for t in tqdm(used, desc=f"SAE sites ({cfg.site})", disable=not progress, unit="pair")
+    ]
     causal = _causal(sites, dec["ranked"][:TOP], cfg, progress) if sites else None
     clock.lap("patches")
 
     kv = sae.cfg.metadata.kvnotes or {}
     best = dec["ranked"][0]
-    top_rows = [{"feature": f, "auc": float(dec["auc"][f]), "score": float(dec["score"][f]),
-                 "high_for": dec["high_for"][f],
-                 **({"recovery": Estimate.of(causal["singles"][:, j].tolist()).to_dict()} if causal else {})}
-                for j, f in enumerate(dec["ranked"][:TOP])]
+    top_rows = [
+        {
+            "feature": f,
+            "auc": float(dec["auc"][f]),
+            "score": float(dec["score"][f]),
+            "high_for": dec["high_for"][f],
+            **({"recovery": Estimate.of(causal["singles"][:, j].tolist()).to_dict()} if causal else {}),
+        }
+        for j, f in enumerate(dec["ranked"][:TOP])
+    ]
     details = {
-        "layer": layer, "hook_name": hook, "site": cfg.site, "d_sae": int(sae.cfg.d_sae),
-        "k": getattr(sae.cfg, "k", None), "L0": dec["L0"], "dead_features": dec["dead"], "mse": dec["mse"],
-        "training_seconds": kv.get("train_seconds"), "n_train_activations": kv.get("n_train_activations"),
+        "layer": layer,
+        "hook_name": hook,
+        "site": cfg.site,
+        "d_sae": int(sae.cfg.d_sae),
+        "k": getattr(sae.cfg, "k", None),
+        "L0": dec["L0"],
+        "dead_features": dec["dead"],
+        "mse": dec["mse"],
+        "training_seconds": kv.get("train_seconds"),
+        "n_train_activations": kv.get("n_train_activations"),
         "sae_model_name": sae.cfg.metadata.model_name,
-        "best_feature": {"feature": best, "auc": float(dec["auc"][best]), "high_for": dec["high_for"][best],
-                         "n_auc_ge_0.95": int((dec["score"] >= 0.95).sum()),
-                         "n_auc_ge_0.99": int((dec["score"] >= 0.99).sum())},
-        "top_features": top_rows, "n_eval_prompts": len(dec["labels"]), "eval_seed": EVAL_SEED + cfg.seed,
-        "excluded": excluded, "config": cfg.to_dict(),
-        "note": ("best_auc and best_causal_feature pick their feature on the prompts they are "
-                 "measured on (optimistic); AUC is max(AUC, 1 - AUC)"),
+        "best_feature": {
+            "feature": best,
+            "auc": float(dec["auc"][best]),
+            "high_for": dec["high_for"][best],
+            "n_auc_ge_0.95": int((dec["score"] >= 0.95).sum()),
+            "n_auc_ge_0.99": int((dec["score"] >= 0.99).sum()),
+        },
+        "top_features": top_rows,
+        "n_eval_prompts": len(dec["labels"]),
+        "eval_seed": EVAL_SEED + cfg.seed,
+        "excluded": excluded,
+        "config": cfg.to_dict(),
+        "note": (
+            "best_auc and best_causal_feature pick their feature on the prompts they are "
+            "measured on (optimistic); AUC is max(AUC, 1 - AUC)"
+        ),
     }
     parts = {"best_auc": dec["best_auc"], "reconstruction": Estimate.of(dec["reconstruction"])}
     curves: dict[str, Curve] = {}
@@ -378,22 +432,40 @@ def sae_analysis(trials: Sequence[Trial], task: Task | str, *, cfg: SAEConfig | 
         curves = causal["curves"]
         details |= causal["details"]
     else:
-        parts |= {name: Estimate.of([]) for name in ("single_feature_recovery", "best_causal_feature",
-                                                      "all_features", "features_only",
-                                                      "reconstruction_decision",
-                                                      "reconstruction_recovery")}
+        parts |= {
+            name: Estimate.of([])
+            for name in (
+                "single_feature_recovery",
+                "best_causal_feature",
+                "all_features",
+                "features_only",
+                "reconstruction_decision",
+                "reconstruction_recovery",
+            )
+        }
         details["not_applicable"] = "no usable trials"
     curves |= {f"scan_{s}": c for s, c in scans.items()}
     details["located"] = {
-        "site": cfg.site, "layer": layer, "asked": {"site": asked.site, "layer": asked.layer},
-        "rule": (f"scan_<site>: recovery with the whole residual at the site after one layer from the new "
-                 f"run; 'auto' takes the notes if that reaches {LOCATE_NOTES} at some layer, else the "
-                 f"decision; an unset layer is the earliest reaching {LOCATE_SHARE} of the site's best")}
+        "site": cfg.site,
+        "layer": layer,
+        "asked": {"site": asked.site, "layer": asked.layer},
+        "rule": (
+            f"scan_<site>: recovery with the whole residual at the site after one layer from the new "
+            f"run; 'auto' takes the notes if that reaches {LOCATE_NOTES} at some layer, else the "
+            f"decision; an unset layer is the earliest reaching {LOCATE_SHARE} of the site's best"
+        ),
+    }
     details["seconds"] = clock.laps
     return ProbeResult(
-        name="sae", headline="single_feature_recovery", parts=parts, curves=curves, details=details,
-        description=(f"TopK SAE at {hook}, site {cfg.site}: features that decode the conclusion "
-                     "(AUC) against features that carry it (patched toward the new run, error kept)"),
+        name="sae",
+        headline="single_feature_recovery",
+        parts=parts,
+        curves=curves,
+        details=details,
+        description=(
+            f"TopK SAE at {hook}, site {cfg.site}: features that decode the conclusion "
+            "(AUC) against features that carry it (patched toward the new run, error kept)"
+        ),
     )
 
 
@@ -415,9 +487,11 @@ def _check_seeds(trials: Sequence[Trial], cfg: SAEConfig) -> None:
     ours = {TRAIN_SEED + cfg.seed: "training", EVAL_SEED + cfg.seed: "held-out"}
     clash = sorted({t.pair.seed for t in trials} & set(ours))
     if clash:
-        raise ValueError(f"the trials were sampled with seed {clash[0]}, the seed of the SAE's "
-                         f"{ours[clash[0]]} prompts; make trials with another seed or set "
-                         "SAEConfig(seed=...)")
+        raise ValueError(
+            f"the trials were sampled with seed {clash[0]}, the seed of the SAE's "
+            f"{ours[clash[0]]} prompts; make trials with another seed or set "
+            "SAEConfig(seed=...)"
+        )
 
 
 @torch.no_grad()
@@ -436,7 +510,10 @@ def _decoding(sae, held: Residuals, cfg: SAEConfig, answers: Sequence[str]) -> d
     x_all = held.all()
     a_all = _encode(sae, x_all)
     return {
-        "auc": auc, "score": score, "ranked": ranked, "labels": labels,
+        "auc": auc,
+        "score": score,
+        "ranked": ranked,
+        "labels": labels,
         "high_for": [answers[int(a >= 0.5)] for a in auc],
         "best_auc": auc_estimate(codes[:, ranked[0]], labels, seed=cfg.seed),
         "reconstruction": recon,
@@ -474,15 +551,21 @@ def _causal(sites: Sequence[FeatureSite], top: Sequence[int], cfg: SAEConfig, pr
     by_fold = [push_ranking([sites[j] for j in folds[1 - f]])[0] if crossed else None for f in (0, 1)]
     everywhere, push = push_ranking(sites)
     ks = list(range(1, min(cfg.max_k, d_sae) + 1))
-    rks = sorted({min(2 ** i, ks[-1]) for i in range(ks[-1].bit_length() + 1)})
+    rks = sorted({min(2**i, ks[-1]) for i in range(ks[-1].bit_length() + 1)})
     singles, topk, auck, rnd, whole, feats_only, recon, recon_rec, none, pools = ([] for _ in range(10))
     for i, s in enumerate(tqdm(sites, desc="SAE feature patches", disable=not progress, unit="pair")):
         pool = [int(f) for f in ((s.a_new - s.a_old) != 0).any(0).nonzero().flatten()]
         ranked = by_fold[i % 2] if crossed else everywhere
         rng = random.Random(f"sae/{cfg.seed}/{i}")
         draws = [rng.sample(pool, min(k, len(pool))) for k in rks for _ in range(cfg.draws)]
-        groups = {"none": [[]], "features_only": [range(d_sae)], "singles": [[f] for f in top],
-                  "topk": [ranked[:k] for k in ks], "auck": [top[:k] for k in ks], "random": draws}
+        groups = {
+            "none": [[]],
+            "features_only": [range(d_sae)],
+            "singles": [[f] for f in top],
+            "topk": [ranked[:k] for k in ks],
+            "auck": [top[:k] for k in ks],
+            "random": draws,
+        }
         r = s.recovery([x for g in groups.values() for x in g]).numpy()
         got = dict(zip(groups, np.split(r, np.cumsum([len(g) for g in groups.values()])[:-1])))
         none.append(float(got["none"][0]))
@@ -500,17 +583,27 @@ def _causal(sites: Sequence[FeatureSite], top: Sequence[int], cfg: SAEConfig, pr
     best_causal = int(np.argmax(singles.mean(0)))
     return {
         "singles": singles,
-        "parts": {"single_feature_recovery": Estimate.of(singles[:, 0].tolist()),
-                  "best_causal_feature": Estimate.of(singles[:, best_causal].tolist()),
-                  "all_features": Estimate.of(whole), "features_only": Estimate.of(feats_only),
-                  "reconstruction_decision": Estimate.of(recon),
-                  "reconstruction_recovery": Estimate.of(recon_rec)},
-        "curves": {"topk_curve": Curve.of("k", ks, topk.T.tolist()),
-                   "auc_topk_curve": Curve.of("k", ks, auck.T.tolist()),
-                   "random_curve": Curve.of("k", rks, rnd.T.tolist())},
-        "details": {"best_causal_feature": {"feature": top[best_causal], "auc_rank": best_causal},
-                    "topk_cross_fitted": crossed, "topk_features": everywhere[:ks[-1]],
-                    "topk_push": [float(push[f]) for f in everywhere[:ks[-1]]],
-                    "no_features": none, "random_pool_sizes": pools, "random_draws": cfg.draws,
-                    "n_trials": len(sites)},
+        "parts": {
+            "single_feature_recovery": Estimate.of(singles[:, 0].tolist()),
+            "best_causal_feature": Estimate.of(singles[:, best_causal].tolist()),
+            "all_features": Estimate.of(whole),
+            "features_only": Estimate.of(feats_only),
+            "reconstruction_decision": Estimate.of(recon),
+            "reconstruction_recovery": Estimate.of(recon_rec),
+        },
+        "curves": {
+            "topk_curve": Curve.of("k", ks, topk.T.tolist()),
+            "auc_topk_curve": Curve.of("k", ks, auck.T.tolist()),
+            "random_curve": Curve.of("k", rks, rnd.T.tolist()),
+        },
+        "details": {
+            "best_causal_feature": {"feature": top[best_causal], "auc_rank": best_causal},
+            "topk_cross_fitted": crossed,
+            "topk_features": everywhere[: ks[-1]],
+            "topk_push": [float(push[f]) for f in everywhere[: ks[-1]]],
+            "no_features": none,
+            "random_pool_sizes": pools,
+            "random_draws": cfg.draws,
+            "n_trials": len(sites),
+        },
     }

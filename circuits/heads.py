@@ -49,11 +49,18 @@ def grouping(model: KVModel) -> dict:
     """How the model's query heads share keys and values, for the results."""
     g = model.n_heads // model.n_kv_heads
     kind = "multi-query" if model.n_kv_heads == 1 else "grouped-query" if g > 1 else "multi-head"
-    return {"n_layers": model.n_layers, "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads,
-            "queries_per_kv_head": g, "attention": kind,
-            "note": ("heads are query heads: under grouped/multi-query attention the heads of a group "
-                     "read the same keys and values and differ only by their queries and output "
-                     "weights; a head patch replaces one query head's output, never the shared K/V")}
+    return {
+        "n_layers": model.n_layers,
+        "n_heads": model.n_heads,
+        "n_kv_heads": model.n_kv_heads,
+        "queries_per_kv_head": g,
+        "attention": kind,
+        "note": (
+            "heads are query heads: under grouped/multi-query attention the heads of a group "
+            "read the same keys and values and differ only by their queries and output "
+            "weights; a head patch replaces one query head's output, never the shared K/V"
+        ),
+    }
 
 
 def masks_for(model: KVModel, sets: Sequence[Sequence[Head]]) -> Bool[Tensor, "batch layer n_heads"]:
@@ -103,15 +110,25 @@ def read_site(t: Trial) -> ReadSite:
     for nb in (t.old_nb, t.new_nb):
         if len(ids) > 1:
             nb, _ = run(model, nb, ids[:-1], pos[:-1], logits_at=())
-        _, out = run(model, nb, ids[-1:], pos[-1:], write=False, capture=names + pats + vals,
-                     vocab=t.pair.answers)
+        _, out = run(
+            model, nb, ids[-1:], pos[-1:], write=False, capture=names + pats + vals, vocab=t.pair.answers
+        )
         ext.append(nb)
         vs.append(torch.stack([out.activations[n][0, -1] for n in vals]))
         zs.append(torch.stack([out.activations[n][0, -1] for n in names]))
         ps.append(tuple(out.activations[n][0, :, -1] for n in pats))
-    site = ReadSite(old=ext[0], new=ext[1], token=ids[-1], position=int(pos[-1]),
-                    z_old=zs[0], z_new=zs[1], pattern_old=ps[0], pattern_new=ps[1],
-                    v_self_old=vs[0], v_self_new=vs[1])
+    site = ReadSite(
+        old=ext[0],
+        new=ext[1],
+        token=ids[-1],
+        position=int(pos[-1]),
+        z_old=zs[0],
+        z_new=zs[1],
+        pattern_old=ps[0],
+        pattern_new=ps[1],
+        v_self_old=vs[0],
+        v_self_new=vs[1],
+    )
     t.cache["read_site"] = site
     return site
 
@@ -126,8 +143,10 @@ def path_delta(t: Trial, positions: Sequence[int]) -> Float[Tensor, "layer n_hea
     out = torch.zeros_like(site.z_old)
     slots = [p for p in positions if p != site.position]
     itself = len(slots) < len(positions)
-    for nb, pats, v_self, sign in ((site.new, site.pattern_new, site.v_self_new, 1.0),
-                                   (site.old, site.pattern_old, site.v_self_old, -1.0)):
+    for nb, pats, v_self, sign in (
+        (site.new, site.pattern_new, site.v_self_new, 1.0),
+        (site.old, site.pattern_old, site.v_self_old, -1.0),
+    ):
         idx = nb.slot_index(slots) if slots else None
         for l in range(model.n_layers):
             if idx is not None:
@@ -142,18 +161,22 @@ def path_delta(t: Trial, positions: Sequence[int]) -> Float[Tensor, "layer n_hea
 def read_hooks(model: KVModel, masks: Tensor, source: Tensor, *, add: bool) -> list:
     """`hook_z` hooks for one decision token: where `masks[b, l, h]`, replace (or, with `add`,
     add to) head h's output with `source[l, h]`."""
+
     def make(l: int):
         def hook(z, hook):
             m = masks[:, l][:, None, :, None].to(z.device)  # [B, 1, head, 1]
             s = source[l][None, None].to(z)
             return z + m * s if add else torch.where(m, s, z)
+
         return hook
+
     layers = masks.any(0).any(-1).nonzero().flatten().tolist()
     return [(_z(l), make(l)) for l in layers]
 
 
-def read_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, path: Sequence[int] | None = None,
-               batch_size: int = ROWS) -> Float[Tensor, " n"]:
+def read_sweep(
+    t: Trial, sets: Sequence[Sequence[Head]], *, path: Sequence[int] | None = None, batch_size: int = ROWS
+) -> Float[Tensor, " n"]:
     """Recovery for each head set patched at the decision (new → old run).
 
     path=None: output patching (each head's whole output from the new run). path=positions:
@@ -163,7 +186,7 @@ def read_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, path: Sequence[int] 
     source = site.z_new if path is None else path_delta(t, path)
     out = []
     for i in range(0, len(sets), batch_size):
-        m = masks_for(t.model, sets[i:i + batch_size])
+        m = masks_for(t.model, sets[i : i + batch_size])
         hooks = read_hooks(t.model, m, source, add=path is not None)
         tok = torch.tensor([[site.token]]).expand(len(m), 1)
         _, r = run(t.model, site.old, tok, [site.position], write=False, hooks=hooks, vocab=t.pair.answers)
@@ -198,9 +221,13 @@ def write_site(t: Trial) -> WriteSite | None:
         q_ids, q_pos = query_tokens(model, t.old_nb, t.pair.new)
         names = [_z(l) for l in range(model.n_layers)]
         _, out = run(model, t.new_nb.truncate(pos[0]), ids, pos, capture=names, logits_at=())
-        site = WriteSite(base=t.old_nb.truncate(pos[0]), tokens=ids + tuple(q_ids),
-                         positions=pos + tuple(q_pos.tolist()), n_notes=len(pos),
-                         z_new=tuple(out.activations[n][0] for n in names))
+        site = WriteSite(
+            base=t.old_nb.truncate(pos[0]),
+            tokens=ids + tuple(q_ids),
+            positions=pos + tuple(q_pos.tolist()),
+            n_notes=len(pos),
+            z_new=tuple(out.activations[n][0] for n in names),
+        )
     t.cache["write_site"] = site
     return site
 
@@ -213,10 +240,13 @@ def write_hooks(model: KVModel, masks: Tensor, z_new: Sequence[Tensor], n_total:
 
     def make(l: int):
         src = torch.cat([z_new[l], z_new[l].new_zeros(n_total - n, *z_new[l].shape[1:])])
+
         def hook(z, hook):
             m = (masks[:, l][:, None, :, None] & at_note[None, :, None, None]).to(z.device)
             return torch.where(m, src[None].to(z), z)
+
         return hook
+
     layers = masks.any(0).any(-1).nonzero().flatten().tolist()
     return [(_z(l), make(l)) for l in layers]
 
@@ -233,10 +263,17 @@ def write_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, batch_size: int = R
     out = []
     n = len(site.tokens)
     for i in range(0, len(sets), batch_size):
-        m = masks_for(t.model, sets[i:i + batch_size])
+        m = masks_for(t.model, sets[i : i + batch_size])
         tok = torch.tensor([site.tokens]).expand(len(m), -1)
-        _, r = run(t.model, site.base, tok, site.positions, write=False, vocab=t.pair.answers,
-                   hooks=write_hooks(t.model, m, site.z_new, n))
+        _, r = run(
+            t.model,
+            site.base,
+            tok,
+            site.positions,
+            write=False,
+            vocab=t.pair.answers,
+            hooks=write_hooks(t.model, m, site.z_new, n),
+        )
         out.append(r.last[:, 0].double() - r.last[:, 1].double())
     return t.recovery(torch.cat(out).cpu()) if out else torch.zeros(0, dtype=torch.float64)
 

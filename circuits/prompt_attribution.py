@@ -47,18 +47,18 @@ class PromptAttribution(Displayable):
     prompt: str
     answers: tuple[str, str]
     answer_ids: tuple[int, int]
-    baseline: str                       # "counterfactual" or "value-mean-ablation"
+    baseline: str  # "counterfactual" or "value-mean-ablation"
     counterfactual: str | None
     decision_token: str
-    tokens: list[str]                   # one per notebook slot, in slot order
+    tokens: list[str]  # one per notebook slot, in slot order
     positions: list[int]
-    ld: float                           # the prompt's logit difference
-    ld_source: float                    # the source notebook's, read by the same decision token
-    estimate: list[list[float]]         # [layer][slot], keys + values
-    estimate_keys: list[list[float]]    # [layer][slot], the keys' part
+    ld: float  # the prompt's logit difference
+    ld_source: float  # the source notebook's, read by the same decision token
+    estimate: list[list[float]]  # [layer][slot], keys + values
+    estimate_keys: list[list[float]]  # [layer][slot], the keys' part
     estimate_values: list[list[float]]  # [layer][slot], the values' part
     exact: list[dict]
-    rank_correlation: float | None      # Spearman, estimate vs exact totals over the top slots
+    rank_correlation: float | None  # Spearman, estimate vs exact totals over the top slots
     gradient_seconds: float
     exact_seconds: float
     meta: Mapping = field(default_factory=dict)
@@ -71,15 +71,20 @@ class PromptAttribution(Displayable):
     def table(self) -> str:
         """A short readable summary: the decision, the baseline, and the top slots."""
         yes, no = self.answers
-        lines = [f"{self.model}: ld = logit[{yes!r}] - logit[{no!r}] = {self.ld:+.3f} "
-                 f"at {self.decision_token!r}; source ({self.baseline}) ld = {self.ld_source:+.3f}",
-                 f"{'position':>8}  {'token':<16} {'estimate':>9} {'exact':>9}"]
+        lines = [
+            f"{self.model}: ld = logit[{yes!r}] - logit[{no!r}] = {self.ld:+.3f} "
+            f"at {self.decision_token!r}; source ({self.baseline}) ld = {self.ld_source:+.3f}",
+            f"{'position':>8}  {'token':<16} {'estimate':>9} {'exact':>9}",
+        ]
         for r in self.exact:
-            lines.append(f"{r['position']:>8}  {repr(r['token'])[:16]:<16} "
-                         f"{r['estimate']:>+9.3f} {r['total']:>+9.3f}")
+            lines.append(
+                f"{r['position']:>8}  {repr(r['token'])[:16]:<16} {r['estimate']:>+9.3f} {r['total']:>+9.3f}"
+            )
         rho = "undefined" if self.rank_correlation is None else f"{self.rank_correlation:+.2f}"
-        lines.append(f"Spearman rho (estimate vs exact, top {len(self.exact)}): {rho}; gradient pass "
-                     f"{self.gradient_seconds:.2f} s, exact pass {self.exact_seconds:.2f} s")
+        lines.append(
+            f"Spearman rho (estimate vs exact, top {len(self.exact)}): {rho}; gradient pass "
+            f"{self.gradient_seconds:.2f} s, exact pass {self.exact_seconds:.2f} s"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -90,8 +95,10 @@ class PromptAttribution(Displayable):
     @classmethod
     def from_dict(cls, d: Mapping) -> PromptAttribution:
         if d.get("schema") != SCHEMA:
-            raise PromptAttributionError(f"not a prompt attribution (schema {d.get('schema')!r}, expected "
-                                         f"{SCHEMA!r}); write one with `kvnotes attribute --json FILE`")
+            raise PromptAttributionError(
+                f"not a prompt attribution (schema {d.get('schema')!r}, expected "
+                f"{SCHEMA!r}); write one with `kvnotes attribute --json FILE`"
+            )
         kw = copy.deepcopy({f.name: d[f.name] for f in fields(cls) if f.name in d})
         kw.update(answers=tuple(kw["answers"]), answer_ids=tuple(kw["answer_ids"]), meta=kw.get("meta", {}))
         return cls(**kw)
@@ -107,8 +114,9 @@ def value_mean_ablation(notebook: Notebook) -> Notebook:
     if not bool(keep.any()):
         raise PromptAttributionError("the value mean needs a slot besides position 0; use a longer prompt")
     m = keep.to(notebook.values[0].device)[None, None, :, None]
-    values = tuple(torch.where(m, v[:, :, keep].mean(2, keepdim=True), v).contiguous()
-                   for v in notebook.values)
+    values = tuple(
+        torch.where(m, v[:, :, keep].mean(2, keepdim=True), v).contiguous() for v in notebook.values
+    )
     return replace(notebook, values=values)
 
 
@@ -120,8 +128,9 @@ def _answer_ids(model: KVModel, answers: Sequence[str]) -> tuple[int, int]:
     except ValueError as e:
         raise PromptAttributionError(str(e)) from e
     if ids[0] == ids[1]:
-        raise PromptAttributionError(f"answers {answers[0]!r} and {answers[1]!r} are the same token; "
-                                     "the logit difference would be 0")
+        raise PromptAttributionError(
+            f"answers {answers[0]!r} and {answers[1]!r} are the same token; the logit difference would be 0"
+        )
     return ids
 
 
@@ -134,18 +143,27 @@ def _source(model: KVModel, nb: Notebook, ids: list[int], counterfactual: str | 
         raise TokenCountChanged(
             f"the counterfactual is {len(cf)} tokens but the prompt is {len(ids)}; slots must line up, so "
             "edit the counterfactual so that its changed words keep the token count (e.g. swap a word "
-            "for one of the same length in tokens)")
+            "for one of the same length in tokens)"
+        )
     if cf[-1] != ids[-1]:
         raise PromptAttributionError(
             f"the counterfactual ends in {model.token_strings(cf[-1:])[0]!r} but the prompt in "
             f"{model.token_strings(ids[-1:])[0]!r}; the last token is the decision token, which no slot "
-            "transplant can change, so make both prompts end in the same token")
+            "transplant can change, so make both prompts end in the same token"
+        )
     return prefill(model, cf[:-1])
 
 
-def attribute_prompt(model: KVModel, prompt: str, answers: tuple[str, str], *,
-                     counterfactual: str | None = None, top: int = 8, steps: int = 4,
-                     progress: bool = True) -> PromptAttribution:
+def attribute_prompt(
+    model: KVModel,
+    prompt: str,
+    answers: tuple[str, str],
+    *,
+    counterfactual: str | None = None,
+    top: int = 8,
+    steps: int = 4,
+    progress: bool = True,
+) -> PromptAttribution:
     """Which slots carry the decision at `prompt`'s last token, read as the logit difference of
     the two `answers`: a gradient estimate for every slot × layer, then exact transplants (all
     layers and each layer alone) of the `top` slots by |estimate summed over layers|.
@@ -169,8 +187,9 @@ def attribute_prompt(model: KVModel, prompt: str, answers: tuple[str, str], *,
     vocab = _answer_ids(model, answers)
     ids = model.encode(prompt)
     if len(ids) < 2:
-        raise PromptAttributionError(f"the prompt is {len(ids)} token(s); it needs a notebook before its "
-                                     "last (decision) token")
+        raise PromptAttributionError(
+            f"the prompt is {len(ids)} token(s); it needs a notebook before its last (decision) token"
+        )
     nb = prefill(model, ids[:-1])
     src = _source(model, nb, ids, counterfactual)
     query = ids[-1:]
@@ -185,27 +204,48 @@ def attribute_prompt(model: KVModel, prompt: str, answers: tuple[str, str], *,
     order = torch.argsort(a.slot_layer.sum(0).abs(), descending=True, stable=True)[:k].tolist()
     chosen = [int(nb.positions[i]) for i in order]
     L = model.n_layers
-    specs = [spec for p in chosen for spec in
-             (Patch(positions=(p,)), *(Patch(positions=(p,), layers=(l,)) for l in range(L)))]
+    specs = [
+        spec
+        for p in chosen
+        for spec in (Patch(positions=(p,)), *(Patch(positions=(p,), layers=(l,)) for l in range(L)))
+    ]
     lds = _ld(decide_patched(model, nb, src, specs, query, vocab=vocab, progress=progress)).view(k, L + 1)
     exact_seconds = time.perf_counter() - t0
 
     delta = (lds - a.ld).tolist()
     tokens = model.token_strings(nb.tokens[0].tolist())
     total = a.slot_layer.sum(0)
-    exact = [{"position": p, "token": tokens[i], "estimate": float(total[i]), "total": d[0],
-              "per_layer": d[1:]} for p, i, d in zip(chosen, order, delta)]
+    exact = [
+        {"position": p, "token": tokens[i], "estimate": float(total[i]), "total": d[0], "per_layer": d[1:]}
+        for p, i, d in zip(chosen, order, delta)
+    ]
     return PromptAttribution(
-        model=model.name, prompt=prompt, answers=(answers[0], answers[1]), answer_ids=vocab,
-        baseline=MEAN_ABLATION if counterfactual is None else COUNTERFACTUAL, counterfactual=counterfactual,
-        decision_token=model.token_strings(query)[0], tokens=tokens, positions=nb.positions.tolist(),
-        ld=a.ld, ld_source=ld_source, estimate=a.slot_layer.tolist(), estimate_keys=a.keys.tolist(),
-        estimate_values=a.values.tolist(), exact=exact,
+        model=model.name,
+        prompt=prompt,
+        answers=(answers[0], answers[1]),
+        answer_ids=vocab,
+        baseline=MEAN_ABLATION if counterfactual is None else COUNTERFACTUAL,
+        counterfactual=counterfactual,
+        decision_token=model.token_strings(query)[0],
+        tokens=tokens,
+        positions=nb.positions.tolist(),
+        ld=a.ld,
+        ld_source=ld_source,
+        estimate=a.slot_layer.tolist(),
+        estimate_keys=a.keys.tolist(),
+        estimate_values=a.values.tolist(),
+        exact=exact,
         rank_correlation=_rho([r["estimate"] for r in exact], [r["total"] for r in exact]),
-        gradient_seconds=gradient_seconds, exact_seconds=exact_seconds,
-        meta={"n_layers": L, "top": k, "steps": steps, "units": "logits (change of ld)",
-              "timing": "gradient: one forward and one backward over the decision token; exact: "
-                        f"{len(specs)} transplants (top slots x (all layers + each layer)), batched"},
+        gradient_seconds=gradient_seconds,
+        exact_seconds=exact_seconds,
+        meta={
+            "n_layers": L,
+            "top": k,
+            "steps": steps,
+            "units": "logits (change of ld)",
+            "timing": "gradient: one forward and one backward over the decision token; exact: "
+            f"{len(specs)} transplants (top slots x (all layers + each layer)), batched",
+        },
     )
 
 

@@ -32,8 +32,13 @@ def path_positions(t: Trial) -> dict[str, list[int]]:
     field = t.pair.field_span
     notes = t.pair.downstream()
     between = [p for p in range(field.stop, notes[0] if notes else field.stop)]  # a rule pair's gap
-    return {"prefix": list(range(field.start)), "field": list(field) + between, "notes": notes,
-            "query": list(range(q.start, q.stop - 1)), "self": [q.stop - 1]}
+    return {
+        "prefix": list(range(field.start)),
+        "field": list(field) + between,
+        "notes": notes,
+        "query": list(range(q.start, q.stop - 1)),
+        "self": [q.stop - 1],
+    }
 
 
 def headline_k(n_heads: int, k_max: int) -> int:
@@ -57,8 +62,16 @@ def ranking_table(model, heads: Sequence[Head], scores: np.ndarray, **extra: np.
     return rows
 
 
-def topk_vs_random(trials: Sequence[Trial], scores: np.ndarray, sweep: Sweep, heads: Sequence[Head],
-                   ks: Sequence[int], *, draws: int, seed: int) -> tuple[Curve, Curve, dict]:
+def topk_vs_random(
+    trials: Sequence[Trial],
+    scores: np.ndarray,
+    sweep: Sweep,
+    heads: Sequence[Head],
+    ks: Sequence[int],
+    *,
+    draws: int,
+    seed: int,
+) -> tuple[Curve, Curve, dict]:
     """Cross-fitted top-k curve and the random-k control (see the module docstring)."""
     n = len(trials)
     folds = [list(range(0, n, 2)), list(range(1, n, 2))]
@@ -75,14 +88,15 @@ def topk_vs_random(trials: Sequence[Trial], scores: np.ndarray, sweep: Sweep, he
         r = sweep(t, sets).tolist()
         for j in range(len(ks)):
             top[j].append(r[j])
-            rnd[j].append(float(np.mean(r[len(ks) + j * draws: len(ks) + (j + 1) * draws])))
-        chosen.append([f"L{l}H{h}" for l, h in ranked[:max(ks)]])
+            rnd[j].append(float(np.mean(r[len(ks) + j * draws : len(ks) + (j + 1) * draws])))
+        chosen.append([f"L{l}H{h}" for l, h in ranked[: max(ks)]])
     info = {"cross_fitted": crossed, "draws": draws, "top_heads_per_trial": chosen}
     return Curve.of("k", list(ks), top), Curve.of("k", list(ks), rnd), info
 
 
-def _head_analysis(used: Sequence[Trial], sweep: Sweep, desc: str, *, k_max: int, draws: int,
-                   seed: int) -> tuple[list[Head], np.ndarray, dict, dict, dict]:
+def _head_analysis(
+    used: Sequence[Trial], sweep: Sweep, desc: str, *, k_max: int, draws: int, seed: int
+) -> tuple[list[Head], np.ndarray, dict, dict, dict]:
     """What the read and write sides share: each head alone and all heads together on every
     trial, then the cross-fitted top-k vs random-k curves. Returns the heads, the per-trial
     single-head recoveries `[trial, head]`, and the common parts, curves and details."""
@@ -97,14 +111,24 @@ def _head_analysis(used: Sequence[Trial], sweep: Sweep, desc: str, *, k_max: int
         together.append(float(r[-1]))
     out = np.array(singles).reshape(len(used), len(heads))
     topk, rnd, info = topk_vs_random(used, out, sweep, heads, ks, draws=draws, seed=seed)
-    parts = {"top_k": topk.points[kh - 1], "random_k": rnd.points[kh - 1], "top_head": topk.points[0],
-             "all_heads": Estimate.of(together)}
+    parts = {
+        "top_k": topk.points[kh - 1],
+        "random_k": rnd.points[kh - 1],
+        "top_head": topk.points[0],
+        "all_heads": Estimate.of(together),
+    }
     details = {"grouping": grouping(model), "k_max": ks[-1], "headline_k": kh, **info}
     return heads, out, parts, {"topk_curve": topk, "random_curve": rnd}, details
 
 
-def read_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 32, seed: int = 0,
-               min_effect: float = MIN_EFFECT) -> ProbeResult:
+def read_heads(
+    trials: Sequence[Trial],
+    *,
+    k_max: int = K_MAX,
+    draws: int = 32,
+    seed: int = 0,
+    min_effect: float = MIN_EFFECT,
+) -> ProbeResult:
     """Each head's share in carrying the conclusion into the decision (its output at the
     decision patched from the new-value run), and the top-k heads together against k random.
 
@@ -118,8 +142,9 @@ def read_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 32, 
     used, excluded = split(trials, min_effect)
     if not used:
         return _empty("read_heads", excluded)
-    heads, out, parts, curves, details = _head_analysis(used, read_sweep, "read heads", k_max=k_max,
-                                                        draws=draws, seed=seed)
+    heads, out, parts, curves, details = _head_analysis(
+        used, read_sweep, "read heads", k_max=k_max, draws=draws, seed=seed
+    )
     singles = [[h] for h in heads]
     paths = {name: ([], []) for name in PATHS}
     for t in each(used, "read paths"):
@@ -128,20 +153,31 @@ def read_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 32, 
             r = read_sweep(t, singles + [heads], path=where[name]).numpy()
             per.append(r[:-1])
             total.append(float(r[-1]))
-    table = ranking_table(used[0].model, heads, out,
-                          **{f"path_{k}": np.array(p) for k, (p, _) in paths.items()})
+    table = ranking_table(
+        used[0].model, heads, out, **{f"path_{k}": np.array(p) for k, (p, _) in paths.items()}
+    )
     parts |= {f"{k}_path": Estimate.of(total) for k, (_, total) in paths.items()}
     parts["effect"] = effect_estimate(used)
     return ProbeResult(
-        name="read_heads", headline="top_k", parts=parts, curves=curves, tables={"ranking": table},
+        name="read_heads",
+        headline="top_k",
+        parts=parts,
+        curves=curves,
+        tables={"ranking": table},
         details={"excluded": excluded, **details},
         description="patch head outputs at the decision from the new-value run: the heads that read "
-                    "the conclusion",
+        "the conclusion",
     )
 
 
-def write_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 16, seed: int = 0,
-                min_effect: float = MIN_EFFECT) -> ProbeResult:
+def write_heads(
+    trials: Sequence[Trial],
+    *,
+    k_max: int = K_MAX,
+    draws: int = 16,
+    seed: int = 0,
+    min_effect: float = MIN_EFFECT,
+) -> ProbeResult:
     """Which heads write the conclusion onto the note slots: their outputs at the note slots
     come from the new-value run while the old notebook's note slots are recomputed.
 
@@ -156,23 +192,35 @@ def write_heads(trials: Sequence[Trial], *, k_max: int = K_MAX, draws: int = 16,
     used = [t for i, t in enumerate(used) if i not in no_notes]
     if not used:
         return _empty("write_heads", excluded)
-    heads, out, parts, curves, details = _head_analysis(used, write_sweep, "write heads", k_max=k_max,
-                                                        draws=draws, seed=seed)
+    heads, out, parts, curves, details = _head_analysis(
+        used, write_sweep, "write heads", k_max=k_max, draws=draws, seed=seed
+    )
     model = used[0].model
     layers = [[(l, h) for h in range(model.n_heads)] for l in range(model.n_layers)]
     per_layer = np.array([write_sweep(t, layers).numpy() for t in each(used, "write layers")])
-    by_layer = [{"layer": l, **Estimate.of(per_layer[:, l].tolist()).to_dict()}
-                for l in range(model.n_layers)]
+    by_layer = [
+        {"layer": l, **Estimate.of(per_layer[:, l].tolist()).to_dict()} for l in range(model.n_layers)
+    ]
     parts["effect"] = effect_estimate(used)
     return ProbeResult(
-        name="write_heads", headline="top_k", parts=parts, curves=curves,
+        name="write_heads",
+        headline="top_k",
+        parts=parts,
+        curves=curves,
         tables={"ranking": ranking_table(model, heads, out), "by_layer": by_layer},
-        details={"excluded": excluded, "note_slots": "every slot after the field and before the decision",
-                 **details},
+        details={
+            "excluded": excluded,
+            "note_slots": "every slot after the field and before the decision",
+            **details,
+        },
         description="patch head outputs at the note slots during prefill: which heads write the conclusion",
     )
 
 
 def _empty(name: str, excluded: list) -> ProbeResult:
-    return ProbeResult(name=name, headline="top_k", parts={"top_k": Estimate.of([])},
-                       details={"excluded": excluded, "not_applicable": "no usable trials"})
+    return ProbeResult(
+        name=name,
+        headline="top_k",
+        parts={"top_k": Estimate.of([])},
+        details={"excluded": excluded, "not_applicable": "no usable trials"},
+    )

@@ -242,8 +242,9 @@ class Report(Displayable):
         )
 
 
-def plan(model: KVModel, tasks: Sequence[Task], cfg: ReportConfig, *, progress: bool = True
-         ) -> list[tuple[str, Callable]]:
+def plan(
+    model: KVModel, tasks: Sequence[Task], cfg: ReportConfig, *, progress: bool = True
+) -> list[tuple[str, Callable]]:
     """The parts of a report in run order: per task, then per model (a bench sized 0 is left out)."""
     out: list[tuple[str, Callable]] = []
     for task in tasks:
@@ -253,8 +254,9 @@ def plan(model: KVModel, tasks: Sequence[Task], cfg: ReportConfig, *, progress: 
     return out
 
 
-def _task_part(model: KVModel, task: Task, section: str, cfg: ReportConfig, progress: bool
-               ) -> Callable[[], ProbeReport]:
+def _task_part(
+    model: KVModel, task: Task, section: str, cfg: ReportConfig, progress: bool
+) -> Callable[[], ProbeReport]:
     c, quiet = cfg, {"progress": progress}
 
     def report(results: dict, n: int) -> ProbeReport:
@@ -268,17 +270,42 @@ def _task_part(model: KVModel, task: Task, section: str, cfg: ReportConfig, prog
     def regime():
         from probes.regime import regime
 
-        return report({"regime": regime(model, task, n=c.regime_n, distances=c.distances, seed=c.seed,
-                                        min_effect=c.min_effect, **quiet)}, c.regime_n)
+        return report(
+            {
+                "regime": regime(
+                    model,
+                    task,
+                    n=c.regime_n,
+                    distances=c.distances,
+                    seed=c.seed,
+                    min_effect=c.min_effect,
+                    **quiet,
+                )
+            },
+            c.regime_n,
+        )
 
     def circuits():
         from circuits import run_circuits
         from circuits.sae import SAEConfig
 
-        sae = SAEConfig(seed=c.seed, n_train_pairs=c.sae_train_pairs, n_eval_pairs=c.sae_eval_pairs,
-                        training_samples=c.sae_samples)
-        return run_circuits(model, task, n=c.n, seed=c.seed, k_max=c.k_max, draws=c.draws, sae_config=sae,
-                            min_effect=c.min_effect, **quiet)
+        sae = SAEConfig(
+            seed=c.seed,
+            n_train_pairs=c.sae_train_pairs,
+            n_eval_pairs=c.sae_eval_pairs,
+            training_samples=c.sae_samples,
+        )
+        return run_circuits(
+            model,
+            task,
+            n=c.n,
+            seed=c.seed,
+            k_max=c.k_max,
+            draws=c.draws,
+            sae_config=sae,
+            min_effect=c.min_effect,
+            **quiet,
+        )
 
     def edit():
         from probes import make_trials
@@ -292,21 +319,24 @@ def _task_part(model: KVModel, task: Task, section: str, cfg: ReportConfig, prog
         from probes.compose import seam_repair
         from probes.memory import memory_blocks
 
-        results = {"seam_repair": seam_repair(model, task, n=c.compose_n, seams=c.seams, offsets=c.offsets,
-                                              seed=c.seed, **quiet)}
+        results = {
+            "seam_repair": seam_repair(
+                model, task, n=c.compose_n, seams=c.seams, offsets=c.offsets, seed=c.seed, **quiet
+            )
+        }
         if c.memory:
             results["memory_blocks"] = memory_blocks(model, n=2 * c.compose_n, seed=c.seed, **quiet)
         if c.turns:
-            results["agent_loop"] = agent_loop(model, task, n=min(c.compose_n, 2), turns=c.turns, seed=c.seed,
-                                               **quiet)
+            results["agent_loop"] = agent_loop(
+                model, task, n=min(c.compose_n, 2), turns=c.turns, seed=c.seed, **quiet
+            )
         return report(results, c.compose_n)
 
     parts = {"probes": probes, "regime": regime, "circuits": circuits, "edit": edit, "compose": compose}
     return parts[section]
 
 
-def _model_part(model: KVModel, section: str, cfg: ReportConfig, progress: bool
-                ) -> Callable[[], BenchReport]:
+def _model_part(model: KVModel, section: str, cfg: ReportConfig, progress: bool) -> Callable[[], BenchReport]:
     from kvnotes.ttft import edit_cost, ttft
 
     if section == "ttft":

@@ -12,6 +12,7 @@ outlier in most models). `circuits.features` asks what its features decode and w
     sae.save_model("saes/gemma-L10")                       # cfg.json + safetensors
     sae = load_sae("saes/gemma-L10", model=model)          # the local-path route
 """
+
 from __future__ import annotations
 
 import math
@@ -82,16 +83,27 @@ class SAEConfig:
         if self.site not in (*SITES, "auto"):
             raise ValueError(f"site must be one of {SITES} or 'auto', got {self.site!r}")
         if self.layer is not None and (not _is_int(self.layer) or self.layer < 0):
-            raise ValueError(f"layer must be None (the middle layer) or a block index >= 0, "
-                             f"got {self.layer!r}")
-        for name in ("expansion", "k", "n_train_pairs", "n_eval_pairs", "training_samples",
-                     "batch_size", "max_k", "draws"):
+            raise ValueError(
+                f"layer must be None (the middle layer) or a block index >= 0, got {self.layer!r}"
+            )
+        for name in (
+            "expansion",
+            "k",
+            "n_train_pairs",
+            "n_eval_pairs",
+            "training_samples",
+            "batch_size",
+            "max_k",
+            "draws",
+        ):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.training_samples < self.batch_size:
-            raise ValueError(f"training_samples ({self.training_samples}) is less than one batch "
-                             f"({self.batch_size}); raise it or lower batch_size")
+            raise ValueError(
+                f"training_samples ({self.training_samples}) is less than one batch "
+                f"({self.batch_size}); raise it or lower batch_size"
+            )
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if not _is_int(self.seed) or self.seed < 0:
@@ -101,8 +113,10 @@ class SAEConfig:
         """The block whose output the SAE reads on `model`."""
         layer = model.n_layers // 2 if self.layer is None else self.layer
         if not layer < model.n_layers:
-            raise OutOfRange(f"layer {layer} is out of range: {model.name} has {model.n_layers} "
-                             f"layers (0..{model.n_layers - 1})")
+            raise OutOfRange(
+                f"layer {layer} is out of range: {model.name} has {model.n_layers} "
+                f"layers (0..{model.n_layers - 1})"
+            )
         return layer
 
     def to_dict(self) -> dict:
@@ -148,8 +162,9 @@ class Residuals:
         return [v[-1:] for v in self.vectors]
 
 
-def collect_residuals(model: KVModel, pairs: Sequence[Pair], hook_name: str, *,
-                      progress: bool = True) -> Residuals:
+def collect_residuals(
+    model: KVModel, pairs: Sequence[Pair], hook_name: str, *, progress: bool = True
+) -> Residuals:
     """Run both prompts of each pair to their last token and keep the residual at `hook_name`
     at every position but the first.
 
@@ -168,13 +183,19 @@ def collect_residuals(model: KVModel, pairs: Sequence[Pair], hook_name: str, *,
             vectors.append(x)
             notes.append(rows)
             labels.append(int(label))
-    return Residuals(hook_name=hook_name, vectors=tuple(vectors), notes=tuple(notes), labels=tuple(labels),
-                     context=tuple(context))
+    return Residuals(
+        hook_name=hook_name,
+        vectors=tuple(vectors),
+        notes=tuple(notes),
+        labels=tuple(labels),
+        context=tuple(context),
+    )
 
 
 # --- training --------------------------------------------------------------------------------
-def train_sae(model: KVModel, task: Task | str, cfg: SAEConfig = SAEConfig(), *, kind: str = GATE,
-              progress: bool = True):
+def train_sae(
+    model: KVModel, task: Task | str, cfg: SAEConfig = SAEConfig(), *, kind: str = GATE, progress: bool = True
+):
     """Collect residuals on `cfg.n_train_pairs` fresh pairs of `task` and train a TopK SAE on them.
 
     Returns an inference `sae_lens.SAE` whose metadata names the model and hook (and, under
@@ -195,8 +216,14 @@ def train_sae(model: KVModel, task: Task | str, cfg: SAEConfig = SAEConfig(), *,
     return fit_sae(residuals, cfg, model=model, task=task.name, progress=progress)
 
 
-def fit_sae(residuals: Residuals, cfg: SAEConfig = SAEConfig(), *, model: KVModel | None = None,
-            task: str = "", progress: bool = True):
+def fit_sae(
+    residuals: Residuals,
+    cfg: SAEConfig = SAEConfig(),
+    *,
+    model: KVModel | None = None,
+    task: str = "",
+    progress: bool = True,
+):
     """Train a TopK SAE with sae-lens's `SAETrainer` on `residuals` (seeded, wandb off); return
     it as an inference `sae_lens.SAE`.
 
@@ -216,14 +243,24 @@ def fit_sae(residuals: Residuals, cfg: SAEConfig = SAEConfig(), *, model: KVMode
     scale = math.sqrt(d_in) / float(x.norm(dim=-1).mean())
     steps = math.ceil(cfg.training_samples / cfg.batch_size)
     per_pass = math.ceil(n / cfg.batch_size)
-    meta = SAEMetadata(model_name=model.name if model is not None else None,
-                       hook_name=residuals.hook_name, hook_head_index=None, prepend_bos=True,
-                       dataset=f"kvnotes task {task!r}: every position but the first of fresh prompt pairs")
+    meta = SAEMetadata(
+        model_name=model.name if model is not None else None,
+        hook_name=residuals.hook_name,
+        hook_head_index=None,
+        prepend_bos=True,
+        dataset=f"kvnotes task {task!r}: every position but the first of fresh prompt pairs",
+    )
     trainer_cfg = SAETrainerConfig(
-        total_training_samples=cfg.training_samples, train_batch_size_samples=cfg.batch_size,
-        lr=cfg.lr, lr_end=cfg.lr, lr_warm_up_steps=steps // 20, lr_decay_steps=steps // 5,
-        device=device, dead_feature_window=2 * per_pass,  # silent for two passes over the data
-        feature_sampling_window=steps + 1, logger=LoggingConfig(log_to_wandb=False),
+        total_training_samples=cfg.training_samples,
+        train_batch_size_samples=cfg.batch_size,
+        lr=cfg.lr,
+        lr_end=cfg.lr,
+        lr_warm_up_steps=steps // 20,
+        lr_decay_steps=steps // 5,
+        device=device,
+        dead_feature_window=2 * per_pass,  # silent for two passes over the data
+        feature_sampling_window=steps + 1,
+        logger=LoggingConfig(log_to_wandb=False),
     )
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):  # seeded, and the caller's RNG state is left alone
@@ -236,8 +273,11 @@ def fit_sae(residuals: Residuals, cfg: SAEConfig = SAEConfig(), *, model: KVMode
         trainer.fit()
     seconds = time.perf_counter() - t0
     sae.cfg.metadata.kvnotes = {
-        "task": task, "train_seed": TRAIN_SEED + cfg.seed, "n_train_prompts": len(residuals.vectors),
-        "n_train_activations": n, "train_seconds": round(seconds, 2),
+        "task": task,
+        "train_seed": TRAIN_SEED + cfg.seed,
+        "n_train_prompts": len(residuals.vectors),
+        "n_train_activations": n,
+        "train_seconds": round(seconds, 2),
         "training_samples": cfg.training_samples,
         "model_fingerprint": model.fingerprint if model is not None else None,
     }
@@ -258,8 +298,9 @@ def _batches(x: Tensor, size: int, seed: int) -> Iterator[Tensor]:
 
 
 # --- loading and checking ----------------------------------------------------------------------
-def load_sae(source: str | Path, sae_id: str | None = None, *, model: KVModel | None = None,
-             layer: int | None = None):
+def load_sae(
+    source: str | Path, sae_id: str | None = None, *, model: KVModel | None = None, layer: int | None = None
+):
     """An inference SAE from a local directory that `sae.save_model` wrote (cfg.json and weights),
     or from the hub as a sae-lens pretrained release and `sae_id`.
 
@@ -277,13 +318,17 @@ def load_sae(source: str | Path, sae_id: str | None = None, *, model: KVModel | 
     path = Path(source)
     if path.is_dir():
         if not (path / "cfg.json").is_file():
-            raise UnknownSAEError(f"{path} is a directory but has no cfg.json, so sae-lens did not "
-                                  "save an SAE there; save one with sae.save_model(path)")
+            raise UnknownSAEError(
+                f"{path} is a directory but has no cfg.json, so sae-lens did not "
+                "save an SAE there; save one with sae.save_model(path)"
+            )
         try:
             sae = sl.SAE.load_from_disk(path, device=device)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise UnknownSAEError(f"{path} holds no loadable sae-lens SAE ({type(e).__name__}: {e}); "
-                                  "save one with sae.save_model(path)") from e
+            raise UnknownSAEError(
+                f"{path} holds no loadable sae-lens SAE ({type(e).__name__}: {e}); "
+                "save one with sae.save_model(path)"
+            ) from e
     else:
         sae = _from_release(str(source), sae_id, device)
     check_sae(sae, model, layer=layer)
@@ -299,23 +344,28 @@ def _from_release(release: str, sae_id: str | None, device: str):
         raise UnknownSAEError(
             f"{release!r} is neither a local directory nor a sae-lens pretrained release; pass the "
             "directory an SAE was saved to (sae.save_model(path)), or a release name from sae-lens's "
-            "pretrained_saes.yaml with its sae_id")
+            "pretrained_saes.yaml with its sae_id"
+        )
     ids = list(releases[release].saes_map) if release in releases else []
     if sae_id is None or (ids and sae_id not in ids):
         which = f"one of its sae_ids (e.g. {ids[:3]})" if ids else "an sae_id (the SAE's folder in the repo)"
-        raise UnknownSAEError(f"release {release!r} needs {which}, got {sae_id!r}; or pass a local "
-                              "directory instead")
+        raise UnknownSAEError(
+            f"release {release!r} needs {which}, got {sae_id!r}; or pass a local directory instead"
+        )
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     if not offline and not _hub_reachable():
         raise UnknownSAEError(
             f"cannot fetch release {release!r} ({sae_id}): the Hugging Face hub is not reachable from "
             "here. Download it where the hub is reachable, save it with sae.save_model(DIR), copy DIR "
-            "here and pass that local directory (or set HF_HUB_OFFLINE=1 to use a cached copy)")
+            "here and pass that local directory (or set HF_HUB_OFFLINE=1 to use a cached copy)"
+        )
     try:
         return sl.SAE.from_pretrained(release, sae_id, device=device)
     except (OSError, ValueError) as e:
-        raise UnknownSAEError(f"cannot load release {release!r} ({sae_id}): {str(e).splitlines()[0]}; "
-                              "pass a local directory instead") from e
+        raise UnknownSAEError(
+            f"cannot load release {release!r} ({sae_id}): {str(e).splitlines()[0]}; "
+            "pass a local directory instead"
+        ) from e
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -336,26 +386,35 @@ def check_sae(sae, model: KVModel | None = None, *, layer: int | None = None) ->
     hook = sae.cfg.metadata.hook_name
     m = _HOOK_RE.match(hook or "")
     if m is None:
-        raise SAEMismatch(f"this SAE reads {hook!r}, not a residual stream 'blocks.{{L}}.hook_resid_post'; "
-                          "feature patching here needs a resid_post SAE")
+        raise SAEMismatch(
+            f"this SAE reads {hook!r}, not a residual stream 'blocks.{{L}}.hook_resid_post'; "
+            "feature patching here needs a resid_post SAE"
+        )
     at = int(m.group(1))
     if layer is not None and at != layer:
-        raise SAEMismatch(f"this SAE reads layer {at} ({hook}) but layer {layer} was asked for; load "
-                          "an SAE of that layer, or drop `layer`")
+        raise SAEMismatch(
+            f"this SAE reads layer {at} ({hook}) but layer {layer} was asked for; load "
+            "an SAE of that layer, or drop `layer`"
+        )
     if model is not None:
         trained_on = sae.cfg.metadata.model_name or "an unnamed model"
         if sae.cfg.d_in != model.cfg.d_model:
-            raise SAEMismatch(f"the SAE's d_in is {sae.cfg.d_in} (trained on {trained_on}) but "
-                              f"{model.name}'s d_model is {model.cfg.d_model}; train one for this "
-                              "model with train_sae(model, task)")
+            raise SAEMismatch(
+                f"the SAE's d_in is {sae.cfg.d_in} (trained on {trained_on}) but "
+                f"{model.name}'s d_model is {model.cfg.d_model}; train one for this "
+                "model with train_sae(model, task)"
+            )
         if at >= model.n_layers:
-            raise SAEMismatch(f"the SAE reads {hook} (trained on {trained_on}) but {model.name} has "
-                              f"{model.n_layers} layers (0..{model.n_layers - 1})")
+            raise SAEMismatch(
+                f"the SAE reads {hook} (trained on {trained_on}) but {model.name} has "
+                f"{model.n_layers} layers (0..{model.n_layers - 1})"
+            )
     if sae.cfg.normalize_activations != "none" or sae.cfg.reshape_activations != "none":
         raise SAEMismatch(
             f"this SAE normalises or reshapes its input at run time (normalize_activations="
             f"{sae.cfg.normalize_activations!r}, reshape_activations={sae.cfg.reshape_activations!r}), so "
-            "a feature's contribution to the residual depends on the input; use one with 'none'")
+            "a feature's contribution to the residual depends on the input; use one with 'none'"
+        )
     return hook, at
 
 

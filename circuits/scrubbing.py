@@ -52,8 +52,13 @@ def resamples(t: Trial, task: Task, n: int, *, seed: int) -> list:
     out = []
     for pair in sample(task, t.model, 4 * n + 8, seed=seed):
         for prompt, expected in ((pair.old, pair.expected[0]), (pair.new, pair.expected[1])):
-            if (expected == want and len(prompt) == len(new) and dict(prompt.spans) == dict(new.spans)
-                    and prompt.ids[q.start:] == new.ids[q.start:] and prompt.ids != t.pair.old.ids):
+            if (
+                expected == want
+                and len(prompt) == len(new)
+                and dict(prompt.spans) == dict(new.spans)
+                and prompt.ids[q.start :] == new.ids[q.start :]
+                and prompt.ids != t.pair.old.ids
+            ):
                 out.append(prompt)
                 break
         if len(out) == n:
@@ -61,8 +66,9 @@ def resamples(t: Trial, task: Task, n: int, *, seed: int) -> list:
     return out
 
 
-def _scrub_rows(t: Trial, prompt, rows: Sequence[tuple[Sequence[int], Sequence[Head]]]
-                ) -> tuple[torch.Tensor, float]:
+def _scrub_rows(
+    t: Trial, prompt, rows: Sequence[tuple[Sequence[int], Sequence[Head]]]
+) -> tuple[torch.Tensor, float]:
     """Logit difference of each scrubbed row (slots kept from the new run, heads kept live),
     and of the resampled prompt itself."""
     model = t.model
@@ -72,22 +78,40 @@ def _scrub_rows(t: Trial, prompt, rows: Sequence[tuple[Sequence[int], Sequence[H
     res = decide(model, res_nb, prompt, capture=names, vocab=t.pair.answers)
     z_res = [res.activations[n] for n in names]  # [1, query, head, d_head]
     ld_res = float(res.last[0, 0] - res.last[0, 1])
-    nb = patch_batch(res_nb, t.new_nb, [Patch(positions=tuple(s)) if s else Patch(positions=())
-                                        for s, _ in rows])
+    nb = patch_batch(
+        res_nb, t.new_nb, [Patch(positions=tuple(s)) if s else Patch(positions=()) for s, _ in rows]
+    )
     live = masks_for(model, [h for _, h in rows])  # [B, layer, head]
 
     def make(l: int):
         def hook(z, hook):
             return torch.where(live[:, l][:, None, :, None].to(z.device), z, z_res[l])
+
         return hook
-    _, out = run(model, nb, torch.tensor([ids]).expand(len(rows), -1), pos, write=False,
-                 hooks=[(n, make(l)) for l, n in enumerate(names)], vocab=t.pair.answers)
+
+    _, out = run(
+        model,
+        nb,
+        torch.tensor([ids]).expand(len(rows), -1),
+        pos,
+        write=False,
+        hooks=[(n, make(l)) for l, n in enumerate(names)],
+        vocab=t.pair.answers,
+    )
     return (out.last[:, 0].double() - out.last[:, 1].double()).cpu(), ld_res
 
 
-def scrubbing(trials: Sequence[Trial], task: Task | str, heads: Sequence[Head], *, n_notes: int = 4,
-              n_resamples: int = 4, draws: int = 8, seed: int = 0, min_effect: float = MIN_EFFECT
-              ) -> ProbeResult:
+def scrubbing(
+    trials: Sequence[Trial],
+    task: Task | str,
+    heads: Sequence[Head],
+    *,
+    n_notes: int = 4,
+    n_resamples: int = 4,
+    draws: int = 8,
+    seed: int = 0,
+    min_effect: float = MIN_EFFECT,
+) -> ProbeResult:
     """Scrub everything but `heads` (the read heads) and each trial's top `n_notes` note slots.
 
     Parts (fraction of the effect preserved, over `n_resamples` resampled prompts per trial):
@@ -109,8 +133,9 @@ def scrubbing(trials: Sequence[Trial], task: Task | str, heads: Sequence[Head], 
         field = list(t.pair.field_span)
         rng = random.Random(f"scrub/{seed}/{i}")
         every = all_heads(t.model)
-        rand = [(random_slots(t, len(notes), notes, rng), rng.sample(every, len(heads)))
-                for _ in range(draws)]
+        rand = [
+            (random_slots(t, len(notes), notes, rng), rng.sample(every, len(heads))) for _ in range(draws)
+        ]
         rows = [(notes, heads), *rand, (notes, every), ([], heads), (notes + field, heads)]
         sign = 1.0 if t.ld_new >= t.ld_old else -1.0
         num, den = [], []
@@ -121,7 +146,7 @@ def scrubbing(trials: Sequence[Trial], task: Task | str, heads: Sequence[Head], 
         per = np.mean(num, axis=0)
         dens.append(float(np.mean(den)))
         nums["hypothesis"].append(per[0])
-        nums["random_circuit"].append(float(np.mean(per[1:1 + draws])))
+        nums["random_circuit"].append(float(np.mean(per[1 : 1 + draws])))
         for j, name in enumerate(VARIANTS[2:]):
             nums[name].append(per[1 + draws + j])
         notes_used.append(t.token_strings(notes))
@@ -129,19 +154,29 @@ def scrubbing(trials: Sequence[Trial], task: Task | str, heads: Sequence[Head], 
     scale = float(np.mean(dens)) if dens else float("nan")
     undefined = None
     if not abs(scale) >= min_effect or scale == 0.0:  # (also with min_effect 0: never divide by zero)
-        undefined = (f"the resampled prompts' decisions differ from the new run's by {scale:+.3f} logits on "
-                     f"average (less than min_effect {min_effect}): there is no effect to preserve, "
-                     "because the decision varies from prompt to prompt as much as the field moves it")
+        undefined = (
+            f"the resampled prompts' decisions differ from the new run's by {scale:+.3f} logits on "
+            f"average (less than min_effect {min_effect}): there is no effect to preserve, "
+            "because the decision varies from prompt to prompt as much as the field moves it"
+        )
         nums = {k: [] for k in nums}
     parts = {k: Estimate.of([x / scale for x in v]) for k, v in nums.items()}
     parts["effect"] = effect_estimate(used)
     parts["scrubbed_effect"] = Estimate.of(dens)  # logits: new run vs resampled prompts
     return ProbeResult(
-        name="scrubbing", headline="hypothesis", parts=parts,
-        details={"excluded": excluded, "heads": [f"L{l}H{h}" for l, h in heads], "n_notes": n_notes,
-                 "note_tokens": notes_used, "resamples_per_trial": n_res, "draws": draws,
-                 "normalisation": "each value is a trial's s·(ld_scrubbed - ld_resampled) over the mean "
-                                  "s·(ld_new - ld_resampled) of all trials (part scrubbed_effect)",
-                 **({"undefined": undefined} if undefined else {})},
+        name="scrubbing",
+        headline="hypothesis",
+        parts=parts,
+        details={
+            "excluded": excluded,
+            "heads": [f"L{l}H{h}" for l, h in heads],
+            "n_notes": n_notes,
+            "note_tokens": notes_used,
+            "resamples_per_trial": n_res,
+            "draws": draws,
+            "normalisation": "each value is a trial's s·(ld_scrubbed - ld_resampled) over the mean "
+            "s·(ld_new - ld_resampled) of all trials (part scrubbed_effect)",
+            **({"undefined": undefined} if undefined else {}),
+        },
         description="keep the note slots and read heads from the new run, resample everything else",
     )

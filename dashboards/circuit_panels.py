@@ -49,8 +49,11 @@ def head_panels(r: ProbeResult, key: str) -> list[Panel]:
     ranking = r.tables.get("ranking", [])
     if not ranking:
         return [
-            Panel(title=f"{'Read' if read else 'Write'} heads", key=key,
-                  reading=f"Not measured: {r.details.get('not_applicable', 'no usable pairs')}.")
+            Panel(
+                title=f"{'Read' if read else 'Write'} heads",
+                key=key,
+                reading=f"Not measured: {r.details.get('not_applicable', 'no usable pairs')}.",
+            )
         ]
     L = g.get("n_layers") or 1 + max(row["layer"] for row in ranking)
     H = g.get("n_heads") or 1 + max(row["head"] for row in ranking)
@@ -79,8 +82,13 @@ def head_panels(r: ProbeResult, key: str) -> list[Panel]:
         f"{g.get('attention', '')} attention, {g.get('n_kv_heads', '?')} KV head(s) per layer."
     )
     panels = [
-        Panel(title=f"{'Read' if read else 'Write'}-head grid", reading=reading, figure=grid,
-              note=n_note(r) + "; a cell is the mean over pairs", key=f"{key}/grid")
+        Panel(
+            title=f"{'Read' if read else 'Write'}-head grid",
+            reading=reading,
+            figure=grid,
+            note=n_note(r) + "; a cell is the mean over pairs",
+            key=f"{key}/grid",
+        )
     ]
     curve = ci_curves(
         [
@@ -97,8 +105,13 @@ def head_panels(r: ProbeResult, key: str) -> list[Panel]:
         f"{say(r.parts.get('random_k'))}; all heads together {say(r.parts.get('all_heads'))}."
     )
     panels.append(
-        Panel(title=f"Top-k vs random-k ({'read' if read else 'write'})", reading=reading, figure=curve,
-              note=n_note(r) + "; heads ranked on the other half of the pairs", key=f"{key}/topk")
+        Panel(
+            title=f"Top-k vs random-k ({'read' if read else 'write'})",
+            reading=reading,
+            figure=curve,
+            note=n_note(r) + "; heads ranked on the other half of the pairs",
+            key=f"{key}/topk",
+        )
     )
     if read and "prefix_path" in r.parts:
         items = [
@@ -166,8 +179,13 @@ def attribution_panels(r: ProbeResult, key: str) -> list[Panel]:
         f"{say(r.parts.get('speedup'))}× faster."
     )
     panels = [
-        Panel(title="Attribution vs activation patching", reading=reading, figure=fig,
-              note=n_note(r) + "; each point is a head's mean over pairs", key=f"{key}/attribution")
+        Panel(
+            title="Attribution vs activation patching",
+            reading=reading,
+            figure=fig,
+            note=n_note(r) + "; each point is a head's mean over pairs",
+            key=f"{key}/attribution",
+        )
     ]
     slots = r.details.get("slots") or []
     if slots:

@@ -64,20 +64,33 @@ def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
             else ""
         )
         panels.append(
-            Panel(title="Selective recompute", reading=reading, figure=fig, note=n_note(r),
-                  key=f"{key}/selective")
+            Panel(
+                title="Selective recompute",
+                reading=reading,
+                figure=fig,
+                note=n_note(r),
+                key=f"{key}/selective",
+            )
         )
     return panels
 
 
 def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
     seams = r.details.get("seams", [])
-    curves = [series(f"logit cosine, {name}", seams, [r.parts.get(f"{prefix}@{b}") for b in seams], dash=dash)
-              for prefix, name, dash in (("cosine", "re-rotated", "solid"),
-                                         ("norot_cosine", "not re-rotated", "dash"))]
-    curves += [series(name, seams, [r.parts.get(f"{prefix}@{b}") for b in seams], dash="dot")
-               for prefix, name in (("agree", "same answer, re-rotated"),
-                                    ("norot_agree", "same answer, not re-rotated"))]
+    curves = [
+        series(f"logit cosine, {name}", seams, [r.parts.get(f"{prefix}@{b}") for b in seams], dash=dash)
+        for prefix, name, dash in (
+            ("cosine", "re-rotated", "solid"),
+            ("norot_cosine", "not re-rotated", "dash"),
+        )
+    ]
+    curves += [
+        series(name, seams, [r.parts.get(f"{prefix}@{b}") for b in seams], dash="dot")
+        for prefix, name in (
+            ("agree", "same answer, re-rotated"),
+            ("norot_agree", "same answer, not re-rotated"),
+        )
+    ]
     fig = ci_curves(
         curves,
         title="Seam repair: chunk tokens recomputed in context",
@@ -93,8 +106,13 @@ def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
         else "Not measured."
     )
     return [
-        Panel(title="Seam-repair curve", reading=reading, figure=fig,
-              note=f"n = {r.estimate.n} prompt × host-offset runs; 95% bootstrap CIs", key=f"{key}/seam")
+        Panel(
+            title="Seam-repair curve",
+            reading=reading,
+            figure=fig,
+            note=f"n = {r.estimate.n} prompt × host-offset runs; 95% bootstrap CIs",
+            key=f"{key}/seam",
+        )
     ]
 
 
@@ -114,8 +132,13 @@ def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
         f"erratum {say(r.parts.get('follows'))} of the time."
     )
     return [
-        Panel(title="Errata loop", reading=reading, figure=fig, note=f"n = {r.estimate.n} prompts",
-              key=f"{key}/agent")
+        Panel(
+            title="Errata loop",
+            reading=reading,
+            figure=fig,
+            note=f"n = {r.estimate.n} prompts",
+            key=f"{key}/agent",
+        )
     ]
 
 
@@ -142,8 +165,13 @@ def memory_panels(r: ProbeResult, key: str) -> list[Panel]:
         "when they share a block."
     )
     return [
-        Panel(title="Memory blocks", reading=reading, figure=fig, note=f"n = {r.estimate.n} prompts",
-              key=f"{key}/memory")
+        Panel(
+            title="Memory blocks",
+            reading=reading,
+            figure=fig,
+            note=f"n = {r.estimate.n} prompts",
+            key=f"{key}/memory",
+        )
     ]
 
 
@@ -210,8 +238,13 @@ def edit_cost_panels(b, key: str) -> list[Panel]:
         f"{pts[0].suffix_s:.3f} s (near the start); full prefill ≈ {pts[0].full_s:.3f} s."
     )
     return [
-        Panel(title="Edit cost", reading=reading, figure=fig, note=f"one timing per point, {b.machine}",
-              key=f"{key}/edit_cost")
+        Panel(
+            title="Edit cost",
+            reading=reading,
+            figure=fig,
+            note=f"one timing per point, {b.machine}",
+            key=f"{key}/edit_cost",
+        )
     ]
 
 
@@ -227,8 +260,13 @@ def sweep_panels(b, key: str) -> list[Panel]:
         y_title="×",
     )
     return [
-        Panel(title="Patch-sweep speedup", figure=fig, key=key, note=b.machine,
-              reading=", ".join(f"{p.tokens} tokens: {p.ratio:.0f}×" for p in b.results) + ".")
+        Panel(
+            title="Patch-sweep speedup",
+            figure=fig,
+            key=key,
+            note=b.machine,
+            reading=", ".join(f"{p.tokens} tokens: {p.ratio:.0f}×" for p in b.results) + ".",
+        )
     ]
 
 
@@ -268,6 +306,11 @@ def verify_panels(v, key: str) -> list[Panel]:
         else f"{len(failed)} invariant(s) fail: {', '.join(failed)}."
     )
     return [
-        Panel(title="Exactness", reading=reading, figure=fig, key=key,
-              note="prompts: " + ", ".join(f"{k} ({n} tokens)" for k, n in v.prompts.items()))
+        Panel(
+            title="Exactness",
+            reading=reading,
+            figure=fig,
+            key=key,
+            note="prompts: " + ", ".join(f"{k} ({n} tokens)" for k, n in v.prompts.items()),
+        )
     ]

@@ -139,8 +139,13 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
             else ""
         )
         panels.append(
-            Panel(title="Slot × layer map", reading=reading, figure=fig,
-                  note="pair 1; one forward per cell, exact transplants", key=f"{key}/slot_layer")
+            Panel(
+                title="Slot × layer map",
+                reading=reading,
+                figure=fig,
+                note="pair 1; one forward per cell, exact transplants",
+                key=f"{key}/slot_layer",
+            )
         )
     layers = sorted((int(k.split("_")[1]), e) for k, e in r.parts.items() if re.fullmatch(r"layer_\d+", k))
     if layers:
@@ -165,8 +170,13 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
             else "No layer measured."
         )
         panels.append(
-            Panel(title="Per-layer note transplant", reading=reading, figure=fig, note=n_note(r),
-                  key=f"{key}/per_layer")
+            Panel(
+                title="Per-layer note transplant",
+                reading=reading,
+                figure=fig,
+                note=n_note(r),
+                key=f"{key}/per_layer",
+            )
         )
     return panels
 
@@ -195,8 +205,10 @@ def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> Panel:
         verdict = "the decision reads the notes more than the field's own slots"
     elif _above(fr, nt):
         verdict = "the decision reads the field's own slots more than the notes" + (
-            ", though the notes carry part of it" if part
-            else "; the notes' share is indistinguishable from 0")
+            ", though the notes carry part of it"
+            if part
+            else "; the notes' share is indistinguishable from 0"
+        )
     else:
         verdict = "the two do not separate at this n"
     reading = f"Field-only refresh recovers {say(fr)}; the notes transplant {say(nt)}: {verdict}."
@@ -211,8 +223,10 @@ def false_note_panel(r: ProbeResult, key: str) -> Panel:
     ks = r.details.get("ks", [])
     top = [r.parts.get(f"k{k}") for k in ks]
     rnd = [r.parts.get(f"random_k{k}") for k in ks]
-    curves = [series("top-k note slots", ks, top),
-              series("k random downstream slots", ks, rnd, color=GREY, dash="dash")]
+    curves = [
+        series("top-k note slots", ks, top),
+        series("k random downstream slots", ks, rnd, color=GREY, dash="dash"),
+    ]
     fig = ci_curves(
         curves,
         title="False-note injection: the opposite conclusion written into k notes",
@@ -236,8 +250,13 @@ def false_note_panel(r: ProbeResult, key: str) -> Panel:
 
 def series(name: str, x: list, es: list[Estimate | None], **kw) -> dict:
     """A `ci_curves` series from one Estimate per x (None where not measured)."""
-    return {"name": name, "x": x, "mean": [e.mean if e else None for e in es],
-            "ci": [e.ci if e else None for e in es], **kw}
+    return {
+        "name": name,
+        "x": x,
+        "mean": [e.mean if e else None for e in es],
+        "ci": [e.ci if e else None for e in es],
+        **kw,
+    }
 
 
 def regime_panels(r: ProbeResult, key: str) -> list[Panel]:
@@ -246,30 +265,52 @@ def regime_panels(r: ProbeResult, key: str) -> list[Panel]:
     fr = [r.parts.get(f"field_refresh@{x}") for x in d]
     nt = [r.parts.get(f"notes_transplant@{x}") for x in d]
     eff = [r.parts.get(f"effect@{x}") for x in d]
-    fig = ci_curves([series("notes transplant", dist, nt), series("field-only refresh", dist, fr)],
-                    title="Regime: the field moved away from the decision",
-                    x_title="tokens from the field to the decision", y_title="recovery")
+    fig = ci_curves(
+        [series("notes transplant", dist, nt), series("field-only refresh", dist, fr)],
+        title="Regime: the field moved away from the decision",
+        x_title="tokens from the field to the decision",
+        y_title="recovery",
+    )
     defined = [i for i, e in enumerate(fr) if e is not None and e.mean is not None]
     if not defined:
         reading = "No distance has pairs whose decision moves enough to measure a recovery."
     else:
         a, b = defined[0], defined[-1]
-        reading = (f"At {dist[a]} tokens the field-only refresh recovers {say(fr[a])}, at {dist[b]} tokens "
-                   f"{say(fr[b])}; the notes transplant {say(nt[a])} → {say(nt[b])}.")
+        reading = (
+            f"At {dist[a]} tokens the field-only refresh recovers {say(fr[a])}, at {dist[b]} tokens "
+            f"{say(fr[b])}; the notes transplant {say(nt[a])} → {say(nt[b])}."
+        )
         gone = [i for i in range(b + 1, len(d))]
         if gone:
-            reading += (f" From {dist[gone[0]]} tokens on, the field moves the decision by less than the "
-                        f"minimum effect (mean {say(eff[gone[0]])} logits), so recovery is undefined there.")
+            reading += (
+                f" From {dist[gone[0]]} tokens on, the field moves the decision by less than the "
+                f"minimum effect (mean {say(eff[gone[0]])} logits), so recovery is undefined there."
+            )
     skipped = r.details.get("skipped") or []
     n = max((e.n for e in eff if e is not None), default=0)
-    note = (f"n = {n} pairs per distance (fewer where a pair's decision moves too little); bands are "
-            "bootstrap 95% CIs") + (
-        f"; {len(skipped)} distance(s) skipped (beyond the model's context)" if skipped else "")
-    effect = ci_curves([series("decision's move, new − old", dist, eff)],
-                       title="How much the field still moves the decision", y_title="logits",
-                       x_title="tokens from the field to the decision")
-    reading_e = (f"The field moves the decision by {say(eff[0])} logits at {dist[0]} tokens and "
-                 f"{say(eff[-1])} at {dist[-1]}." if d else "Not measured.")
-    return [Panel(title="Regime curve", reading=reading, figure=fig, note=note, key=f"{key}/regime"),
-            Panel(title="The field's effect with distance", reading=reading_e, figure=effect, note=note,
-                  key=f"{key}/regime_effect")]
+    note = (
+        f"n = {n} pairs per distance (fewer where a pair's decision moves too little); bands are "
+        "bootstrap 95% CIs"
+    ) + (f"; {len(skipped)} distance(s) skipped (beyond the model's context)" if skipped else "")
+    effect = ci_curves(
+        [series("decision's move, new − old", dist, eff)],
+        title="How much the field still moves the decision",
+        y_title="logits",
+        x_title="tokens from the field to the decision",
+    )
+    reading_e = (
+        f"The field moves the decision by {say(eff[0])} logits at {dist[0]} tokens and "
+        f"{say(eff[-1])} at {dist[-1]}."
+        if d
+        else "Not measured."
+    )
+    return [
+        Panel(title="Regime curve", reading=reading, figure=fig, note=note, key=f"{key}/regime"),
+        Panel(
+            title="The field's effect with distance",
+            reading=reading_e,
+            figure=effect,
+            note=note,
+            key=f"{key}/regime_effect",
+        ),
+    ]

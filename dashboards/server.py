@@ -83,7 +83,7 @@ class Entry:
 
     id: str
     directory: Path
-    stamp: tuple[int, int]            # (mtime_ns, size) of report.json when it was read
+    stamp: tuple[int, int]  # (mtime_ns, size) of report.json when it was read
     report: Report | None = None
     error: str | None = None
 
@@ -197,11 +197,21 @@ def _row(e: Entry) -> dict:
     assert r is not None
     pending = list(r.meta.get("pending") or [])
     started = r.meta.get("started")
-    return {"id": e.id, "path": str(e.directory), "model": r.model, "tasks": list(r.tasks),
-            "date": _date(started), "sort": str(started or ""), "kind": r.config.preset,
-            "run_time": _duration(r.meta.get("run_seconds", r.seconds)), "n": r.config.n,
-            "parts": len(r.parts), "pending": len(pending), "has_page": e.has_page,
-            "label": f"{r.model} · {', '.join(r.tasks)} · {_date(started)} · {e.id}"}
+    return {
+        "id": e.id,
+        "path": str(e.directory),
+        "model": r.model,
+        "tasks": list(r.tasks),
+        "date": _date(started),
+        "sort": str(started or ""),
+        "kind": r.config.preset,
+        "run_time": _duration(r.meta.get("run_seconds", r.seconds)),
+        "n": r.config.n,
+        "parts": len(r.parts),
+        "pending": len(pending),
+        "has_page": e.has_page,
+        "label": f"{r.model} · {', '.join(r.tasks)} · {_date(started)} · {e.id}",
+    }
 
 
 def index_groups(entries: Sequence[Entry]) -> list[dict]:
@@ -214,9 +224,16 @@ def index_groups(entries: Sequence[Entry]) -> list[dict]:
         row = _row(e)
         for t in row["tasks"] or ["(no task)"]:
             by_model.setdefault(row["model"], {}).setdefault(t, []).append(row)
-    return [{"model": m, "tasks": [{"task": t, "rows": sorted(rows, key=lambda r: r["sort"], reverse=True)}
-                                   for t, rows in sorted(tasks.items())]}
-            for m, tasks in sorted(by_model.items())]
+    return [
+        {
+            "model": m,
+            "tasks": [
+                {"task": t, "rows": sorted(rows, key=lambda r: r["sort"], reverse=True)}
+                for t, rows in sorted(tasks.items())
+            ],
+        }
+        for m, tasks in sorted(by_model.items())
+    ]
 
 
 # --- the app ------------------------------------------------------------------------------------
@@ -241,16 +258,28 @@ def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token:
 
     def message(status: int, title: str, text: str, *, show_ids: bool = False) -> Response:
         entries = catalog.known() if show_ids else []
-        body = render_template("server_message.html", title=title, text=text, status=status,
-                               entries=[{"id": e.id, "label": _row(e)["label"] if e.report else
-                                         f"{e.directory} (unreadable)"} for e in entries])
-        return Response(body, status=status, mimetype="text/html",
-                        headers={"Content-Security-Policy": NO_SCRIPT})
+        body = render_template(
+            "server_message.html",
+            title=title,
+            text=text,
+            status=status,
+            entries=[
+                {"id": e.id, "label": _row(e)["label"] if e.report else f"{e.directory} (unreadable)"}
+                for e in entries
+            ],
+        )
+        return Response(
+            body, status=status, mimetype="text/html", headers={"Content-Security-Policy": NO_SCRIPT}
+        )
 
     def entry_or_error(rid: str | None, which: str = "") -> Entry | Response:
         if not rid:
-            return message(400, "No report chosen", f"the comparison needs two reports: pass ?a=<id>&b=<id> "
-                                                    f"(parameter {which!r} is missing)", show_ids=True)
+            return message(
+                400,
+                "No report chosen",
+                f"the comparison needs two reports: pass ?a=<id>&b=<id> (parameter {which!r} is missing)",
+                show_ids=True,
+            )
         e = catalog.get(rid)
         if e is None:
             return message(404, "Unknown report", f"no report has the id {rid!r}", show_ids=True)
@@ -260,24 +289,33 @@ def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token:
 
     def carries_token() -> bool:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        offered = [request.args.get("token"), request.cookies.get(cookie),
-                   given if scheme.lower() == "token" else None]
+        offered = [
+            request.args.get("token"),
+            request.cookies.get(cookie),
+            given if scheme.lower() == "token" else None,
+        ]
         return any(t is not None and hmac.compare_digest(t.encode(), token.encode()) for t in offered)
 
     @app.before_request
     def check_access() -> Response | None:
         if loopback_only and not host_is_loopback(request.environ.get("HTTP_HOST")):
-            return message(400, "Not a local address",
-                           "this dashboard answers only requests to 127.0.0.1, localhost or [::1] (the Host "
-                           "header names another host, or none); open it at the address `kvnotes dashboard` "
-                           "printed")
+            return message(
+                400,
+                "Not a local address",
+                "this dashboard answers only requests to 127.0.0.1, localhost or [::1] (the Host "
+                "header names another host, or none); open it at the address `kvnotes dashboard` "
+                "printed",
+            )
         if token is None:
             return None
         if not carries_token():
-            return message(403, "Access token needed",
-                           "this dashboard is served beyond this machine, so it asks for the access token "
-                           "that `kvnotes dashboard` printed when it started: open the link it printed "
-                           "(ending in ?token=...)")
+            return message(
+                403,
+                "Access token needed",
+                "this dashboard is served beyond this machine, so it asks for the access token "
+                "that `kvnotes dashboard` printed when it started: open the link it printed "
+                "(ending in ?token=...)",
+            )
         if "token" in request.args and request.method in ("GET", "HEAD"):
             # the token leaves the address bar (and history, and any Referer) for a cookie
             query = urlencode([(k, v) for k, v in request.args.items(multi=True) if k != "token"])
@@ -296,11 +334,17 @@ def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token:
     @app.get("/")
     def index():
         entries, warnings = catalog.scan()
-        unreadable = [{"path": str(e.directory / REPORT_FILE), "message": e.error}
-                      for e in entries if e.error]
-        body = render_template("server_index.html", groups=index_groups(entries),
-                               n_reports=sum(e.report is not None for e in entries),
-                               unreadable=unreadable, warnings=warnings, dirs=[str(d) for d in catalog.dirs])
+        unreadable = [
+            {"path": str(e.directory / REPORT_FILE), "message": e.error} for e in entries if e.error
+        ]
+        body = render_template(
+            "server_index.html",
+            groups=index_groups(entries),
+            n_reports=sum(e.report is not None for e in entries),
+            unreadable=unreadable,
+            warnings=warnings,
+            dirs=[str(d) for d in catalog.dirs],
+        )
         return Response(body, mimetype="text/html", headers={"Content-Security-Policy": NO_SCRIPT})
 
     @app.get("/report/<rid>/")  # Flask redirects /report/<rid> here
@@ -310,8 +354,12 @@ def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token:
             return e
         page = e.directory / "index.html"
         if not page.is_file():
-            return message(404, "No page yet", f"{e.directory} holds report.json but no index.html yet; "
-                                               f"write it with `kvnotes render {e.directory}`")
+            return message(
+                404,
+                "No page yet",
+                f"{e.directory} holds report.json but no index.html yet; "
+                f"write it with `kvnotes render {e.directory}`",
+            )
         return send_file(page, mimetype="text/html", max_age=0)
 
     @app.get("/report/<rid>/report.json")
@@ -330,8 +378,12 @@ def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token:
         if isinstance(b, Response):
             return b
         if a.id == b.id:
-            return message(400, "Same report twice", f"a and b are both {a.id}; pick two different reports",
-                           show_ids=True)
+            return message(
+                400,
+                "Same report twice",
+                f"a and b are both {a.id}; pick two different reports",
+                show_ids=True,
+            )
         for e in (a, b):
             if e.report is None:
                 return message(422, "Unreadable report", f"{e.directory / REPORT_FILE}: {e.error}")
@@ -361,8 +413,9 @@ def is_local(host: str) -> bool:
         return False
 
 
-def dashboard_server(dirs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8765, *,
-                     token: bool = True):
+def dashboard_server(
+    dirs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8765, *, token: bool = True
+):
     """The dashboard's server, bound but not yet serving, and the URL that opens it.
 
     On loopback only requests naming a loopback host are answered. On any other address a random
@@ -379,14 +432,22 @@ def dashboard_server(dirs: Sequence[str | Path], host: str = "127.0.0.1", port: 
     return server, f"http://{shown}:{server.server_port}/" + (f"?token={secret}" if secret else "")
 
 
-def serve(dirs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8765,
-          open_browser: bool = False, token: bool = True) -> None:
+def serve(
+    dirs: Sequence[str | Path],
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    open_browser: bool = False,
+    token: bool = True,
+) -> None:
     """Serve the dashboard until interrupted (Ctrl-C); see `dashboard_server` for who may read it."""
     server, url = dashboard_server(dirs, host, port, token=token)
     print(f"kvnotes dashboard: {url} (Ctrl-C to stop)", flush=True)
     if "?token=" not in url and not is_local(host):
-        print(f"warning: listening on {host} without an access token (--no-token): anyone who can reach "
-              "this machine can read these reports", flush=True)
+        print(
+            f"warning: listening on {host} without an access token (--no-token): anyone who can reach "
+            "this machine can read these reports",
+            flush=True,
+        )
     if open_browser:
         threading.Timer(0.5, webbrowser.open, (url,)).start()
     try:

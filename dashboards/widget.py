@@ -63,9 +63,15 @@ class PatchingView:
     (the field) and `view.downstream` every slot after the last of them.
     """
 
-    def __init__(self, model: KVModel, old: Prompt, new: Prompt,
-                 answers: tuple[str | int, str | int] = (" cancel", " deny"), *,
-                 session: PatchSession | None = None):
+    def __init__(
+        self,
+        model: KVModel,
+        old: Prompt,
+        new: Prompt,
+        answers: tuple[str | int, str | int] = (" cancel", " deny"),
+        *,
+        session: PatchSession | None = None,
+    ):
         w, go = _require_widgets()
         self.session = session or PatchSession(model, old, new, answers)
         s = self.session
@@ -77,14 +83,21 @@ class PatchingView:
         for p, a, b in zip(self.positions, old_str, new_str):
             tip = f"position {p}: {a!r}" + (f" → {b!r}" if a != b else "")
             self._buttons[p] = w.ToggleButton(
-                value=False, description=visible(a), description_allow_html=False, tooltip=tip,
+                value=False,
+                description=visible(a),
+                description_allow_html=False,
+                tooltip=tip,
                 button_style=_CHANGED_STYLE if a != b else "",
-                layout=w.Layout(width="auto", height="auto", margin="1px", padding="0 4px"))
-        self._tokens = w.Box(list(self._buttons.values()),
-                             layout=w.Layout(display="flex", flex_flow="row wrap", align_items="flex-start"))
+                layout=w.Layout(width="auto", height="auto", margin="1px", padding="0 4px"),
+            )
+        self._tokens = w.Box(
+            list(self._buttons.values()),
+            layout=w.Layout(display="flex", flex_flow="row wrap", align_items="flex-start"),
+        )
         n = model.n_layers
-        self._layers = w.IntRangeSlider(value=(0, n - 1), min=0, max=n - 1, step=1, description="layers",
-                                        continuous_update=False)
+        self._layers = w.IntRangeSlider(
+            value=(0, n - 1), min=0, max=n - 1, step=1, description="layers", continuous_update=False
+        )
         self._keys = w.Checkbox(value=True, description="K (keys)", indent=False)
         self._values = w.Checkbox(value=True, description="V (values)", indent=False)
         clear = w.Button(description="clear", tooltip="patch nothing")
@@ -97,10 +110,20 @@ class PatchingView:
 
         first, second = (html.escape(repr(a)) for a in model.token_strings(self.answers))  # plotly reads tags
         self.figure = go.FigureWidget(
-            data=[go.Bar(x=["old", "patched", "new"], y=[self.ld_old, self.ld_old, self.ld_new],
-                         marker_color=["#888888", "#d62728", "#1f77b4"])],
-            layout=go.Layout(height=300, width=460, margin=dict(l=50, r=10, t=50, b=30),
-                             yaxis_title=f"logit diff {first} − {second}"))
+            data=[
+                go.Bar(
+                    x=["old", "patched", "new"],
+                    y=[self.ld_old, self.ld_old, self.ld_new],
+                    marker_color=["#888888", "#d62728", "#1f77b4"],
+                )
+            ],
+            layout=go.Layout(
+                height=300,
+                width=460,
+                margin=dict(l=50, r=10, t=50, b=30),
+                yaxis_title=f"logit diff {first} − {second}",
+            ),
+        )
 
         controls = w.HBox([self._layers, self._keys, self._values, clear, field, down])
         self.widget = w.VBox([self._tokens, controls, self._status, self.figure])
@@ -118,8 +141,13 @@ class PatchingView:
         return cls(model, session.old, session.new, session=session)
 
     # --- programmatic API --------------------------------------------------------------------
-    def select(self, positions: Iterable[int] = (), layers: Iterable[int] | None = None,
-               keys: bool = True, values: bool = True) -> PatchState:
+    def select(
+        self,
+        positions: Iterable[int] = (),
+        layers: Iterable[int] | None = None,
+        keys: bool = True,
+        values: bool = True,
+    ) -> PatchState:
         """Set the widgets to patch `positions` x `layers` (None: all; a contiguous range, as the
         slider shows) with K and/or V, re-decide once, and return the new state."""
         pos = self.session.check_positions(positions)
@@ -134,8 +162,10 @@ class PatchingView:
     def _layer_range(self, layers: Iterable[int] | None) -> tuple[int, int]:
         ls = self.session.layer_range(layers)
         if ls != tuple(range(ls[0], ls[-1] + 1)):
-            raise ValueError(f"layers {list(ls)} are not contiguous; the view's slider selects a range such "
-                             "as range(a, b) (for any set of layers use PatchSession.patch)")
+            raise ValueError(
+                f"layers {list(ls)} are not contiguous; the view's slider selects a range such "
+                "as range(a, b) (for any set of layers use PatchSession.patch)"
+            )
         return ls[0], ls[-1]
 
     def _set_positions(self, positions: Sequence[int]) -> None:
@@ -157,8 +187,9 @@ class PatchingView:
     def _compute(self) -> PatchState:
         pos = tuple(p for p, b in self._buttons.items() if b.value)
         lo, hi = self._layers.value
-        return self.session.patch(pos, range(lo, hi + 1), keys=bool(self._keys.value),
-                                  values=bool(self._values.value))
+        return self.session.patch(
+            pos, range(lo, hi + 1), keys=bool(self._keys.value), values=bool(self._values.value)
+        )
 
     def _refresh(self) -> None:
         if self._hold:
@@ -169,15 +200,20 @@ class PatchingView:
     def _show(self) -> None:
         s = self.state
         what = "K+V" if s.keys and s.values else "K" if s.keys else "V" if s.values else "nothing"
-        sel = (f"{len(s.positions)} slot(s) × layers {s.layers[0]}–{s.layers[-1]} ({what})"
-               if not s.empty else "nothing patched")
+        sel = (
+            f"{len(s.positions)} slot(s) × layers {s.layers[0]}–{s.layers[-1]} ({what})"
+            if not s.empty
+            else "nothing patched"
+        )
         # (+ 0.0: an exact zero shows as 0.00, never -0.00)
         rec = "n/a (old and new decide alike)" if math.isnan(s.recovery) else f"{s.recovery + 0.0:.2f}"
         with self.figure.batch_update():
             self.figure.data[0].y = [s.ld_old, s.ld_patched, s.ld_new]
             self.figure.layout.title.text = f"recovery {rec}"
-        self._status.value = (f"{sel}: logit diff old {s.ld_old:+.3f}, patched {s.ld_patched:+.3f}, "
-                              f"new {s.ld_new:+.3f}; recovery {rec}")
+        self._status.value = (
+            f"{sel}: logit diff old {s.ld_old:+.3f}, patched {s.ld_patched:+.3f}, "
+            f"new {s.ld_new:+.3f}; recovery {rec}"
+        )
 
     # --- display -----------------------------------------------------------------------------
     def _ipython_display_(self) -> None:
@@ -190,5 +226,7 @@ class PatchingView:
 
     def __repr__(self) -> str:
         s = self.state
-        return (f"PatchingView({self.model.name!r}, {len(self.positions)} slots, "
-                f"{len(self.changed)} changed, patched {len(s.positions)}: recovery {s.recovery:.2f})")
+        return (
+            f"PatchingView({self.model.name!r}, {len(self.positions)} slots, "
+            f"{len(self.changed)} changed, patched {len(s.positions)}: recovery {s.recovery:.2f})"
+        )

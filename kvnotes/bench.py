@@ -61,22 +61,36 @@ class SweepReport(BenchReport):
     results: list[SweepResult]
 
     def table(self) -> str:
-        lines = [f"patch sweep — {self.model} — {self.machine}",
-                 f"{'tokens':>7}{'patches':>8}{'engine s':>10}{'naive s':>10}{'ratio':>9}"
-                 f"{'max |Δrecovery|':>17}{'max |Δlogit|':>14}"]
+        lines = [
+            f"patch sweep — {self.model} — {self.machine}",
+            f"{'tokens':>7}{'patches':>8}{'engine s':>10}{'naive s':>10}{'ratio':>9}"
+            f"{'max |Δrecovery|':>17}{'max |Δlogit|':>14}",
+        ]
         for r in self.results:
-            lines.append(f"{r.tokens:>7}{r.n_patches:>8}{r.engine_s:>10.3f}{r.naive_s:>10.2f}"
-                         f"{r.ratio:>8.1f}x{r.max_recovery_diff:>17.2e}{r.max_logit_diff:>14.2e}")
+            lines.append(
+                f"{r.tokens:>7}{r.n_patches:>8}{r.engine_s:>10.3f}{r.naive_s:>10.2f}"
+                f"{r.ratio:>8.1f}x{r.max_recovery_diff:>17.2e}{r.max_logit_diff:>14.2e}"
+            )
         return "\n".join(lines)
 
 
 def machine() -> str:
-    return (f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads)")
+    return (
+        f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads)"
+    )
 
 
-def versions(packages: tuple[str, ...] = ("kvnotes", "torch", "transformer-lens", "transformers", "sae-lens",
-                                           "plotly")) -> dict[str, str | None]:
+def versions(
+    packages: tuple[str, ...] = (
+        "kvnotes",
+        "torch",
+        "transformer-lens",
+        "transformers",
+        "sae-lens",
+        "plotly",
+    ),
+) -> dict[str, str | None]:
     """Python's and each installed package's version (None where one is missing), for result metadata."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -96,7 +110,7 @@ def sweep_prompts(model: KVModel, n_tokens: int) -> tuple[Prompt, Prompt]:
 
 def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[int, ...]) -> torch.Tensor:
     """One full forward with every prefix slot's K/V forced to `nb`'s; last-position logits of `vocab`."""
-    keys = [k[0].transpose(0, 1) for k in nb.keys]    # [slot, kv_head, d_head]
+    keys = [k[0].transpose(0, 1) for k in nb.keys]  # [slot, kv_head, d_head]
     values = [v[0].transpose(0, 1) for v in nb.values]
     saved = {}
 
@@ -112,14 +126,18 @@ def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[in
         saved["x"] = x[:, -1]
 
     last = f"blocks.{model.n_layers - 1}.hook_resid_post"
-    hooks = [(lambda n: n.endswith("attn.hook_rot_k"), set_k),
-             (lambda n: n.endswith("attn.hook_v"), set_v), (last, grab)]
+    hooks = [
+        (lambda n: n.endswith("attn.hook_rot_k"), set_k),
+        (lambda n: n.endswith("attn.hook_v"), set_v),
+        (last, grab),
+    ]
     model.tl.run_with_hooks(torch.tensor([list(prompt.ids)]), return_type=None, fwd_hooks=hooks)
     return final_logits(model, saved["x"], torch.tensor(vocab))
 
 
-def patch_sweep(model: KVModel, n_tokens: int, *, n_slots: int = 64, batch_size: int = 16,
-                progress: bool = True) -> SweepResult:
+def patch_sweep(
+    model: KVModel, n_tokens: int, *, n_slots: int = 64, batch_size: int = 16, progress: bool = True
+) -> SweepResult:
     """Time the per-slot transplant sweep both ways on a prompt of about `n_tokens` tokens."""
     old, new = sweep_prompts(model, n_tokens)
     with torch.no_grad():
@@ -136,8 +154,7 @@ def patch_sweep(model: KVModel, n_tokens: int, *, n_slots: int = 64, batch_size:
         ops.decide_patched(model, nb_old, nb_new, specs[:batch_size], new, batch_size=batch_size)
         _naive_logits(model, new, nb_old, stop, (a, b))  # warm both paths before timing either
         t0 = time.perf_counter()
-        engine = ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=batch_size,
-                                    vocab=(a, b))
+        engine = ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=batch_size, vocab=(a, b))
         engine_s = time.perf_counter() - t0
 
         naive = []
@@ -148,12 +165,18 @@ def patch_sweep(model: KVModel, n_tokens: int, *, n_slots: int = 64, batch_size:
     naive_ab = torch.stack(naive)
     rec_engine = recovery(logit_diff(engine, 0, 1), ld_old, ld_new)
     rec_naive = recovery(logit_diff(naive_ab, 0, 1), ld_old, ld_new)
-    return SweepResult(tokens=len(old), n_patches=len(specs), engine_s=engine_s, naive_s=naive_s,
-                       ratio=naive_s / engine_s,
-                       max_recovery_diff=float((rec_engine - rec_naive).abs().max()),
-                       max_logit_diff=float((engine - naive_ab).abs().max()))
+    return SweepResult(
+        tokens=len(old),
+        n_patches=len(specs),
+        engine_s=engine_s,
+        naive_s=naive_s,
+        ratio=naive_s / engine_s,
+        max_recovery_diff=float((rec_engine - rec_naive).abs().max()),
+        max_logit_diff=float((engine - naive_ab).abs().max()),
+    )
 
 
 def patch_sweep_report(model: KVModel, lengths: list[int], **kwargs) -> SweepReport:
-    return SweepReport(model=model.name, machine=machine(),
-                       results=[patch_sweep(model, n, **kwargs) for n in lengths])
+    return SweepReport(
+        model=model.name, machine=machine(), results=[patch_sweep(model, n, **kwargs) for n in lengths]
+    )

@@ -34,8 +34,10 @@ ATOL_FLOOR = 1e-5
 # position, wrong pairing) errs by O(|k|), four orders of magnitude above it.
 RTOL_SHIFTED = 2e-4
 
-POLICY = ("[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
-           "has shipped, deny the cancellation and offer a return instead.]]\n")
+POLICY = (
+    "[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
+    "has shipped, deny the cancellation and offer a return instead.]]\n"
+)
 FILLER = "Note {i}: refunds are allowed within 30 days; keep the customer informed.\n"
 STATE = "Customer: Alice. Order id: 1234.\norder_status: {order_status}.\n"
 QUERY = "[[query:Q: Can the order be cancelled?]]\n[[decision:A:]]"
@@ -65,17 +67,26 @@ class VerifyReport(Displayable):
 
     @classmethod
     def from_dict(cls, d: dict) -> VerifyReport:
-        return cls(model=d["model"], passed=d["passed"], prompts=d["prompts"],
-                   max_window=d["max_window"], invariants=[InvariantResult(**r) for r in d["invariants"]])
+        return cls(
+            model=d["model"],
+            passed=d["passed"],
+            prompts=d["prompts"],
+            max_window=d["max_window"],
+            invariants=[InvariantResult(**r) for r in d["invariants"]],
+        )
 
     def table(self) -> str:
-        lines = [f"kvnotes verify — {self.model} (prompts: "
-                 + ", ".join(f"{k} {v} tokens" for k, v in self.prompts.items())
-                 + f"; largest sliding window: {self.max_window})"]
+        lines = [
+            f"kvnotes verify — {self.model} (prompts: "
+            + ", ".join(f"{k} {v} tokens" for k, v in self.prompts.items())
+            + f"; largest sliding window: {self.max_window})"
+        ]
         lines.append(f"{'':2}{'invariant':34}{'max |error|':>14}{'tolerance':>12}  result")
         for i, r in enumerate(self.invariants, 1):
-            lines.append(f"{i:<2}{r.name:34}{r.max_abs_error:>14.3e}{r.tolerance:>12.1e}  "
-                         f"{'pass' if r.passed else 'FAIL'}")
+            lines.append(
+                f"{i:<2}{r.name:34}{r.max_abs_error:>14.3e}{r.tolerance:>12.1e}  "
+                f"{'pass' if r.passed else 'FAIL'}"
+            )
         lines.append("all invariants pass" if self.passed else "SOME INVARIANTS FAIL")
         return "\n".join(lines)
 
@@ -85,8 +96,9 @@ def verification_prompts(model: KVModel) -> dict[str, tuple[Prompt, Prompt]]:
     window = model.max_window or 0
     # long: past every sliding window and at least 256 tokens, leaving room in n_ctx to re-rotate it
     long = min(max(window + 24, 256), model.n_ctx // 2 - 16)
-    return {label: filled_pair(model, POLICY, STATE + QUERY, n)
-            for label, n in (("short", 0), ("long", long))}
+    return {
+        label: filled_pair(model, POLICY, STATE + QUERY, n) for label, n in (("short", 0), ("long", long))
+    }
 
 
 def filled_pair(model: KVModel, before: str, after: str, min_tokens: int) -> tuple[Prompt, Prompt]:
@@ -117,8 +129,10 @@ def _aligned_pair(model: KVModel, tpl: Template) -> tuple[Prompt, Prompt]:
 def _maxdiff_nb(a: Notebook, b: Notebook) -> tuple[float, float]:
     if not torch.equal(a.positions, b.positions):
         b = b.select(a.positions)
-    err = max(max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
-              max((x - y).abs().max().item() for x, y in zip(a.values, b.values)))
+    err = max(
+        max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
+        max((x - y).abs().max().item() for x, y in zip(a.values, b.values)),
+    )
     scale = max(max(x.abs().max().item() for x in a.keys), max(x.abs().max().item() for x in a.values))
     return err, scale
 
@@ -141,8 +155,13 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
 
     def prefix_then_suffix():
         mid = stop // 2
-        nb, _ = run(model, ops.prefill(model, old, upto=mid), list(old.ids[mid:stop]),
-                    torch.arange(mid, stop), logits_at=())
+        nb, _ = run(
+            model,
+            ops.prefill(model, old, upto=mid),
+            list(old.ids[mid:stop]),
+            torch.arange(mid, stop),
+            logits_at=(),
+        )
         return _maxdiff_nb(nb, nb_old)
 
     def suffix_recompute():
@@ -171,9 +190,15 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
     def batched_equals_single():
         rng = random.Random(0)
         downstream = [p for p in range(field_start, stop)]
-        specs = [ops.Patch(positions=(p,), layers=tuple(sorted(rng.sample(range(model.n_layers),
-                 k=max(1, model.n_layers // 2)))), keys=i % 3 != 1, values=i % 3 != 2)
-                 for i, p in enumerate(downstream[:8])]
+        specs = [
+            ops.Patch(
+                positions=(p,),
+                layers=tuple(sorted(rng.sample(range(model.n_layers), k=max(1, model.n_layers // 2)))),
+                keys=i % 3 != 1,
+                values=i % 3 != 2,
+            )
+            for i, p in enumerate(downstream[:8])
+        ]
         batched = ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=3)
         single = torch.stack([ops.decide(model, ops.patch(nb_old, nb_new, s), new).last[0] for s in specs])
         return _maxdiff(batched, single)
@@ -192,10 +217,8 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
 
 DESCRIPTIONS = {
     "decide_equals_full_forward": "decide on a prefilled notebook = logits of one full forward",
-    "prefix_then_suffix_equals_prefill":
-        "prefill(prefix) then run(suffix) = prefill(prefix+suffix), every slot",
-    "suffix_recompute_equals_prefill":
-        "suffix recompute from the edited field = prefill of the edited prompt",
+    "prefix_then_suffix_equals_prefill": "prefill(prefix) then run(suffix) = prefill(prefix+suffix), every slot",
+    "suffix_recompute_equals_prefill": "suffix recompute from the edited field = prefill of the edited prompt",
     "kv_deviation_before_field_is_zero": "every slot before the edited field has exactly zero KV deviation",
     "patch_all_reproduces_source": "patching every slot and layer from a source reproduces its decision",
     "rerotation_equals_offset_prefill": "re-rotating an isolated chunk 0 -> q = prefilling it at offset q",
@@ -222,8 +245,20 @@ def verify(model: KVModel, *, progress: bool = True) -> VerifyReport:
         scale = max(s for _, s in per.values())
         rtol = RTOL_SHIFTED if name in SHIFTED else RTOL
         tol = 0.0 if name in EXACT else max(ATOL_FLOOR, rtol * scale)
-        results.append(InvariantResult(name=name, description=DESCRIPTIONS[name], max_abs_error=err,
-                                       tolerance=tol, passed=err <= tol,
-                                       per_prompt={k: e for k, (e, _) in per.items()}))
-    return VerifyReport(model=model.name, passed=all(r.passed for r in results), invariants=results,
-                        prompts={k: len(v[0]) for k, v in prompts.items()}, max_window=model.max_window)
+        results.append(
+            InvariantResult(
+                name=name,
+                description=DESCRIPTIONS[name],
+                max_abs_error=err,
+                tolerance=tol,
+                passed=err <= tol,
+                per_prompt={k: e for k, (e, _) in per.items()},
+            )
+        )
+    return VerifyReport(
+        model=model.name,
+        passed=all(r.passed for r in results),
+        invariants=results,
+        prompts={k: len(v[0]) for k, v in prompts.items()},
+        max_window=model.max_window,
+    )

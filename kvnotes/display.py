@@ -22,8 +22,10 @@ def renderer():
     """The installed renderer module (`dashboards.render` unless another is registered)."""
     eps = sorted(entry_points(group="kvnotes.renderers"), key=lambda e: e.name != "dashboards")
     if not eps:
-        raise NoRendererError("no kvnotes renderer is installed (entry point group 'kvnotes.renderers'); "
-                              "reinstall kvnotes (`pip install -e .`) so that `dashboards` registers itself")
+        raise NoRendererError(
+            "no kvnotes renderer is installed (entry point group 'kvnotes.renderers'); "
+            "reinstall kvnotes (`pip install -e .`) so that `dashboards` registers itself"
+        )
     return eps[0].load()
 
 

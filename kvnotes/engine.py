@@ -74,8 +74,11 @@ def run(
     tok = torch.as_tensor(tokens, dtype=torch.long)
     tok = tok[None] if tok.ndim == 1 else tok
     n = tok.shape[1]
-    pos = (torch.arange(notebook.next_position, notebook.next_position + n) if positions is None
-           else torch.as_tensor(positions, dtype=torch.long).reshape(-1))
+    pos = (
+        torch.arange(notebook.next_position, notebook.next_position + n)
+        if positions is None
+        else torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+    )
     _check_inputs(model, notebook, tok, pos)
     batch = max(notebook.batch, tok.shape[0])
     if tok.shape[0] != batch:
@@ -94,8 +97,7 @@ def run(
     capture_hooks = [(name, _saver(captured)) for name in capture]
     with model.tl.hooks(fwd_hooks=list(hooks) + capture_hooks):
         fresh_k, fresh_v, resid = _forward(model, notebook, tok, pos, batch)
-        logits = (final_logits(model, resid[:, read_idx], cols) if read
-                  else resid.new_zeros(batch, 0, width))
+        logits = final_logits(model, resid[:, read_idx], cols) if read else resid.new_zeros(batch, 0, width)
     out = Readout(logits=logits, positions=read, activations=captured)
     return (_write(notebook, tok, pos, fresh_k, fresh_v) if write else notebook), out
 
@@ -103,15 +105,19 @@ def run(
 def _check_inputs(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor) -> None:
     device = model.tl.embed.W_E.device
     if nb.keys and nb.keys[0].device != device:
-        raise ValueError(f"the notebook is on {nb.keys[0].device} but {model.name} is on {device}; "
-                         f"move it with notebook.to({str(device)!r})")
+        raise ValueError(
+            f"the notebook is on {nb.keys[0].device} but {model.name} is on {device}; "
+            f"move it with notebook.to({str(device)!r})"
+        )
     if tok.ndim != 2 or tok.shape[1] != pos.shape[0]:
         raise ValueError(f"{tok.shape[-1]} tokens but {pos.shape[0]} positions; give one position per token")
     if tok.shape[0] not in (1, nb.batch) and nb.batch != 1:
         raise ValueError(f"token batch {tok.shape[0]} does not match notebook batch {nb.batch}")
     if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= model.n_ctx):
-        raise OutOfRange(f"positions must lie in 0..{model.n_ctx - 1} for {model.name}; "
-                         f"got {int(pos.min())}..{int(pos.max())}")
+        raise OutOfRange(
+            f"positions must lie in 0..{model.n_ctx - 1} for {model.name}; "
+            f"got {int(pos.min())}..{int(pos.max())}"
+        )
     if pos.unique().numel() != pos.numel():
         raise ValueError("each computed token needs its own position; positions repeat")
     vocab = model.cfg.d_vocab
@@ -130,6 +136,7 @@ def _indices_of(pos: Tensor, wanted: tuple[int, ...]) -> Tensor:
 def _saver(store: dict[str, Tensor]):
     def save(act, hook):
         store[hook.name] = act.detach()
+
     return save
 
 
@@ -154,8 +161,9 @@ def _forward(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor, batch: int)
     fresh_k, fresh_v = [], []
     for l, block in enumerate(tl.blocks):
         resid = block.hook_resid_pre(resid)
-        attn_out, k, v = _attention(model, l, block.ln1(resid), nb.keys[l], nb.values[l], pos,
-                                    masks[model.window(l)])
+        attn_out, k, v = _attention(
+            model, l, block.ln1(resid), nb.keys[l], nb.values[l], pos, masks[model.window(l)]
+        )
         if cfg.use_normalization_before_and_after:
             attn_out = block.ln1_post(attn_out)
         attn_out = block.hook_attn_out(attn_out)
@@ -167,8 +175,9 @@ def _forward(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor, batch: int)
     return fresh_k, fresh_v, resid
 
 
-def _attention(model: KVModel, layer: int, x: Tensor, old_k: Tensor, old_v: Tensor,
-               pos: Tensor, mask: Tensor):
+def _attention(
+    model: KVModel, layer: int, x: Tensor, old_k: Tensor, old_v: Tensor, pos: Tensor, mask: Tensor
+):
     """One attention layer over [notebook slots, fresh tokens]; returns (out, fresh_k, fresh_v).
 
     Grouped-query heads are handled by grouping queries per KV head, so notebook keys are never

@@ -28,8 +28,9 @@ def logit_cosine(a: Float[Tensor, "*b d_vocab"], b: Float[Tensor, "*b d_vocab"])
     return F.cosine_similarity(a.double(), b.double(), dim=-1)
 
 
-def agreement(a: Float[Tensor, "*b d_vocab"], b: Float[Tensor, "*b d_vocab"],
-              answers: tuple[int, ...] | None = None) -> Tensor:
+def agreement(
+    a: Float[Tensor, "*b d_vocab"], b: Float[Tensor, "*b d_vocab"], answers: tuple[int, ...] | None = None
+) -> Tensor:
     """Whether two logit vectors pick the same token: among `answers`, or top-1 over the vocab."""
     if answers is not None:
         idx = torch.tensor(answers)

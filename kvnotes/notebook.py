@@ -54,9 +54,14 @@ class Notebook:
         p = next(model.tl.parameters())
         shape = (batch, model.n_kv_heads, 0, model.d_head)
         kv = tuple(torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(model.n_layers))
-        return cls(keys=kv, values=kv, positions=torch.zeros(0, dtype=torch.long),
-                   tokens=torch.zeros(batch, 0, dtype=torch.long),
-                   fingerprint=model.fingerprint, model_name=model.name)
+        return cls(
+            keys=kv,
+            values=kv,
+            positions=torch.zeros(0, dtype=torch.long),
+            tokens=torch.zeros(batch, 0, dtype=torch.long),
+            fingerprint=model.fingerprint,
+            model_name=model.name,
+        )
 
     # --- facts -------------------------------------------------------------------------------
     @property
@@ -128,7 +133,9 @@ class Notebook:
             self,
             keys=tuple(k[:, :, idx] for k in self.keys),
             values=tuple(v[:, :, idx] for v in self.values),
-            positions=self.positions[idx], tokens=self.tokens[:, idx], spans=spans,
+            positions=self.positions[idx],
+            tokens=self.tokens[:, idx],
+            spans=spans,
         )
 
     def truncate(self, before: int) -> Notebook:
@@ -167,14 +174,19 @@ class Notebook:
 
     def to(self, device: str | torch.device) -> Notebook:
         """The same notebook with its keys and values on `device` (positions and tokens stay on CPU)."""
-        return replace(self, keys=tuple(k.to(device) for k in self.keys),
-                       values=tuple(v.to(device) for v in self.values))
+        return replace(
+            self, keys=tuple(k.to(device) for k in self.keys), values=tuple(v.to(device) for v in self.values)
+        )
 
     def __getitem__(self, i: int | slice) -> Notebook:
         """One batch element (or a slice of them) as a notebook."""
         sl = slice(i, i + 1) if isinstance(i, int) else i
-        return replace(self, keys=tuple(k[sl] for k in self.keys),
-                       values=tuple(v[sl] for v in self.values), tokens=self.tokens[sl])
+        return replace(
+            self,
+            keys=tuple(k[sl] for k in self.keys),
+            values=tuple(v[sl] for v in self.values),
+            tokens=self.tokens[sl],
+        )
 
     @classmethod
     def stack(cls, notebooks: Sequence[Notebook]) -> Notebook:
@@ -200,12 +212,20 @@ class Notebook:
         for l, (k, v) in enumerate(zip(self.keys, self.values)):
             tensors[f"keys.{l}"] = k.contiguous()
             tensors[f"values.{l}"] = v.contiguous()
-        header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": self.fingerprint,
-                  "model_name": self.model_name, "n_layers": self.n_layers,
-                  "spans": {k: list(v) for k, v in self.spans.items()}}
+        header = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "model_name": self.model_name,
+            "n_layers": self.n_layers,
+            "spans": {k: list(v) for k, v in self.spans.items()},
+        }
         path = Path(path)
-        save_file({k: t.detach().cpu() for k, t in tensors.items()}, str(path),
-                  metadata={"kvnotes": json.dumps(header)})
+        save_file(
+            {k: t.detach().cpu() for k, t in tensors.items()},
+            str(path),
+            metadata={"kvnotes": json.dumps(header)},
+        )
         return path
 
     @classmethod
@@ -233,8 +253,10 @@ class Notebook:
             nb = cls(
                 keys=tuple(tensors[f"keys.{l}"] for l in range(n)),
                 values=tuple(tensors[f"values.{l}"] for l in range(n)),
-                positions=tensors["positions"], tokens=tensors["tokens"],
-                fingerprint=header["fingerprint"], model_name=header["model_name"],
+                positions=tensors["positions"],
+                tokens=tensors["tokens"],
+                fingerprint=header["fingerprint"],
+                model_name=header["model_name"],
                 spans={k: (int(a), int(b)) for k, (a, b) in header["spans"].items()},
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -244,8 +266,10 @@ class Notebook:
         return nb
 
     def __repr__(self) -> str:
-        return (f"Notebook({self.model_name!r}, batch={self.batch}, slots={self.n_slots}, "
-                f"positions={self._pos_summary()}, layers={self.n_layers}, spans={sorted(self.spans)})")
+        return (
+            f"Notebook({self.model_name!r}, batch={self.batch}, slots={self.n_slots}, "
+            f"positions={self._pos_summary()}, layers={self.n_layers}, spans={sorted(self.spans)})"
+        )
 
 
 def _broadcast(a: Notebook, b: Notebook) -> tuple[Notebook, Notebook]:

@@ -41,8 +41,14 @@ def _stop(prompt: PromptLike, upto: int | str | None, n: int) -> int:
 
 
 # --- prefill / decide ----------------------------------------------------------------------
-def prefill(model: KVModel, prompt: PromptLike, *, upto: int | str | None = None, offset: int = 0,
-            hooks: Sequence[Hook] = ()) -> Notebook:
+def prefill(
+    model: KVModel,
+    prompt: PromptLike,
+    *,
+    upto: int | str | None = None,
+    offset: int = 0,
+    hooks: Sequence[Hook] = (),
+) -> Notebook:
     """Prefill `prompt` into a new notebook: the context that a decision later reads.
 
     Stops before position `upto` (or the start of span `upto`); by default before the prompt's
@@ -61,8 +67,14 @@ def prefill(model: KVModel, prompt: PromptLike, *, upto: int | str | None = None
     """
     ids = _ids(model, prompt)
     stop = _stop(prompt, upto, len(ids))
-    nb, _ = run(model, Notebook.empty(model), ids[:stop], torch.arange(offset, offset + stop),
-                hooks=hooks, logits_at=())
+    nb, _ = run(
+        model,
+        Notebook.empty(model),
+        ids[:stop],
+        torch.arange(offset, offset + stop),
+        hooks=hooks,
+        logits_at=(),
+    )
     if isinstance(prompt, Prompt):
         spans = {k: (a + offset, b + offset) for k, (a, b) in prompt.spans.items() if b <= stop}
         nb = replace(nb, spans=spans)
@@ -89,13 +101,21 @@ def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple
     else:
         ids = [int(t) for t in query]
     if not ids:
-        raise OutOfRange("nothing to decide: the query is empty "
-                         "(does the notebook already hold the whole prompt?)")
+        raise OutOfRange(
+            "nothing to decide: the query is empty (does the notebook already hold the whole prompt?)"
+        )
     return ids, torch.arange(start, start + len(ids))
 
 
-def decide(model: KVModel, notebook: Notebook, query: PromptLike, *, hooks: Sequence[Hook] = (),
-           capture: Sequence[str] = (), vocab: Sequence[int] | None = None) -> Readout:
+def decide(
+    model: KVModel,
+    notebook: Notebook,
+    query: PromptLike,
+    *,
+    hooks: Sequence[Hook] = (),
+    capture: Sequence[str] = (),
+    vocab: Sequence[int] | None = None,
+) -> Readout:
     """Read the decision: compute the query tokens after the notebook without writing them.
 
     The readout's logits are at the query's last token (see `query_tokens` for what is computed);
@@ -180,21 +200,32 @@ def patch_batch(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Noteboo
     use_v = torch.tensor([s.values for s in specs], device=device)[:, None, None]
     keys, values = [], []
     for l in range(dst.n_layers):
-        for out, use, s_kv, d_kv in ((keys, use_k, src.keys[l], dst.keys[l]),
-                                     (values, use_v, src.values[l], dst.values[l])):
+        for out, use, s_kv, d_kv in (
+            (keys, use_k, src.keys[l], dst.keys[l]),
+            (values, use_v, src.values[l], dst.values[l]),
+        ):
             # copy dst once per patch (a memcpy), then blend only the touched slots
             t = d_kv.expand(n, -1, -1, -1).clone()
             m = (masks[:, l][..., touched] & use)[..., None]  # [N, kv_head, touched, 1]
             t[:, :, touched] = torch.where(m, s_kv[:, :, touched], d_kv[:, :, touched])
             out.append(t)
-    return replace(dst, keys=tuple(keys), values=tuple(values),
-                   tokens=dst.tokens.expand(len(specs), -1).clone())
+    return replace(
+        dst, keys=tuple(keys), values=tuple(values), tokens=dst.tokens.expand(len(specs), -1).clone()
+    )
 
 
-def decide_patched(model: KVModel, dst: Notebook, src: Notebook, specs: Sequence[Patch],
-                   prompt: PromptLike, *, batch_size: int = 16, progress: bool = False,
-                   hooks: Sequence[Hook] = (), vocab: Sequence[int] | None = None,
-                   ) -> Float[Tensor, "n d_vocab"]:
+def decide_patched(
+    model: KVModel,
+    dst: Notebook,
+    src: Notebook,
+    specs: Sequence[Patch],
+    prompt: PromptLike,
+    *,
+    batch_size: int = 16,
+    progress: bool = False,
+    hooks: Sequence[Hook] = (),
+    vocab: Sequence[int] | None = None,
+) -> Float[Tensor, "n d_vocab"]:
     """Decision logits for each patch in `specs`, evaluated as batched forwards.
 
     Equal to `[decide(model, patch(dst, src, s), prompt).last[0] for s in specs]`, but each
@@ -204,15 +235,14 @@ def decide_patched(model: KVModel, dst: Notebook, src: Notebook, specs: Sequence
     out = []
     chunks = range(0, len(specs), batch_size)
     for i in tqdm(chunks, desc="patches", disable=not progress, unit="batch"):
-        nb = patch_batch(dst, src, specs[i:i + batch_size])
+        nb = patch_batch(dst, src, specs[i : i + batch_size])
         out.append(decide(model, nb, prompt, hooks=hooks, vocab=vocab).last)
     width = model.cfg.d_vocab_out if vocab is None else len(vocab)
     return torch.cat(out) if out else torch.zeros(0, width)
 
 
 # --- edits ---------------------------------------------------------------------------------
-def recompute(model: KVModel, notebook: Notebook, prompt: PromptLike,
-              positions: Iterable[int]) -> Notebook:
+def recompute(model: KVModel, notebook: Notebook, prompt: PromptLike, positions: Iterable[int]) -> Notebook:
     """Selective recompute: run `prompt`'s tokens at `positions` again against the notebook.
 
     Everything else stays stale; the recomputed tokens see each other causally.
@@ -245,11 +275,15 @@ def recompute_suffix(model: KVModel, notebook: Notebook, prompt: PromptLike, sta
     return nb
 
 
-def append(model: KVModel, notebook: Notebook, text_or_ids: str | Sequence[int], *,
-           span: str | None = None) -> Notebook:
+def append(
+    model: KVModel, notebook: Notebook, text_or_ids: str | Sequence[int], *, span: str | None = None
+) -> Notebook:
     """Append tokens after the last slot (an erratum line, a new turn); earlier slots untouched."""
-    ids = (model.encode(text_or_ids, bos=False) if isinstance(text_or_ids, str)
-           else [int(t) for t in text_or_ids])
+    ids = (
+        model.encode(text_or_ids, bos=False)
+        if isinstance(text_or_ids, str)
+        else [int(t) for t in text_or_ids]
+    )
     start = notebook.next_position
     nb, _ = run(model, notebook, ids, torch.arange(start, start + len(ids)), logits_at=())
     if span:
@@ -272,11 +306,16 @@ def rerotate(model: KVModel, notebook: Notebook, positions: Sequence[int] | Tens
         raise ValueError(f"{new.numel()} new positions for {notebook.n_slots} slots")
     if new.unique().numel() != new.numel():
         raise ValueError("new positions repeat; each slot needs its own position")
-    keys = tuple(rope.rerotate(model.tl.blocks[l].attn, k, notebook.positions, new)
-                 for l, k in enumerate(notebook.keys))
+    keys = tuple(
+        rope.rerotate(model.tl.blocks[l].attn, k, notebook.positions, new)
+        for l, k in enumerate(notebook.keys)
+    )
     shift = {int(a): int(b) for a, b in zip(notebook.positions.tolist(), new.tolist())}
-    spans = {n: (shift[a], shift[b - 1] + 1) for n, (a, b) in notebook.spans.items()
-             if b > a and a in shift and b - 1 in shift}
+    spans = {
+        n: (shift[a], shift[b - 1] + 1)
+        for n, (a, b) in notebook.spans.items()
+        if b > a and a in shift and b - 1 in shift
+    }
     return replace(notebook, keys=keys, positions=new, spans=spans)
 
 
@@ -290,15 +329,18 @@ def precompile(model: KVModel, chunk: Sequence[int]) -> Notebook:
     return nb if bos is None else nb.select(list(range(1, len(ids) + 1)))
 
 
-def splice(model: KVModel, host: Notebook, chunk: Notebook, *, offset: int | None = None,
-           seam: int = 0) -> Notebook:
+def splice(
+    model: KVModel, host: Notebook, chunk: Notebook, *, offset: int | None = None, seam: int = 0
+) -> Notebook:
     """Place a precompiled `chunk` after `host` (at `offset`, default right after it), re-rotated,
     then repair the seam by recomputing the chunk's first `seam` tokens in context."""
     host.check_compatible(chunk)
     start = host.next_position if offset is None else offset
     if host.n_slots and start <= int(host.positions.max()):
-        raise OutOfRange(f"offset {start} overlaps the host, whose last slot is at "
-                         f"{int(host.positions.max())}; splice at a later offset")
+        raise OutOfRange(
+            f"offset {start} overlaps the host, whose last slot is at "
+            f"{int(host.positions.max())}; splice at a later offset"
+        )
     order = torch.argsort(chunk.positions)
     placed = rerotate(model, chunk, start + (chunk.positions - chunk.positions[order[0]]))
     nb = host.concat(placed)

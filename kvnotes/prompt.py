@@ -56,7 +56,7 @@ class Template:
         stack: list[tuple[str, int]] = []
         last = 0
         for m in _TOKEN_RE.finditer(self.text):
-            lit = self.text[last:m.start()]
+            lit = self.text[last : m.start()]
             out.append(lit)
             length += len(lit)
             last = m.end()
@@ -101,9 +101,15 @@ class Template:
         text, char_spans = self._parse(vals)
         ids, offsets = _tokenize(model, text)
         spans = {name: _token_range(offsets, cs, ce, name, text) for name, (cs, ce) in char_spans.items()}
-        return Prompt(text=text, ids=tuple(ids), spans=spans, char_spans=char_spans,
-                      values={f: str(vals[f]) for f in self.fields}, template=self,
-                      offsets=tuple(offsets))
+        return Prompt(
+            text=text,
+            ids=tuple(ids),
+            spans=spans,
+            char_spans=char_spans,
+            values={f: str(vals[f]) for f in self.fields},
+            template=self,
+            offsets=tuple(offsets),
+        )
 
 
 @dataclass(frozen=True)

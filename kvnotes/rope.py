@@ -47,7 +47,8 @@ def unrotate(attn, x: Float[Tensor, "*b n d_head"], positions: Int[Tensor, " n"]
     return torch.cat([x_rot * cos - attn.rotate_every_two(x_rot) * sin, x_pass], dim=-1)
 
 
-def rerotate(attn, keys: Float[Tensor, "*b n d_head"], old: Int[Tensor, " n"],
-             new: Int[Tensor, " n"]) -> Tensor:
+def rerotate(
+    attn, keys: Float[Tensor, "*b n d_head"], old: Int[Tensor, " n"], new: Int[Tensor, " n"]
+) -> Tensor:
     """Move post-RoPE `keys` from positions `old` to `new` with this layer's RoPE."""
     return rotate(attn, unrotate(attn, keys, old), new)

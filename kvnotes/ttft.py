@@ -35,11 +35,11 @@ SUFFIX = "Customer: Alice. Order id: 1234.\norder_status: shipped.\n"
 
 @dataclass(frozen=True)
 class TTFTPoint:
-    tokens: int         # context + query
+    tokens: int  # context + query
     chunk_tokens: int
     composed_s: float
     full_s: float
-    ratio: float        # full / composed
+    ratio: float  # full / composed
     logit_cosine: float
     top1_agree: bool
 
@@ -56,17 +56,23 @@ class TTFTReport(BenchReport):
     exponent_full: float | None
 
     def table(self) -> str:
-        lines = [f"time to first token — {self.model} — {self.machine}",
-                 f"composed = precompiled chunk spliced (seam {self.seam}) "
-                 f"+ {self.suffix_tokens}-token live suffix",
-                 f"{'tokens':>7}{'chunk':>7}{'composed s':>12}{'full s':>10}{'ratio':>9}"
-                 f"{'cosine':>10}{'top-1':>7}"]
+        lines = [
+            f"time to first token — {self.model} — {self.machine}",
+            f"composed = precompiled chunk spliced (seam {self.seam}) "
+            f"+ {self.suffix_tokens}-token live suffix",
+            f"{'tokens':>7}{'chunk':>7}{'composed s':>12}{'full s':>10}{'ratio':>9}"
+            f"{'cosine':>10}{'top-1':>7}",
+        ]
         for r in self.results:
-            lines.append(f"{r.tokens:>7}{r.chunk_tokens:>7}{r.composed_s:>12.3f}{r.full_s:>10.2f}"
-                         f"{r.ratio:>8.1f}x{r.logit_cosine:>10.5f}{'same' if r.top1_agree else 'DIFF':>7}")
+            lines.append(
+                f"{r.tokens:>7}{r.chunk_tokens:>7}{r.composed_s:>12.3f}{r.full_s:>10.2f}"
+                f"{r.ratio:>8.1f}x{r.logit_cosine:>10.5f}{'same' if r.top1_agree else 'DIFF':>7}"
+            )
         if self.exponent_full is not None:
-            lines.append(f"growth exponent (time ∝ tokens^e): composed {self.exponent_composed:.2f}, "
-                         f"full {self.exponent_full:.2f}")
+            lines.append(
+                f"growth exponent (time ∝ tokens^e): composed {self.exponent_composed:.2f}, "
+                f"full {self.exponent_full:.2f}"
+            )
         return "\n".join(lines)
 
 
@@ -80,8 +86,9 @@ def _text_ids(model: KVModel, n: int) -> list[int]:
     return ids[:n]
 
 
-def compose_and_decide(model: KVModel, host: list[int], chunk_nb: Notebook, suffix: list[int],
-                       query: list[int], *, seam: int) -> torch.Tensor:
+def compose_and_decide(
+    model: KVModel, host: list[int], chunk_nb: Notebook, suffix: list[int], query: list[int], *, seam: int
+) -> torch.Tensor:
     """The host tokens, the spliced chunk (seam repaired), the live suffix; the query's last logits."""
     host = ops.prefill(model, host)
     nb = ops.splice(model, host, chunk_nb, seam=seam)
@@ -97,8 +104,10 @@ def ttft(model: KVModel, lengths: list[int], *, seam: int = 8, progress: bool = 
     fixed = len(host) + len(suffix) + len(query)
     bad = [n for n in lengths if n - fixed <= seam or n > model.n_ctx]
     if bad:
-        raise OutOfRange(f"lengths {bad} do not fit: each must exceed {fixed + seam} tokens (host, suffix, "
-                         f"query and seam) and stay within {model.name}'s n_ctx={model.n_ctx}")
+        raise OutOfRange(
+            f"lengths {bad} do not fit: each must exceed {fixed + seam} tokens (host, suffix, "
+            f"query and seam) and stay within {model.name}'s n_ctx={model.n_ctx}"
+        )
     points = []
     for n in tqdm(lengths, desc="ttft", disable=not progress, unit="length"):
         chunk = _text_ids(model, n - fixed)
@@ -109,16 +118,31 @@ def ttft(model: KVModel, lengths: list[int], *, seam: int = 8, progress: bool = 
         nb = ops.prefill(model, [*host, *chunk, *suffix])
         full = ops.decide(model, nb, query).last[0]
         t2 = time.perf_counter()
-        points.append(TTFTPoint(tokens=n, chunk_tokens=len(chunk), composed_s=t1 - t0, full_s=t2 - t1,
-                                ratio=(t2 - t1) / (t1 - t0), logit_cosine=float(logit_cosine(composed, full)),
-                                top1_agree=bool(composed.argmax() == full.argmax())))
+        points.append(
+            TTFTPoint(
+                tokens=n,
+                chunk_tokens=len(chunk),
+                composed_s=t1 - t0,
+                full_s=t2 - t1,
+                ratio=(t2 - t1) / (t1 - t0),
+                logit_cosine=float(logit_cosine(composed, full)),
+                top1_agree=bool(composed.argmax() == full.argmax()),
+            )
+        )
     exp_c = exp_f = None
     if len(points) >= 2:
         x = np.log([p.tokens for p in points])
         exp_c = float(np.polyfit(x, np.log([p.composed_s for p in points]), 1)[0])
         exp_f = float(np.polyfit(x, np.log([p.full_s for p in points]), 1)[0])
-    return TTFTReport(model=model.name, machine=machine(), seam=seam, suffix_tokens=len(suffix),
-                      results=points, exponent_composed=exp_c, exponent_full=exp_f)
+    return TTFTReport(
+        model=model.name,
+        machine=machine(),
+        seam=seam,
+        suffix_tokens=len(suffix),
+        results=points,
+        exponent_composed=exp_c,
+        exponent_full=exp_f,
+    )
 
 
 # --- the cost of one edit as the changed field moves through the prompt --------------------------
@@ -141,18 +165,26 @@ class EditCostReport(BenchReport):
     results: list[EditCostPoint]
 
     def table(self) -> str:
-        lines = [f"one changed field — {self.model} — {self.machine}",
-                 f"{'field at':>9}{'tokens':>8}{'erratum s':>11}{'suffix s':>10}{'full s':>9}"
-                 f"{'full/erratum':>14}{'suffix tok':>12}"]
+        lines = [
+            f"one changed field — {self.model} — {self.machine}",
+            f"{'field at':>9}{'tokens':>8}{'erratum s':>11}{'suffix s':>10}{'full s':>9}"
+            f"{'full/erratum':>14}{'suffix tok':>12}",
+        ]
         for r in self.results:
-            lines.append(f"{r.field_position:>9}{r.tokens:>8}{r.erratum_s:>11.3f}{r.suffix_s:>10.3f}"
-                         f"{r.full_s:>9.3f}{r.full_s / r.erratum_s:>13.1f}x{r.suffix_tokens:>12}")
+            lines.append(
+                f"{r.field_position:>9}{r.tokens:>8}{r.erratum_s:>11.3f}{r.suffix_s:>10.3f}"
+                f"{r.full_s:>9.3f}{r.full_s / r.erratum_s:>13.1f}x{r.suffix_tokens:>12}"
+            )
         return "\n".join(lines)
 
 
-def edit_cost(model: KVModel, n_tokens: int = 2048,
-              fractions: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9), *,
-              progress: bool = True) -> EditCostReport:
+def edit_cost(
+    model: KVModel,
+    n_tokens: int = 2048,
+    fractions: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9),
+    *,
+    progress: bool = True,
+) -> EditCostReport:
     """Erratum vs suffix recompute vs full prefill for one changed field at each position.
 
     The prompt is about `n_tokens` of policy-like lines with `order_status: pending` placed after
@@ -167,16 +199,20 @@ def edit_cost(model: KVModel, n_tokens: int = 2048,
     ops.prefill(model, model.encode("".join(lines)))  # warm-up: first calls pay one-off costs
     for f in tqdm(fractions, desc="edit cost", disable=not progress, unit="position"):
         k = int(round(f * n_lines))
-        tpl = Template("".join(lines[:k]) + "order_status: {order_status}\n" + "".join(lines[k:])
-                       + "[[decision:Q: Can the order be cancelled?\nA:]]")
+        tpl = Template(
+            "".join(lines[:k])
+            + "order_status: {order_status}\n"
+            + "".join(lines[k:])
+            + "[[decision:Q: Can the order be cancelled?\nA:]]"
+        )
         old = tpl.render(model, order_status="pending")
         new = old.with_values(model, order_status="shipped")
         if len(new) > model.n_ctx:
-            raise OutOfRange(f"{len(new)} tokens exceed {model.name}'s n_ctx={model.n_ctx}; "
-                             "lower n_tokens")
+            raise OutOfRange(f"{len(new)} tokens exceed {model.name}'s n_ctx={model.n_ctx}; lower n_tokens")
         stale = ops.prefill(model, old)
-        line = model.encode("[STATE UPDATE] order_status → shipped; overrides any earlier value.\n",
-                            bos=False)
+        line = model.encode(
+            "[STATE UPDATE] order_status → shipped; overrides any earlier value.\n", bos=False
+        )
         t0 = time.perf_counter()
         ops.decide(model, ops.append(model, stale, line), new)
         t1 = time.perf_counter()
@@ -185,8 +221,15 @@ def edit_cost(model: KVModel, n_tokens: int = 2048,
         ops.decide(model, ops.prefill(model, new), new)
         t3 = time.perf_counter()
         start = new.span("order_status").start
-        points.append(EditCostPoint(field_position=start, tokens=len(new), erratum_s=t1 - t0,
-                                    suffix_s=t2 - t1, full_s=t3 - t2,
-                                    suffix_tokens=new.span("decision").start - start,
-                                    erratum_tokens=len(line)))
+        points.append(
+            EditCostPoint(
+                field_position=start,
+                tokens=len(new),
+                erratum_s=t1 - t0,
+                suffix_s=t2 - t1,
+                full_s=t3 - t2,
+                suffix_tokens=new.span("decision").start - start,
+                erratum_tokens=len(line),
+            )
+        )
     return EditCostReport(model=model.name, machine=machine(), results=points)

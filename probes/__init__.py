@@ -1,11 +1,11 @@
 """The causal probes and controls of kvnotes, over gated-decision tasks.
 
-    from kvnotes import load_model
-    from probes import make_trials, field_refresh, run_probes
-    model = load_model("gemma-3-270m")
-    trials = make_trials(model, "order-cancel", n=8)
-    field_refresh(trials).estimate          # recovery: mean, 95% CI, per-prompt values
-    run_probes(model, "order-cancel", n=8)   # all six, as one ProbeReport
+from kvnotes import load_model
+from probes import make_trials, field_refresh, run_probes
+model = load_model("gemma-3-270m")
+trials = make_trials(model, "order-cancel", n=8)
+field_refresh(trials).estimate          # recovery: mean, 95% CI, per-prompt values
+run_probes(model, "order-cancel", n=8)   # all six, as one ProbeReport
 """
 
 from __future__ import annotations
@@ -41,13 +41,22 @@ def check_names(names: Sequence[str]) -> list[str]:
     names = list(PROBES) if list(names) == ["all"] else list(names)
     bad = [n for n in names if n not in PROBES]
     if bad:
-        raise UnknownProbeError(f"unknown probe(s) {bad}: the probes are {list(PROBES)}, 'all', "
-                                "or 'regime' (its own sweep)")
+        raise UnknownProbeError(
+            f"unknown probe(s) {bad}: the probes are {list(PROBES)}, 'all', or 'regime' (its own sweep)"
+        )
     return names
 
 
-def run_probes(model: KVModel, task: Task | str, names: Sequence[str] = ("all",), *, n: int = 8,
-               seed: int = 0, min_effect: float = MIN_EFFECT, progress: bool = True) -> ProbeReport:
+def run_probes(
+    model: KVModel,
+    task: Task | str,
+    names: Sequence[str] = ("all",),
+    *,
+    n: int = 8,
+    seed: int = 0,
+    min_effect: float = MIN_EFFECT,
+    progress: bool = True,
+) -> ProbeReport:
     """Run the named probes on `n` pairs of `task`, sharing prefills and note maps among them.
 
     >>> from kvnotes import load_model
@@ -71,24 +80,55 @@ def run_probes(model: KVModel, task: Task | str, names: Sequence[str] = ("all",)
             rule_trials = make_trials(model, task, n, seed=seed, kind=RULE, progress=progress)
             results[name] = dissociation(rule_trials, min_effect=min_effect)
         else:
-            fn = {"field_refresh": field_refresh, "notes_transplant": notes_transplant, "note_map": note_map,
-                  "knockout": knockout, "false_note_injection": false_note_injection}[name]
+            fn = {
+                "field_refresh": field_refresh,
+                "notes_transplant": notes_transplant,
+                "note_map": note_map,
+                "knockout": knockout,
+                "false_note_injection": false_note_injection,
+            }[name]
             results[name] = fn(trials, min_effect=min_effect)
         timings[name] = round(time.perf_counter() - s, 2)
         if progress:
             print(f"probe {name}: done in {timings[name]:.1f} s", file=sys.stderr, flush=True)
-    meta = {"min_effect": min_effect, "seconds": round(time.perf_counter() - t0, 1), "timings": timings,
-            "machine": f"{platform.machine()}", "task_source": task.source,
-            "prompt_tokens": [len(t.pair.old) for t in trials]}
+    meta = {
+        "min_effect": min_effect,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "timings": timings,
+        "machine": f"{platform.machine()}",
+        "task_source": task.source,
+        "prompt_tokens": [len(t.pair.old) for t in trials],
+    }
     return ProbeReport(model=model.name, task=task.name, n=n, seed=seed, probes=results, meta=meta)
 
 
 def _not_applicable(name: str, why: str) -> ProbeResult:
-    return ProbeResult(name=name, headline="notes", parts={"notes": Estimate.of([])},
-                       details={"not_applicable": why})
+    return ProbeResult(
+        name=name, headline="notes", parts={"notes": Estimate.of([])}, details={"not_applicable": why}
+    )
 
 
-__all__ = ["PROBES", "run_probes", "make_trials", "Trial", "ProbeReport", "ProbeResult", "Estimate",
-           "field_refresh", "notes_transplant", "note_map", "knockout", "dissociation",
-           "false_note_injection", "regime", "UnknownProbeError", "MIN_EFFECT",
-           "edit_methods", "seam_repair", "agent_loop", "cot_refresh", "memory_blocks", "weight_edit"]
+__all__ = [
+    "PROBES",
+    "run_probes",
+    "make_trials",
+    "Trial",
+    "ProbeReport",
+    "ProbeResult",
+    "Estimate",
+    "field_refresh",
+    "notes_transplant",
+    "note_map",
+    "knockout",
+    "dissociation",
+    "false_note_injection",
+    "regime",
+    "UnknownProbeError",
+    "MIN_EFFECT",
+    "edit_methods",
+    "seam_repair",
+    "agent_loop",
+    "cot_refresh",
+    "memory_blocks",
+    "weight_edit",
+]

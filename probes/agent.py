@@ -23,8 +23,17 @@ from probes.edit import ERRATUM
 from probes.results import Estimate, ProbeResult
 
 
-def agent_loop(model: KVModel, task: Task | str, *, n: int = 2, turns: int = 28, seam: int = 4,
-               erratum: str = ERRATUM, seed: int = 0, progress: bool = True) -> ProbeResult:
+def agent_loop(
+    model: KVModel,
+    task: Task | str,
+    *,
+    n: int = 2,
+    turns: int = 28,
+    seam: int = 4,
+    erratum: str = ERRATUM,
+    seed: int = 0,
+    progress: bool = True,
+) -> ProbeResult:
     """Per turn: `cosine@t` (logit cosine to recompute-every-turn) and `agree@t` (same answer).
 
     Headline `cosine_last` (the last turn); `cosine_min` is the worst turn of each prompt;
@@ -35,12 +44,15 @@ def agent_loop(model: KVModel, task: Task | str, *, n: int = 2, turns: int = 28,
     acc: dict[str, list[float]] = {}
     host = model.encode(HOST)  # the policy is composed into a context it was not compiled in
     pairs = sample(task, model, n, seed=seed)
-    longest = max(len(model.encode(erratum.format(field=field, value=v), bos=False))
-                  for v in task.gate.values)
+    longest = max(
+        len(model.encode(erratum.format(field=field, value=v), bos=False)) for v in task.gate.values
+    )
     need = len(host) + max(len(p.old) for p in pairs) + turns * longest
     if need > model.n_ctx:
-        raise OutOfRange(f"{turns} turns of errata need about {need} positions but {model.name} has "
-                         f"n_ctx={model.n_ctx}; use at most {(model.n_ctx - need) // longest + turns} turns")
+        raise OutOfRange(
+            f"{turns} turns of errata need about {need} positions but {model.name} has "
+            f"n_ctx={model.n_ctx}; use at most {(model.n_ctx - need) // longest + turns} turns"
+        )
     for pair in tqdm(pairs, desc="agent loop", disable=not progress, unit="prompt"):
         p = pair.old
         ids = list(p.ids)
@@ -68,10 +80,13 @@ def agent_loop(model: KVModel, task: Task | str, *, n: int = 2, turns: int = 28,
             acc.setdefault("follows", []).append(float(int(out[a].argmax()) == task.outcome(current)))
         acc.setdefault("cosine_last", []).append(cos)
         acc.setdefault("cosine_min", []).append(worst)
-    order = ["cosine_last", "cosine_min", "follows"] + [f"{k}@{t}" for k in ("cosine", "agree")
-                                                       for t in range(1, turns + 1)]
-    return ProbeResult(name="agent_loop", headline="cosine_last",
-                       parts={k: Estimate.of(acc[k]) for k in order},
-                       details={"turns": turns, "seam": seam, "erratum": erratum},
-                       description="spliced policy, one erratum per turn as the field toggles, "
-                                   "vs recompute every turn")
+    order = ["cosine_last", "cosine_min", "follows"] + [
+        f"{k}@{t}" for k in ("cosine", "agree") for t in range(1, turns + 1)
+    ]
+    return ProbeResult(
+        name="agent_loop",
+        headline="cosine_last",
+        parts={k: Estimate.of(acc[k]) for k in order},
+        details={"turns": turns, "seam": seam, "erratum": erratum},
+        description="spliced policy, one erratum per turn as the field toggles, vs recompute every turn",
+    )

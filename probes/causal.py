@@ -21,8 +21,11 @@ from probes.trials import MIN_EFFECT, Trial, each
 def split(trials: Sequence[Trial], min_effect: float) -> tuple[list[Trial], list[dict]]:
     """The trials usable for recovery, and a record of the excluded ones."""
     used = [t for t in trials if t.usable(min_effect)]
-    excluded = [{"index": i, "effect": t.effect, "reason": f"|ld_new - ld_old| < {min_effect}"}
-                for i, t in enumerate(trials) if not t.usable(min_effect)]
+    excluded = [
+        {"index": i, "effect": t.effect, "reason": f"|ld_new - ld_old| < {min_effect}"}
+        for i, t in enumerate(trials)
+        if not t.usable(min_effect)
+    ]
     return used, excluded
 
 
@@ -50,9 +53,13 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
         pos = t.old_nb.positions
         dev.append(float(d[:, pos < before].max()) if bool((pos < before).any()) else 0.0)
     return ProbeResult(
-        name="field_refresh", headline="recovery",
-        parts={"recovery": Estimate.of(rec), "deviation_before_field": Estimate.of(dev),
-               "effect": effect_estimate(trials)},
+        name="field_refresh",
+        headline="recovery",
+        parts={
+            "recovery": Estimate.of(rec),
+            "deviation_before_field": Estimate.of(dev),
+            "effect": effect_estimate(trials),
+        },
         details={"excluded": excluded, "deviation_exactly_zero": all(d == 0.0 for d in dev)},
         description="recompute only the field's K/V with the new value; reuse every other slot stale",
     )
@@ -65,12 +72,15 @@ def notes_transplant(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT)
     parts: dict[str, list[float]] = {"kv": [], "k_only": [], "v_only": []}
     for t in each(used, "notes_transplant"):
         pos = tuple(t.pair.downstream())
-        r = t.sweep([Patch(positions=pos), Patch(positions=pos, values=False),
-                     Patch(positions=pos, keys=False)])
+        r = t.sweep(
+            [Patch(positions=pos), Patch(positions=pos, values=False), Patch(positions=pos, keys=False)]
+        )
         for name, v in zip(parts, r.tolist()):
             parts[name].append(v)
     return ProbeResult(
-        name="notes_transplant", headline="kv", parts={k: Estimate.of(v) for k, v in parts.items()},
+        name="notes_transplant",
+        headline="kv",
+        parts={k: Estimate.of(v) for k, v in parts.items()},
         details={"excluded": excluded, "n_slots": [len(t.pair.downstream()) for t in trials]},
         description="transplant every slot after the field and before the decision from the new run",
     )
@@ -86,30 +96,38 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
     slots = field_pos + down
     L = t.model.n_layers
     windows = [tuple(range(s, s + layer_window)) for s in range(0, L - layer_window + 1)]
-    specs = ([Patch(positions=tuple(field_pos))] + [Patch(positions=(p,)) for p in slots]
-             + [Patch(positions=tuple(down), layers=(l,)) for l in range(L)]
-             + [Patch(positions=tuple(down), layers=w) for w in windows]
-             + [Patch(positions=(p,), layers=(l,)) for p in down for l in range(L)])
+    specs = (
+        [Patch(positions=tuple(field_pos))]
+        + [Patch(positions=(p,)) for p in slots]
+        + [Patch(positions=tuple(down), layers=(l,)) for l in range(L)]
+        + [Patch(positions=tuple(down), layers=w) for w in windows]
+        + [Patch(positions=(p,), layers=(l,)) for p in down for l in range(L)]
+    )
     r = t.sweep(specs).tolist()
     n_s, n_d = len(slots), len(down)
     field_joint, r = r[0], r[1:]
     per_slot, r = r[:n_s], r[n_s:]
     per_layer, r = r[:L], r[L:]
-    per_window, r = r[:len(windows)], r[len(windows):]
-    grid = [r[i * L:(i + 1) * L] for i in range(n_d)]
+    per_window, r = r[: len(windows)], r[len(windows) :]
+    grid = [r[i * L : (i + 1) * L] for i in range(n_d)]
     dev = kv_deviation(t.old_nb, t.new_nb)[0]  # [layer, slot]
     dev_slot = dev.pow(2).sum(0).sqrt()
     idx = t.old_nb.slot_index(slots)
     strings = t.token_strings(slots)
     decision = t.pair.new.span("decision").start
     out = {
-        "positions": slots, "tokens": strings,
+        "positions": slots,
+        "tokens": strings,
         "prompt_tokens": t.token_strings(range(len(t.pair.new))),
         "role": ["field"] * len(field_pos) + ["note"] * n_d,
-        "recovery": per_slot, "field_joint": field_joint, "deviation": dev_slot[idx].tolist(),
+        "recovery": per_slot,
+        "field_joint": field_joint,
+        "deviation": dev_slot[idx].tolist(),
         "delimiter": [bool(s) and _is_delimiter(s) for s in strings],
         "distance_to_decision": [decision - p for p in slots],
-        "per_layer": per_layer, "layer_windows": [list(w) for w in windows], "per_window": per_window,
+        "per_layer": per_layer,
+        "layer_windows": [list(w) for w in windows],
+        "per_window": per_window,
         "slot_layer": grid,
     }
     t.cache[key] = out
@@ -135,8 +153,9 @@ def top_notes(t: Trial, k: int, layer_window: int = 1) -> list[int]:
     return [p for _, p in notes[:k]]
 
 
-def note_map(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_window: int = 3
-             ) -> ProbeResult:
+def note_map(
+    trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_window: int = 3
+) -> ProbeResult:
     """Per-slot transplant sweep over the field and downstream slots (all layers), per layer,
     per window of `layer_window` consecutive layers, and per slot × layer.
 
@@ -172,12 +191,18 @@ def note_map(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_w
             per_layer[l].append(v)
         for w, v in enumerate(m["per_window"]):
             per_window[w].append(v)
-    parts = {"top_slot": Estimate.of(top), "field_slots": Estimate.of(fld),
-             "delimiter_share": Estimate.of(share), "deviation_effect_spearman": Estimate.of(rho)}
+    parts = {
+        "top_slot": Estimate.of(top),
+        "field_slots": Estimate.of(fld),
+        "delimiter_share": Estimate.of(share),
+        "deviation_effect_spearman": Estimate.of(rho),
+    }
     parts.update({f"layer_{l}": Estimate.of(v) for l, v in enumerate(per_layer)})
     parts.update({f"layers_{w}-{w + layer_window - 1}": Estimate.of(v) for w, v in enumerate(per_window)})
     return ProbeResult(
-        name="note_map", headline="top_slot", parts=parts,
+        name="note_map",
+        headline="top_slot",
+        parts=parts,
         details={"excluded": excluded, "maps": maps, "layer_window": layer_window},
         description="transplant one slot (or one layer, or a window of layers) at a time from the new run",
     )

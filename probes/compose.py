@@ -49,8 +49,16 @@ def chunk_end(p, field: str) -> int:
     return end
 
 
-def seam_repair(model: KVModel, task: Task | str, *, n: int = 4, seams: Sequence[int] = SEAMS,
-                offsets: Sequence[int] = OFFSETS, seed: int = 0, progress: bool = True) -> ProbeResult:
+def seam_repair(
+    model: KVModel,
+    task: Task | str,
+    *,
+    n: int = 4,
+    seams: Sequence[int] = SEAMS,
+    offsets: Sequence[int] = OFFSETS,
+    seed: int = 0,
+    progress: bool = True,
+) -> ProbeResult:
     """Spliced chunk vs full recompute for every seam length `b` in `seams`, at each host offset.
 
     Parts, per b: `cosine@b` (logit cosine over the vocabulary), `agree@b` (same answer among the
@@ -72,7 +80,7 @@ def seam_repair(model: KVModel, task: Task | str, *, n: int = 4, seams: Sequence
         chunk = precompile(model, chunk_ids)
         answers = torch.tensor(pair.answers)
         for off in offsets:
-            host_ids = model.encode(filler_text(model, off))[:off + 1]  # BOS + off tokens
+            host_ids = model.encode(filler_text(model, off))[: off + 1]  # BOS + off tokens
             ref = decide(model, prefill(model, host_ids + chunk_ids + live), query).last[0]
             host = prefill(model, host_ids)
             for b in seams:
@@ -82,12 +90,14 @@ def seam_repair(model: KVModel, task: Task | str, *, n: int = 4, seams: Sequence
                     out = decide(model, nb, query).last[0]
                     acc.setdefault(f"{label}cosine@{b}", []).append(float(logit_cosine(out, ref)))
                     acc.setdefault(f"{label}agree@{b}", []).append(
-                        float(out[answers].argmax() == ref[answers].argmax()))
+                        float(out[answers].argmax() == ref[answers].argmax())
+                    )
                     if rot:
                         acc.setdefault(f"top1@{b}", []).append(float(out.argmax() == ref.argmax()))
     order = [f"{k}@{b}" for k in ("cosine", "agree", "top1", "norot_cosine", "norot_agree") for b in seams]
     return ProbeResult(
-        name="seam_repair", headline=f"cosine@{seams[-1]}",
+        name="seam_repair",
+        headline=f"cosine@{seams[-1]}",
         parts={k: Estimate.of(acc[k]) for k in order},
         details={"seams": seams, "offsets": list(offsets), "chunk_tokens": chunk_sizes},
         description="precompiled policy chunk spliced after a host context, first b tokens recomputed",

@@ -18,11 +18,13 @@ INJECT_K = (1, 2, 4, 8)
 def knockout_hooks(model, blocked: torch.Tensor) -> list:
     """Hooks that stop the decision tokens attending to notebook slots: `blocked` is a boolean
     `[batch, slot]` mask (the key axis of `hook_attn_scores` is slots, then computed tokens)."""
+
     def hook(scores, hook):
         n_extra = scores.shape[-1] - blocked.shape[-1]
         m = torch.cat([blocked, blocked.new_zeros(blocked.shape[0], n_extra)], -1)[:, None, None, :]
         ignore = model.tl.blocks[0].attn.IGNORE
         return torch.where(m.to(scores.device), ignore.to(scores.dtype), scores)
+
     return [(lambda name: name.endswith("attn.hook_attn_scores"), hook)]
 
 
@@ -32,14 +34,18 @@ def random_slots(t: Trial, k: int, exclude: Sequence[int], rng: random.Random) -
     pool = [p for p in t.pair.downstream() if p not in exclude]
     if len(pool) < k:
         field = set(t.pair.field_span)
-        rest = [p for p in range(1, t.pair.new.span("decision").start)
-                if p not in exclude and p not in pool and p not in field]
+        rest = [
+            p
+            for p in range(1, t.pair.new.span("decision").start)
+            if p not in exclude and p not in pool and p not in field
+        ]
         pool += rng.sample(rest, min(k - len(pool), len(rest)))
     return rng.sample(pool, min(k, len(pool)))
 
 
-def knockout(trials: Sequence[Trial], *, k: int = 4, draws: int = 8, seed: int = 0,
-             min_effect: float = MIN_EFFECT) -> ProbeResult:
+def knockout(
+    trials: Sequence[Trial], *, k: int = 4, draws: int = 8, seed: int = 0, min_effect: float = MIN_EFFECT
+) -> ProbeResult:
     """Block the decision's attention (all layers, all heads) to the top-`k` note slots of each
     pair in the new-value run, and as control to `k` random slots (`draws` draws, averaged).
 
@@ -62,7 +68,8 @@ def knockout(trials: Sequence[Trial], *, k: int = 4, draws: int = 8, seed: int =
         rand_lost.append(float(lost[1:].mean()))
         chosen.append({"top": top, "tokens": t.token_strings(top)})
     return ProbeResult(
-        name="knockout", headline="top",
+        name="knockout",
+        headline="top",
         parts={"top": Estimate.of(top_lost), "random": Estimate.of(rand_lost)},
         details={"excluded": excluded, "k": k, "draws": draws, "slots": chosen},
         description=f"block the decision's attention to the top-{k} note slots (vs {k} random slots)",
@@ -85,16 +92,21 @@ def dissociation(rule_trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT
         notes.append(float(r[0]))
         rule.append(float(r[1]))
     return ProbeResult(
-        name="dissociation", headline="notes",
-        parts={"notes": Estimate.of(notes), "rule_slot": Estimate.of(rule),
-               "effect": effect_estimate(rule_trials)},
+        name="dissociation",
+        headline="notes",
+        parts={
+            "notes": Estimate.of(notes),
+            "rule_slot": Estimate.of(rule),
+            "effect": effect_estimate(rule_trials),
+        },
         details={"excluded": excluded},
         description="flip one rule token, field fixed: transplant the notes vs patch the rule token's slot",
     )
 
 
-def false_note_injection(trials: Sequence[Trial], *, ks: Sequence[int] = INJECT_K, seed: int = 0,
-                         min_effect: float = MIN_EFFECT) -> ProbeResult:
+def false_note_injection(
+    trials: Sequence[Trial], *, ks: Sequence[int] = INJECT_K, seed: int = 0, min_effect: float = MIN_EFFECT
+) -> ProbeResult:
     """Into the old notebook (consistent with its live field) write the new run's K/V at the
     top-k note slots, k in `ks`: does the decision follow the injected note against the field?
 
@@ -127,7 +139,9 @@ def false_note_injection(trials: Sequence[Trial], *, ks: Sequence[int] = INJECT_
     parts.update({f"follows_k{k}": Estimate.of(v) for k, v in follows.items()})
     parts.update({f"random_k{k}": Estimate.of(v) for k, v in rand.items()})
     return ProbeResult(
-        name="false_note_injection", headline=f"k{ks[-1]}", parts=parts,
+        name="false_note_injection",
+        headline=f"k{ks[-1]}",
+        parts=parts,
         details={"excluded": excluded, "ks": ks},
         description="write the opposite conclusion's K/V into the top-k note slots of a consistent notebook",
     )

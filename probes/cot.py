@@ -25,7 +25,7 @@ CUE = "reasoning:"
 def chain(t: Trial, nb: Notebook, *, cue: str, max_tokens: int) -> tuple[Notebook, list[int]]:
     """Append `cue`, then greedy-decode until a blank line, the decision's text, or `max_tokens`."""
     m = t.model
-    decision_text = m.tokenizer.decode(list(t.pair.new.ids[t.pair.new.span("decision").start:])).strip()
+    decision_text = m.tokenizer.decode(list(t.pair.new.ids[t.pair.new.span("decision").start :])).strip()
     nb, out = run(m, nb, m.encode(cue, bos=False))
     generated: list[int] = []
     for _ in range(max_tokens):
@@ -40,13 +40,14 @@ def chain(t: Trial, nb: Notebook, *, cue: str, max_tokens: int) -> tuple[Noteboo
 
 def _decision_ld(t: Trial, nb: Notebook) -> float:
     d = t.pair.new
-    query = list(d.ids[d.span("decision").start:])
+    query = list(d.ids[d.span("decision").start :])
     out = decide(t.model, nb, [*t.model.encode("\n", bos=False), *query], vocab=t.pair.answers).last
     return float(out[0, 0] - out[0, 1])
 
 
-def cot_refresh(trials: Sequence[Trial], *, cue: str = CUE, max_tokens: int = 48,
-                min_effect: float = MIN_EFFECT) -> ProbeResult:
+def cot_refresh(
+    trials: Sequence[Trial], *, cue: str = CUE, max_tokens: int = 48, min_effect: float = MIN_EFFECT
+) -> ProbeResult:
     """Parts: `recovery` (refreshed chain, between the stale and clean chains; headline),
     `no_cot_recovery` (the same refresh read directly), `edited_tokens` / `clean_tokens` (chain
     lengths), `same_chain` (the refreshed chain's text equals the clean one's), `chain_effect`
@@ -71,8 +72,10 @@ def cot_refresh(trials: Sequence[Trial], *, cue: str = CUE, max_tokens: int = 48
         if len(examples) < 2:
             examples.append({k: m.tokenizer.decode(v[1]) for k, v in runs.items()})
     order = ["recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain", "chain_effect"]
-    return ProbeResult(name="cot_refresh", headline="recovery",
-                       parts={k: Estimate.of(acc.get(k, [])) for k in order},
-                       details={"cue": cue, "max_tokens": max_tokens, "examples": examples},
-                       description="in-place field refresh, then a greedy reasoning chain, "
-                                   "vs a clean prefill's chain")
+    return ProbeResult(
+        name="cot_refresh",
+        headline="recovery",
+        parts={k: Estimate.of(acc.get(k, [])) for k in order},
+        details={"cue": cue, "max_tokens": max_tokens, "examples": examples},
+        description="in-place field refresh, then a greedy reasoning chain, vs a clean prefill's chain",
+    )

@@ -61,23 +61,36 @@ def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float,
     n_dec = len(new) - new.span("decision").start
     timed("refresh", lambda: read(refresh(m, t.old_nb, new, t.pair.changed)), len(field) + n_dec)
     smap = single_slot_map(t, 1)
-    causal = [p for _, p, role in sorted(zip(smap["recovery"], smap["positions"], smap["role"]),
-                                         key=lambda x: -x[0]) if role == "note"]
-    deviation = [p for _, p, role in sorted(zip(smap["deviation"], smap["positions"], smap["role"]),
-                                            key=lambda x: -x[0]) if role == "note"]
+    causal = [
+        p
+        for _, p, role in sorted(zip(smap["recovery"], smap["positions"], smap["role"]), key=lambda x: -x[0])
+        if role == "note"
+    ]
+    deviation = [
+        p
+        for _, p, role in sorted(zip(smap["deviation"], smap["positions"], smap["role"]), key=lambda x: -x[0])
+        if role == "note"
+    ]
     for k in ks:
         if k > len(down):
             continue
         for rank, order in (("causal", causal), ("deviation", deviation)):
             pos = field + order[:k]
-            timed(f"selective_{rank}@{k}", lambda pos=pos: read(recompute(m, t.old_nb, new, pos)),
-                  len(pos) + n_dec)
-    timed("suffix", lambda: read(recompute_suffix(m, t.old_nb, new, t.pair.changed)),
-          len(field) + len(down) + n_dec)
+            timed(
+                f"selective_{rank}@{k}",
+                lambda pos=pos: read(recompute(m, t.old_nb, new, pos)),
+                len(pos) + n_dec,
+            )
+    timed(
+        "suffix",
+        lambda: read(recompute_suffix(m, t.old_nb, new, t.pair.changed)),
+        len(field) + len(down) + n_dec,
+    )
     text = erratum.format(field=t.pair.changed, value=new.values[t.pair.changed])
     n_err = len(m.encode(text, bos=False))
     timed("erratum", lambda: read(append(m, t.old_nb, text)), n_err + n_dec)
     hoisted = m.encode(hoisted_text(t))
+
     def hoist():
         out = decide(m, prefill(m, hoisted[:-n_dec]), hoisted[-n_dec:], vocab=t.pair.answers).last
         return float(out[0, 0] - out[0, 1])
@@ -87,8 +100,9 @@ def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float,
     return out
 
 
-def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM,
-                 task: Task | None = None) -> ProbeResult:
+def edit_methods(
+    trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM, task: Task | None = None
+) -> ProbeResult:
     """Every editing method on every pair: parts `{method}` (recovery), `{method}.agree` (same
     answer as full recompute), `{method}.tokens` and `{method}.seconds`. Headline: erratum."""
     acc: dict[str, list[float]] = {}
@@ -100,7 +114,10 @@ def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: st
             acc.setdefault(f"{name}.agree", []).append(float((ld > 0) == ref_choice))
             acc.setdefault(f"{name}.tokens", []).append(float(n_tok))
             acc.setdefault(f"{name}.seconds", []).append(sec)
-    return ProbeResult(name="edit_methods", headline="erratum",
-                       parts={k: Estimate.of(v) for k, v in acc.items()},
-                       details={"erratum": erratum, "ks": list(ks)},
-                       description="one changed field: every way to bring the stale notebook up to date")
+    return ProbeResult(
+        name="edit_methods",
+        headline="erratum",
+        parts={k: Estimate.of(v) for k, v in acc.items()},
+        details={"erratum": erratum, "ks": list(ks)},
+        description="one changed field: every way to bring the stale notebook up to date",
+    )

@@ -67,8 +67,13 @@ class PatchSession:
     last of them (where its notes are written).
     """
 
-    def __init__(self, model: KVModel, old: Prompt, new: Prompt,
-                 answers: tuple[str | int, str | int] = (" cancel", " deny")):
+    def __init__(
+        self,
+        model: KVModel,
+        old: Prompt,
+        new: Prompt,
+        answers: tuple[str | int, str | int] = (" cancel", " deny"),
+    ):
         old.check_aligned(new)
         self.model, self.old, self.new = model, old, new
         self.answers = (_answer_id(model, answers[0]), _answer_id(model, answers[1]))
@@ -107,12 +112,20 @@ class PatchSession:
         pos = tuple(sorted({int(p) for p in positions}))
         bad = [p for p in pos if p not in set(self.positions)]
         if bad:
-            raise OutOfRange(f"position(s) {bad} are not slots of the old notebook "
-                             f"({self.positions[0]}..{self.positions[-1]})")
+            raise OutOfRange(
+                f"position(s) {bad} are not slots of the old notebook "
+                f"({self.positions[0]}..{self.positions[-1]})"
+            )
         return pos
 
-    def patch(self, positions: Iterable[int] = (), layers: Iterable[int] | None = None, *,
-              keys: bool = True, values: bool = True) -> PatchState:
+    def patch(
+        self,
+        positions: Iterable[int] = (),
+        layers: Iterable[int] | None = None,
+        *,
+        keys: bool = True,
+        values: bool = True,
+    ) -> PatchState:
         """Transplant `positions` × `layers` (None: all) from the new run, K and/or V, and re-decide."""
         pos = self.check_positions(positions)
         layers = self.layer_range(layers)
@@ -120,17 +133,28 @@ class PatchSession:
             ld = self.ld_old  # nothing transplanted: the old notebook as it is
         else:
             spec = Patch(positions=pos, layers=layers, keys=keys, values=values)
-            ld = self._ld(decide_patched(self.model, self.nb_old, self.nb_new, [spec], self.new,
-                                         vocab=self.answers)[0])
+            ld = self._ld(
+                decide_patched(self.model, self.nb_old, self.nb_new, [spec], self.new, vocab=self.answers)[0]
+            )
         d = self.ld_new - self.ld_old
         rec = (ld - self.ld_old) / d if abs(d) > 1e-9 else math.nan
-        return PatchState(positions=pos, layers=layers, keys=bool(keys), values=bool(values),
-                          ld_old=self.ld_old, ld_new=self.ld_new, ld_patched=ld, recovery=rec)
+        return PatchState(
+            positions=pos,
+            layers=layers,
+            keys=bool(keys),
+            values=bool(values),
+            ld_old=self.ld_old,
+            ld_new=self.ld_new,
+            ld_patched=ld,
+            recovery=rec,
+        )
 
     @staticmethod
     def _ld(logits) -> float:
         return float(logits[0].double() - logits[1].double())
 
     def __repr__(self) -> str:
-        return (f"PatchSession({self.model.name!r}, {len(self.positions)} slots, "
-                f"{len(self.changed)} changed, ld old {self.ld_old:+.3f} → new {self.ld_new:+.3f})")
+        return (
+            f"PatchSession({self.model.name!r}, {len(self.positions)} slots, "
+            f"{len(self.changed)} changed, ld old {self.ld_old:+.3f} → new {self.ld_new:+.3f})"
+        )

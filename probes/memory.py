@@ -28,8 +28,9 @@ def _block(model: KVModel, text: str) -> Notebook:
     return precompile(model, model.encode(text, bos=False))
 
 
-def memory_blocks(model: KVModel, *, n: int = 8, people: int = 4, seam: int = 2, seed: int = 0,
-                  progress: bool = True) -> ProbeResult:
+def memory_blocks(
+    model: KVModel, *, n: int = 8, people: int = 4, seam: int = 2, seed: int = 0, progress: bool = True
+) -> ProbeResult:
     """Parts: `split_agree` (headline), `colocated_agree`, `split_cosine`, `colocated_cosine`, and
     `reference_correct` (whether full recompute itself answers the two-hop question right: if the
     model cannot do the task, agreement only says the splice kept its guess)."""
@@ -60,8 +61,10 @@ def memory_blocks(model: KVModel, *, n: int = 8, people: int = 4, seam: int = 2,
             acc.setdefault(f"{name}_agree", []).append(float(same))
             acc.setdefault(f"{name}_cosine", []).append(float(logit_cosine(out, ref)))
     order = ["split_agree", "colocated_agree", "split_cosine", "colocated_cosine", "reference_correct"]
-    return ProbeResult(name="memory_blocks", headline="split_agree",
-                       parts={k: Estimate.of(acc[k]) for k in order},
-                       details={"people": people, "seam": seam},
-                       description="two-hop question over facts precompiled together vs in separate "
-                                   "blocks")
+    return ProbeResult(
+        name="memory_blocks",
+        headline="split_agree",
+        parts={k: Estimate.of(acc[k]) for k in order},
+        details={"people": people, "seam": seam},
+        description="two-hop question over facts precompiled together vs in separate blocks",
+    )

@@ -44,8 +44,16 @@ def filler_text(model: KVModel, n_tokens: int) -> str:
     return "".join(lines)
 
 
-def regime(model: KVModel, task: Task | str, *, n: int = 4, distances: Sequence[int] = DISTANCES,
-           seed: int = 0, min_effect: float = MIN_EFFECT, progress: bool = True) -> ProbeResult:
+def regime(
+    model: KVModel,
+    task: Task | str,
+    *,
+    n: int = 4,
+    distances: Sequence[int] = DISTANCES,
+    seed: int = 0,
+    min_effect: float = MIN_EFFECT,
+    progress: bool = True,
+) -> ProbeResult:
     """Field-only refresh vs notes transplant recovery at each filler length in `distances`.
 
     Parts `field_refresh@{d}` and `notes_transplant@{d}` per filler length d (tokens); the
@@ -55,8 +63,10 @@ def regime(model: KVModel, task: Task | str, *, n: int = 4, distances: Sequence[
     """
     task = load_task(task)
     if not task.has_filler:
-        raise TaskError(f"task {task.name!r} has no {{filler}} field, so the field cannot be moved away "
-                        "from the decision; add {filler} to its template after the gating field")
+        raise TaskError(
+            f"task {task.name!r} has no {{filler}} field, so the field cannot be moved away "
+            "from the decision; add {filler} to its template after the gating field"
+        )
     parts, distance, measured, skipped = {}, [], [], []
     for d in tqdm(list(distances), desc="regime", disable=not progress, unit="distance"):
         filler = filler_text(model, d)
@@ -72,12 +82,21 @@ def regime(model: KVModel, task: Task | str, *, n: int = 4, distances: Sequence[
         parts[f"notes_transplant@{d}"] = notes_transplant(trials, min_effect=min_effect).estimate
         parts[f"effect@{d}"] = Estimate.of([t.effect for t in trials])
     if not measured:
-        raise OutOfRange(f"no filler length in {list(distances)} fits {model.name}'s context of "
-                         f"{model.n_ctx} tokens; pass shorter distances")
+        raise OutOfRange(
+            f"no filler length in {list(distances)} fits {model.name}'s context of "
+            f"{model.n_ctx} tokens; pass shorter distances"
+        )
     last = measured[-1]
     return ProbeResult(
-        name="regime", headline=f"notes_transplant@{last}", parts=parts,
-        details={"filler_tokens": measured, "distance": distance, "skipped": skipped,
-                 "window": model.max_window, "n_layers": model.n_layers},
+        name="regime",
+        headline=f"notes_transplant@{last}",
+        parts=parts,
+        details={
+            "filler_tokens": measured,
+            "distance": distance,
+            "skipped": skipped,
+            "window": model.max_window,
+            "n_layers": model.n_layers,
+        },
         description="field-only refresh vs notes transplant as filler separates the field from the decision",
     )

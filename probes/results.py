@@ -59,8 +59,9 @@ class Estimate:
         return f"{self.mean:+.3f} {ci} n={self.n}"
 
 
-def bootstrap_ci(values: Sequence[float], *, seed: int = 0, confidence: float = CONFIDENCE
-                 ) -> tuple[float, float] | None:
+def bootstrap_ci(
+    values: Sequence[float], *, seed: int = 0, confidence: float = CONFIDENCE
+) -> tuple[float, float] | None:
     """Percentile bootstrap CI of the mean (scipy.stats.bootstrap), None for fewer than 2 values."""
     from scipy.stats import bootstrap
 
@@ -69,8 +70,14 @@ def bootstrap_ci(values: Sequence[float], *, seed: int = 0, confidence: float = 
         return None
     if np.all(x == x[0]):  # every resample has the same mean
         return (float(x[0]), float(x[0]))
-    res = bootstrap((x,), np.mean, n_resamples=N_RESAMPLES, confidence_level=confidence,
-                    method="percentile", random_state=np.random.default_rng(seed))
+    res = bootstrap(
+        (x,),
+        np.mean,
+        n_resamples=N_RESAMPLES,
+        confidence_level=confidence,
+        method="percentile",
+        random_state=np.random.default_rng(seed),
+    )
     return (float(res.confidence_interval.low), float(res.confidence_interval.high))
 
 
@@ -88,8 +95,9 @@ class Curve:
     points: tuple[Estimate, ...]
 
     @classmethod
-    def of(cls, x_name: str, x: Sequence[int | float], values: Sequence[Sequence[float]], *,
-           seed: int = 0) -> Curve:
+    def of(
+        cls, x_name: str, x: Sequence[int | float], values: Sequence[Sequence[float]], *, seed: int = 0
+    ) -> Curve:
         if len(x) != len(values):
             raise ValueError(f"{len(x)} x values but {len(values)} lists of values")
         return cls(x_name=x_name, x=tuple(x), points=tuple(Estimate.of(v, seed=seed) for v in values))
@@ -99,19 +107,27 @@ class Curve:
         return [p.mean for p in self.points]
 
     def to_dict(self) -> dict:
-        return {"x_name": self.x_name, "x": list(self.x), "mean": self.means,
-                "ci": [list(p.ci) if p.ci else None for p in self.points],
-                "values": [list(p.values) for p in self.points]}
+        return {
+            "x_name": self.x_name,
+            "x": list(self.x),
+            "mean": self.means,
+            "ci": [list(p.ci) if p.ci else None for p in self.points],
+            "values": [list(p.values) for p in self.points],
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Curve:
-        pts = tuple(Estimate.from_dict({"mean": m, "ci": c, "values": v})
-                    for m, c, v in zip(d["mean"], d["ci"], d["values"]))
+        pts = tuple(
+            Estimate.from_dict({"mean": m, "ci": c, "values": v})
+            for m, c, v in zip(d["mean"], d["ci"], d["values"])
+        )
         return cls(x_name=d["x_name"], x=tuple(d["x"]), points=pts)
 
     def __str__(self) -> str:
-        return "  ".join(f"{self.x_name}={x:g}: {'n/a' if p.mean is None else f'{p.mean:+.2f}'}"
-                         for x, p in zip(self.x, self.points))
+        return "  ".join(
+            f"{self.x_name}={x:g}: {'n/a' if p.mean is None else f'{p.mean:+.2f}'}"
+            for x, p in zip(self.x, self.points)
+        )
 
 
 @dataclass(frozen=True)
@@ -134,8 +150,9 @@ class ProbeResult(Displayable):
         names = [*self.parts, *self.curves, *self.tables]
         clash = {n for n in names if names.count(n) > 1} | (set(names) & _RESERVED)
         if clash:
-            raise ValueError(f"part, curve and table names must be distinct and not reserved: "
-                             f"{sorted(clash)}")
+            raise ValueError(
+                f"part, curve and table names must be distinct and not reserved: {sorted(clash)}"
+            )
 
     @property
     def estimate(self) -> Estimate:
@@ -149,28 +166,39 @@ class ProbeResult(Displayable):
         return self.parts[part]
 
     def to_dict(self) -> dict:
-        return {**self.estimate.to_dict(), "headline": self.headline, "description": self.description,
-                **{k: v.to_dict() for k, v in self.parts.items()},
-                **{k: v.to_dict() for k, v in self.curves.items()},
-                **{k: list(v) for k, v in self.tables.items()}, "details": dict(self.details)}
+        return {
+            **self.estimate.to_dict(),
+            "headline": self.headline,
+            "description": self.description,
+            **{k: v.to_dict() for k, v in self.parts.items()},
+            **{k: v.to_dict() for k, v in self.curves.items()},
+            **{k: list(v) for k, v in self.tables.items()},
+            "details": dict(self.details),
+        }
 
     @classmethod
     def from_dict(cls, name: str, d: Mapping) -> ProbeResult:
         rest = {k: v for k, v in d.items() if k not in _RESERVED}
-        parts = {k: Estimate.from_dict(v) for k, v in rest.items()
-                 if isinstance(v, Mapping) and "x" not in v}
+        parts = {k: Estimate.from_dict(v) for k, v in rest.items() if isinstance(v, Mapping) and "x" not in v}
         curves = {k: Curve.from_dict(v) for k, v in rest.items() if isinstance(v, Mapping) and "x" in v}
         tables = {k: list(v) for k, v in rest.items() if isinstance(v, list)}
-        return cls(name=name, headline=d["headline"], parts=parts, details=d.get("details", {}),
-                   description=d.get("description", ""), curves=curves, tables=tables)
+        return cls(
+            name=name,
+            headline=d["headline"],
+            parts=parts,
+            details=d.get("details", {}),
+            description=d.get("description", ""),
+            curves=curves,
+            tables=tables,
+        )
 
     def __repr__(self) -> str:
         return f"ProbeResult({self.name}: {self.headline} {self.estimate}; parts {list(self.parts)})"
 
     def rows(self) -> list[tuple[str, str]]:
-        return ([(f"{self.name}.{k}" + (" *" if k == self.headline else ""), str(v))
-                 for k, v in self.parts.items()]
-                + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()])
+        return [
+            (f"{self.name}.{k}" + (" *" if k == self.headline else ""), str(v)) for k, v in self.parts.items()
+        ] + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()]
 
 
 _RESERVED = {"mean", "ci", "values", "headline", "description", "details"}
@@ -188,14 +216,25 @@ class ProbeReport(Displayable):
     meta: Mapping = field(default_factory=dict)  # versions, machine, timings, min_effect, ...
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "task": self.task, "n": self.n, "seed": self.seed,
-                "probes": {k: v.to_dict() for k, v in self.probes.items()}, "meta": dict(self.meta)}
+        return {
+            "model": self.model,
+            "task": self.task,
+            "n": self.n,
+            "seed": self.seed,
+            "probes": {k: v.to_dict() for k, v in self.probes.items()},
+            "meta": dict(self.meta),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> ProbeReport:
-        return cls(model=d["model"], task=d["task"], n=d["n"], seed=d["seed"],
-                   probes={k: ProbeResult.from_dict(k, v) for k, v in d["probes"].items()},
-                   meta=d.get("meta", {}))
+        return cls(
+            model=d["model"],
+            task=d["task"],
+            n=d["n"],
+            seed=d["seed"],
+            probes={k: ProbeResult.from_dict(k, v) for k, v in d["probes"].items()},
+            meta=d.get("meta", {}),
+        )
 
     def __repr__(self) -> str:
         return self.table()

@@ -59,13 +59,20 @@ class Trial:
         ld = torch.as_tensor(ld, dtype=torch.float64)
         return (ld - self.ld_old) / (self.ld_new - self.ld_old)
 
-    def sweep(self, specs: Sequence[Patch], *, src: Notebook | None = None, dst: Notebook | None = None,
-              batch_size: int = 16) -> Float[Tensor, " n"]:
+    def sweep(
+        self,
+        specs: Sequence[Patch],
+        *,
+        src: Notebook | None = None,
+        dst: Notebook | None = None,
+        batch_size: int = 16,
+    ) -> Float[Tensor, " n"]:
         """Recovery of each patch in `specs` (new → old by default), as batched forwards."""
         src = self.new_nb if src is None else src
         dst = self.old_nb if dst is None else dst
-        out = decide_patched(self.model, dst, src, list(specs), self.pair.new, batch_size=batch_size,
-                             vocab=self.pair.answers)
+        out = decide_patched(
+            self.model, dst, src, list(specs), self.pair.new, batch_size=batch_size, vocab=self.pair.answers
+        )
         return self.recovery(out[:, 0].double() - out[:, 1].double())
 
     def token_strings(self, positions: Sequence[int]) -> list[str]:
@@ -79,8 +86,16 @@ def each(trials: Sequence[Trial], desc: str):
     return tqdm(trials, desc=desc, unit="pair", disable=True if quiet else None, leave=False)
 
 
-def make_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0, kind: str = GATE,
-                filler: str = "", progress: bool = True) -> list[Trial]:
+def make_trials(
+    model: KVModel,
+    task: Task | str,
+    n: int,
+    *,
+    seed: int = 0,
+    kind: str = GATE,
+    filler: str = "",
+    progress: bool = True,
+) -> list[Trial]:
     """Sample `n` aligned pairs of `task` and prefill both prompts of each.
 
     >>> from kvnotes import load_model
@@ -90,8 +105,11 @@ def make_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0, kind
     """
     task = load_task(task)
     if task.model and task.model != model.name:
-        warnings.warn(f"task {task.name!r} was made for {task.model}, not {model.name}; its known "
-                      "answers (docs/organisms.md) hold only there", stacklevel=2)
+        warnings.warn(
+            f"task {task.name!r} was made for {task.model}, not {model.name}; its known "
+            "answers (docs/organisms.md) hold only there",
+            stacklevel=2,
+        )
     pairs = sample(task, model, n, seed=seed, kind=kind, filler=filler)
     out = []
     for pair in tqdm(pairs, desc=f"prefill {task.name} ({kind})", disable=not progress, unit="pair"):
@@ -100,6 +118,15 @@ def make_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0, kind
         for nb, prompt in ((old_nb, pair.old), (new_nb, pair.new)):
             o = decide(model, nb, prompt, vocab=pair.answers).last[0]
             lds.append(float(o[0] - o[1]))
-        out.append(Trial(model=model, pair=pair, old_nb=old_nb, new_nb=new_nb, ld_old=lds[0], ld_new=lds[1],
-                         progress=progress))
+        out.append(
+            Trial(
+                model=model,
+                pair=pair,
+                old_nb=old_nb,
+                new_nb=new_nb,
+                ld_old=lds[0],
+                ld_new=lds[1],
+                progress=progress,
+            )
+        )
     return out

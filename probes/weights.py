@@ -52,9 +52,13 @@ from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Trial, each, make_trials
 
 # Drift is read on another task's decisions: unrelated to the edited one, same tokenizer.
-DRIFT_TASKS = {"order-cancel": "account-access", "account-access": "order-cancel",
-               "refund-window": "order-cancel", "notes-organism": "lookup-organism",
-               "lookup-organism": "notes-organism"}
+DRIFT_TASKS = {
+    "order-cancel": "account-access",
+    "account-access": "order-cancel",
+    "refund-window": "order-cancel",
+    "notes-organism": "lookup-organism",
+    "lookup-organism": "notes-organism",
+}
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -118,13 +122,16 @@ def check_layer(model: KVModel, layer: int | None) -> int:
     if layer is None:
         return model.n_layers // 2
     if not 0 <= layer < model.n_layers:
-        raise OutOfRange(f"layer {layer} is out of range for {model.name} ({model.n_layers} layers); "
-                         f"pick a layer in 0..{model.n_layers - 1}, or None for the middle one")
+        raise OutOfRange(
+            f"layer {layer} is out of range for {model.name} ({model.n_layers} layers); "
+            f"pick a layer in 0..{model.n_layers - 1}, or None for the middle one"
+        )
     return layer
 
 
-def match_decision(trial: Trial, layer: int, *, new_nb: Notebook | None = None,
-                   steps: int = 30) -> RankOneEdit:
+def match_decision(
+    trial: Trial, layer: int, *, new_nb: Notebook | None = None, steps: int = 30
+) -> RankOneEdit:
     """ROME's target, without its covariance or KL terms: a small change u of the layer's MLP
     output at the key for which the old prompt's decision reaches the new run's (ld_new).
 
@@ -176,11 +183,15 @@ def match_residual(trial: Trial, layer: int, *, new_nb: Notebook | None = None) 
     the decision token's own state barely differs at a middle layer (docs/edit-compose.md).
     """
     m, pair = trial.model, trial.pair
-    post, out, resid = (f"blocks.{layer}.mlp.hook_post", f"blocks.{layer}.hook_mlp_out",
-                        f"blocks.{layer}.hook_resid_post")
+    post, out, resid = (
+        f"blocks.{layer}.mlp.hook_post",
+        f"blocks.{layer}.hook_mlp_out",
+        f"blocks.{layer}.hook_resid_post",
+    )
     old = decide(m, trial.old_nb, pair.old, capture=[post, out, resid], vocab=pair.answers).activations
-    new = decide(m, trial.new_nb if new_nb is None else new_nb, pair.new, capture=[resid],
-                 vocab=pair.answers).activations
+    new = decide(
+        m, trial.new_nb if new_nb is None else new_nb, pair.new, capture=[resid], vocab=pair.answers
+    ).activations
     key, y_old = old[post][0, -1], old[out][0, -1]
     target = y_old + (new[resid][0, -1] - old[resid][0, -1])
     x_old = _mlp_out(m, layer, key).double()
@@ -256,17 +267,28 @@ def concurrent(trials: Sequence[Trial], i: int) -> tuple[int, Prompt, float, flo
     field, value = t.pair.changed, t.pair.old.values[t.pair.changed]
     for j in [*range(i + 1, len(trials)), *range(i)]:
         u = trials[j]
-        c, ld_c, ld_alt = ((u.pair.old, u.ld_old, u.ld_new) if u.pair.old.values[field] == value
-                           else (u.pair.new, u.ld_new, u.ld_old))
+        c, ld_c, ld_alt = (
+            (u.pair.old, u.ld_old, u.ld_new)
+            if u.pair.old.values[field] == value
+            else (u.pair.new, u.ld_new, u.ld_old)
+        )
         if c.text != t.pair.old.text:
             return j, c, ld_c, ld_alt
-    raise KVNotesError(f"contamination needs another request holding {field}={value!r} with other "
-                     f"names and ids, and the {len(trials)} pair(s) given have none; sample n >= 2")
+    raise KVNotesError(
+        f"contamination needs another request holding {field}={value!r} with other "
+        f"names and ids, and the {len(trials)} pair(s) given have none; sample n >= 2"
+    )
 
 
-def weight_edit(trials: Sequence[Trial], *, layer: int | None = None,
-                other_trials: Sequence[Trial] | None = None, target: EditTarget = match_decision,
-                erratum: str = ERRATUM, min_effect: float = MIN_EFFECT) -> ProbeResult:
+def weight_edit(
+    trials: Sequence[Trial],
+    *,
+    layer: int | None = None,
+    other_trials: Sequence[Trial] | None = None,
+    target: EditTarget = match_decision,
+    erratum: str = ERRATUM,
+    min_effect: float = MIN_EFFECT,
+) -> ProbeResult:
     """Edit the weights for each pair (one rank-one MLP edit at `layer`, default the middle one,
     aimed by `target`: `match_decision` or `match_residual`) and measure, with the edit applied
     and the original weights restored after each pair:
@@ -298,15 +320,31 @@ def weight_edit(trials: Sequence[Trial], *, layer: int | None = None,
     ('contamination', 1, 'match_decision', 1.0)
     """
     if len(trials) < 2:
-        raise KVNotesError(f"weight_edit needs at least 2 pairs (contamination is read on another "
-                         f"pair's prompt), got {len(trials)}; sample n >= 2")
+        raise KVNotesError(
+            f"weight_edit needs at least 2 pairs (contamination is read on another "
+            f"pair's prompt), got {len(trials)}; sample n >= 2"
+        )
     model = trials[0].model
     layer = check_layer(model, layer)
     out_name = f"blocks.{layer}.hook_mlp_out"
     used, excluded = split(trials, min_effect)
-    acc: dict[str, list] = {k: [] for k in (
-        "target", "target.agree", "target.stale_cache", "contamination", "contamination.flips", "drift",
-        "drift.dld", "seconds", "reprefill_seconds", "erratum", "erratum_seconds", "update_error")}
+    acc: dict[str, list] = {
+        k: []
+        for k in (
+            "target",
+            "target.agree",
+            "target.stale_cache",
+            "contamination",
+            "contamination.flips",
+            "drift",
+            "drift.dld",
+            "seconds",
+            "reprefill_seconds",
+            "erratum",
+            "erratum_seconds",
+            "update_error",
+        )
+    }
     per_pair = []
     other = list(other_trials or [])
     index = {id(t): i for i, t in enumerate(trials)}
@@ -336,26 +374,46 @@ def weight_edit(trials: Sequence[Trial], *, layer: int | None = None,
         acc["target.agree"].append(float((ld > 0) == (t.ld_new > 0)))
         acc["target.stale_cache"].append(float(t.recovery(float(stale.last[0, 0] - stale.last[0, 1]))))
         acc["erratum"].append(float(t.recovery(ld_err)))
-        acc["contamination"].append((ld_c_edit - ld_c) / (ld_alt - ld_c)
-                                    if abs(ld_alt - ld_c) >= min_effect else None)
-        acc["contamination.flips"].append(float((ld_c_edit > 0) == (ld_alt > 0))
-                                          if (ld_c > 0) != (ld_alt > 0) else None)
+        acc["contamination"].append(
+            (ld_c_edit - ld_c) / (ld_alt - ld_c) if abs(ld_alt - ld_c) >= min_effect else None
+        )
+        acc["contamination.flips"].append(
+            float((ld_c_edit > 0) == (ld_alt > 0)) if (ld_c > 0) != (ld_alt > 0) else None
+        )
         if drift:
             acc["drift"].append(sum((a > 0) != (b > 0) for a, b in drift) / len(drift))
             acc["drift.dld"].append(sum(abs(a - b) for a, b in drift) / len(drift))
-        per_pair.append({"index": i, "concurrent": j, "concurrent_text": c.text, "ld_edited": ld,
-                         "ld_concurrent": ld_c, "ld_concurrent_edited": ld_c_edit,
-                         "ld_concurrent_new_value": ld_alt, "wanted_norm": wanted,
-                         "update_norm": float(edit.delta(m).norm() / m.tl.blocks[layer].mlp.W_out.norm())})
+        per_pair.append(
+            {
+                "index": i,
+                "concurrent": j,
+                "concurrent_text": c.text,
+                "ld_edited": ld,
+                "ld_concurrent": ld_c,
+                "ld_concurrent_edited": ld_c_edit,
+                "ld_concurrent_new_value": ld_alt,
+                "wanted_norm": wanted,
+                "update_norm": float(edit.delta(m).norm() / m.tl.blocks[layer].mlp.W_out.norm()),
+            }
+        )
     return ProbeResult(
-        name="weight_edit", headline="contamination",
+        name="weight_edit",
+        headline="contamination",
         parts={k: Estimate.of([x for x in v if x is not None]) for k, v in acc.items()},
-        details={"layer": layer, "n_layers": model.n_layers, "target": target.__name__,
-                 "covariance": "identity (covariance-free ROME)", "excluded": excluded, "pairs": per_pair,
-                 "drift_task": other[0].pair.task if other else None, "drift_decisions": 2 * len(other),
-                 "erratum": erratum},
+        details={
+            "layer": layer,
+            "n_layers": model.n_layers,
+            "target": target.__name__,
+            "covariance": "identity (covariance-free ROME)",
+            "excluded": excluded,
+            "pairs": per_pair,
+            "drift_task": other[0].pair.task if other else None,
+            "drift_decisions": 2 * len(other),
+            "erratum": erratum,
+        },
         description="a rank-one MLP weight edit per pair: target recovery, contamination of a concurrent "
-                    "request, drift of other decisions, and its cost beside the erratum")
+        "request, drift of other decisions, and its cost beside the erratum",
+    )
 
 
 def drift_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0) -> list[Trial]:

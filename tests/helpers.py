@@ -39,9 +39,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, what: str) -> 
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def assert_notebooks_close(
-    actual: Notebook, expected: Notebook, *, what: str, exact: bool = False
-) -> None:
+def assert_notebooks_close(actual: Notebook, expected: Notebook, *, what: str, exact: bool = False) -> None:
     """Same positions (as a set), same tokens, and K/V slot by slot (matched by position)."""
     assert actual.fingerprint == expected.fingerprint, f"{what}: fingerprints differ"
     assert sorted(actual.positions.tolist()) == sorted(expected.positions.tolist()), (
@@ -116,6 +114,4 @@ class Case:
 def make_case(model) -> Case:
     old = TEMPLATE.render(model, order_status=OLD)
     new = old.with_values(model, order_status=NEW)
-    return Case(
-        model=model, old=old, new=new, nb_old=prefill(model, old), nb_new=prefill(model, new)
-    )
+    return Case(model=model, old=old, new=new, nb_old=prefill(model, old), nb_new=prefill(model, new))

@@ -24,8 +24,23 @@ def test_sweep_prompts_are_aligned_and_close_to_the_asked_length(gemma3):
 
 def test_cli_patch_sweep_writes_json(tmp_path):
     out = tmp_path / "sweep.json"
-    assert main(["bench", "patch-sweep", "--model", "tiny-gqa", "--tokens", "60,90", "--slots", "8",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "patch-sweep",
+                "--model",
+                "tiny-gqa",
+                "--tokens",
+                "60,90",
+                "--slots",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     d = json.loads(out.read_text())
     assert SweepReport.from_dict(d).to_dict() == d
     assert d["model"] == "tiny-gqa" and all(r["tokens"] >= t for r, t in zip(d["results"], (60, 90)))

@@ -24,9 +24,7 @@ def test_append_keeps_earlier_slots_and_adds_the_next_positions(case):
     ids = model.encode(ERRATUM, bos=False)
     out = append(model, nb, ERRATUM, span="erratum")
     n = nb.n_slots
-    assert_notebooks_close(
-        out.select(nb.positions), nb, what="slots before the erratum", exact=True
-    )
+    assert_notebooks_close(out.select(nb.positions), nb, what="slots before the erratum", exact=True)
     assert out.positions[n:].tolist() == list(range(nb.next_position, nb.next_position + len(ids)))
     assert out.tokens[0, n:].tolist() == ids
     assert out.span("erratum") == range(n, n + len(ids))
@@ -51,9 +49,7 @@ def test_recompute_changes_only_the_chosen_slots(case):
     chosen = [f, f + 3, case.stop - 1]
     nb = recompute(model, case.nb_old, case.new, chosen)
     rest = [p for p in range(case.stop) if p not in chosen]
-    assert_notebooks_close(
-        nb.select(rest), case.nb_old.select(rest), what="other slots", exact=True
-    )
+    assert_notebooks_close(nb.select(rest), case.nb_old.select(rest), what="other slots", exact=True)
     for p in chosen:
         assert max_kv_diff(nb.select([p]), case.nb_old.select([p])) > 1e-3, f"slot {p} unchanged"
     assert nb.positions.tolist() == case.nb_old.positions.tolist(), "slots are replaced in place"
@@ -83,9 +79,7 @@ def test_rerotate_round_trip_restores_keys_and_never_touches_values(case, q):
     assert there.positions.tolist() == (nb.positions + q).tolist()
     assert back.positions.tolist() == nb.positions.tolist()
     for l in range(nb.n_layers):
-        assert torch.equal(there.values[l], nb.values[l]) and torch.equal(
-            back.values[l], nb.values[l]
-        )
+        assert torch.equal(there.values[l], nb.values[l]) and torch.equal(back.values[l], nb.values[l])
         torch.testing.assert_close(back.keys[l], nb.keys[l], rtol=0, atol=2e-6)
     assert max((a - b).abs().max().item() for a, b in zip(there.keys, nb.keys)) > 0.1
     assert there.spans["order_status"] == tuple(x + q for x in nb.spans["order_status"])

@@ -58,9 +58,7 @@ MIXES = {
 @pytest.mark.parametrize("op", list(MIXES), ids=list(MIXES))
 def test_notebooks_from_different_models_are_refused(two, op):
     c, llama, nb_l = two
-    with pytest.raises(
-        FingerprintMismatch, match=r"tiny-gemma3.*tiny-llama|tiny-llama.*tiny-gemma3"
-    ):
+    with pytest.raises(FingerprintMismatch, match=r"tiny-gemma3.*tiny-llama|tiny-llama.*tiny-gemma3"):
         MIXES[op](c, llama, nb_l)
 
 

@@ -42,8 +42,10 @@ def test_bos_first_and_single_token_answers(gemma):
 
 
 def test_spans_follow_gemma_offsets(gemma):
-    tpl = Template("[[rule:Deny once shipped.]]\nCustomer: {name}, order_status: {order_status}.\n"
-                   "[[query:Q: cancel or deny?]]\n[[decision:A:]]")
+    tpl = Template(
+        "[[rule:Deny once shipped.]]\nCustomer: {name}, order_status: {order_status}.\n"
+        "[[query:Q: cancel or deny?]]\n[[decision:A:]]"
+    )
     p = tpl.render(gemma, name="Zoë-Ann", order_status="pending")
     for name, (cs, ce) in p.char_spans.items():
         decoded = gemma.tokenizer.decode(list(p.ids[slice(*p.spans[name])]))
@@ -110,8 +112,9 @@ def test_note_map_on_gemma_equals_unbatched_patches(gemma):
     t = make_trials(gemma, "order-cancel", 1, progress=False)[0]
     m = single_slot_map(t, 3)
     for p, r in zip(m["positions"], m["recovery"]):
-        out = decide(gemma, patch(t.old_nb, t.new_nb, Patch(positions=(p,))), t.pair.new,
-                     vocab=t.pair.answers).last[0]
+        out = decide(
+            gemma, patch(t.old_nb, t.new_nb, Patch(positions=(p,))), t.pair.new, vocab=t.pair.answers
+        ).last[0]
         want = float(out[0] - out[1])
         assert abs(t.ld_old + r * (t.ld_new - t.ld_old) - want) < 1e-4, p
 
@@ -144,12 +147,14 @@ def test_head_patches_on_gemma_equal_the_unbatched_engine_and_find_the_field_rea
     sets = [[(10, 3)], [(11, 2), (15, 0)], all_heads(gemma)]
     got = t.ld_old + read_sweep(t, sets) * (t.ld_new - t.ld_old)
     for heads, ld in zip(sets, got.tolist()):
+
         def hook(z, hook, heads=heads):
             z = z.clone()
             for l, h in heads:
                 if hook.name == names[l]:
                     z[:, -1, h] = z_new[names[l]][:, -1, h]
             return z
+
         out = decide(gemma, t.old_nb, t.pair.new, hooks=[(n, hook) for n in names], vocab=t.pair.answers)
         assert abs(ld - float(out.last[0, 0] - out.last[0, 1])) < 1e-3
     assert abs(got[-1].item() - t.ld_new) < 1e-3

@@ -54,9 +54,7 @@ def test_pattern_shape_rows_and_causality(case):
 
 def test_pattern_equals_full_forward_pattern(case):
     model, nb = case.model, case.nb_old
-    _, cache = model.tl.run_with_cache(
-        torch.tensor([case.ids]), names_filter=lambda n: "hook_pattern" in n
-    )
+    _, cache = model.tl.run_with_cache(torch.tensor([case.ids]), names_filter=lambda n: "hook_pattern" in n)
     names = [f"blocks.{l}.attn.hook_pattern" for l in range(model.n_layers)]
     out = decide(model, nb, case.old, capture=names)
     assert nb.positions.tolist() == list(range(case.stop))  # key axis = slots, then query tokens
@@ -67,9 +65,7 @@ def test_pattern_equals_full_forward_pattern(case):
 def test_pattern_zero_beyond_sliding_window(windowed_model):
     c = make_case(windowed_model)
     model, nb = windowed_model, c.nb_old
-    out = decide(
-        model, nb, c.old, capture=[f"blocks.{l}.attn.hook_pattern" for l in range(model.n_layers)]
-    )
+    out = decide(model, nb, c.old, capture=[f"blocks.{l}.attn.hook_pattern" for l in range(model.n_layers)])
     q_pos = torch.arange(c.stop, len(c.ids))
     key_pos = torch.cat([nb.positions, q_pos])
     outside = key_pos[None, :] <= q_pos[:, None] - WINDOW  # [query, key]

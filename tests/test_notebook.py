@@ -41,9 +41,7 @@ def _unchanged(nb: Notebook, snap: list[torch.Tensor]) -> bool:
 
 # --- immutability --------------------------------------------------------------------------------
 OPS = {
-    "run-append": lambda c, nb, tmp: run(
-        c.model, nb, [5, 6], [nb.next_position, nb.next_position + 1]
-    ),
+    "run-append": lambda c, nb, tmp: run(c.model, nb, [5, 6], [nb.next_position, nb.next_position + 1]),
     "run-replace": lambda c, nb, tmp: run(c.model, nb, c.ids[3:6], [3, 4, 5]),
     "run-no-write": lambda c, nb, tmp: run(c.model, nb, c.ids[3:6], [3, 4, 5], write=False),
     "run-batch": lambda c, nb, tmp: run(c.model, nb, torch.tensor([c.ids[3:5]] * 3), [3, 4]),
@@ -117,9 +115,7 @@ def test_save_load_round_trip(gcase, tmp_path, variant):
     assert torch.equal(back.positions, nb.positions) and torch.equal(back.tokens, nb.tokens)
     for a, b in zip((*back.keys, *back.values), (*nb.keys, *nb.values)):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    assert torch.equal(
-        decide(gcase.model, back, gcase.old).last, decide(gcase.model, nb, gcase.old).last
-    )
+    assert torch.equal(decide(gcase.model, back, gcase.old).last, decide(gcase.model, nb, gcase.old).last)
 
 
 def _valid_file(gcase, tmp_path):
@@ -136,9 +132,7 @@ CORRUPTIONS = {
         str(p),
         metadata={"kvnotes": json.dumps({"format": "other", "version": 1})},
     ),
-    "header-not-json": lambda p: save_file(
-        {"x": torch.zeros(1)}, str(p), metadata={"kvnotes": "{oops"}
-    ),
+    "header-not-json": lambda p: save_file({"x": torch.zeros(1)}, str(p), metadata={"kvnotes": "{oops"}),
 }
 
 

@@ -63,9 +63,7 @@ def test_decide_on_prompt_much_longer_than_window(model):
     out = decide(model, prefill(model, prompt), prompt)
     assert_close(out.last[0], full[-1], what="long-prompt decision")
     at = [WINDOW - 1, WINDOW, 3 * WINDOW + 1, len(prompt) - 1]
-    _, out = run(
-        model, prefill(model, prompt, upto=WINDOW - 1), list(prompt.ids[WINDOW - 1 :]), logits_at=at
-    )
+    _, out = run(model, prefill(model, prompt, upto=WINDOW - 1), list(prompt.ids[WINDOW - 1 :]), logits_at=at)
     assert_close(out.logits[0], full[at], what="long-prompt rows")
 
 
@@ -74,9 +72,7 @@ def test_decide_on_prompt_much_longer_than_window(model):
 def test_prefix_then_suffix_equals_prefill(case, split):
     model, ids, stop = case.model, case.ids, case.stop
     k = {"bos-only": 1, "before-field": case.field, "last-token": stop - 1}[split]
-    nb, _ = run(
-        model, prefill(model, ids, upto=k), ids[k:stop], torch.arange(k, stop), logits_at=()
-    )
+    nb, _ = run(model, prefill(model, ids, upto=k), ids[k:stop], torch.arange(k, stop), logits_at=())
     assert nb.positions.tolist() == list(range(stop))
     assert_notebooks_close(nb, prefill(model, ids, upto=stop), what=f"prefix {k} + suffix")
 
@@ -115,13 +111,9 @@ def test_kv_deviation_zero_before_field_positive_at_field(case):
 def test_patch_all_reproduces_source_decision(case):
     model = case.model
     patched = patch(case.nb_old, case.nb_new, Patch())
-    assert torch.equal(
-        decide(model, patched, case.new).last, decide(model, case.nb_new, case.new).last
-    )
+    assert torch.equal(decide(model, patched, case.new).last, decide(model, case.nb_new, case.new).last)
     untouched = patch(case.nb_old, case.nb_new, Patch(positions=()))
-    assert torch.equal(
-        decide(model, untouched, case.new).last, decide(model, case.nb_old, case.new).last
-    )
+    assert torch.equal(decide(model, untouched, case.new).last, decide(model, case.nb_old, case.new).last)
 
 
 # --- 6. re-rotation of an isolated chunk == prefill at offset q ----------------------------------
@@ -145,9 +137,7 @@ def test_refresh_changed_value_rewrites_the_field_slot_only(case):
     model, f = case.model, case.field
     nb = refresh(model, case.nb_old, case.new, "order_status")
     others = [p for p in case.nb_old.positions.tolist() if p != f]
-    assert_notebooks_close(
-        nb.select(others), case.nb_old.select(others), what="non-field slots", exact=True
-    )
+    assert_notebooks_close(nb.select(others), case.nb_old.select(others), what="non-field slots", exact=True)
     # the field slot saw the same (unchanged) prefix, so it equals the edited prompt's field slot
     assert_notebooks_close(nb.select([f]), case.nb_new.select([f]), what="refreshed field slot")
     assert max_kv_diff(nb.select([f]), case.nb_old.select([f])) > 1e-2
@@ -165,9 +155,7 @@ def _mixed_patches(case) -> list[Patch]:
         Patch(positions=(stop - 2, stop - 1), values=False),
         Patch(positions=tuple(range(f, stop)), layers=(1, -1)),
         Patch(positions=(f,), heads=(H - 1,)),
-        Patch(
-            positions=tuple(rng.sample(range(f, stop), 4)), layers=(0, 2), heads=(0,), keys=False
-        ),
+        Patch(positions=tuple(rng.sample(range(f, stop), 4)), layers=(0, 2), heads=(0,), keys=False),
         Patch(layers=(1,), values=False),
         Patch(positions=()),
         Patch(),
@@ -179,9 +167,7 @@ def test_decide_patched_equals_loop_of_single_patches(case):
     model = case.model
     specs = _mixed_patches(case)
     batched = decide_patched(model, case.nb_old, case.nb_new, specs, case.new, batch_size=4)
-    single = torch.stack(
-        [decide(model, patch(case.nb_old, case.nb_new, s), case.new).last[0] for s in specs]
-    )
+    single = torch.stack([decide(model, patch(case.nb_old, case.nb_new, s), case.new).last[0] for s in specs])
     assert batched.shape == (len(specs), model.cfg.d_vocab_out)
     assert_close(batched, single, what="batched vs single patches")
     # the sweep is not degenerate: patches differ from each other
@@ -241,9 +227,7 @@ def test_splice_seam0_chunk_slots_equal_isolated_prefill_at_target(case):
 def test_splice_full_seam_equals_prefill_of_host_plus_chunk(case):
     model = case.model
     host_ids, chunk_ids = _host_and_chunk(case)
-    spliced = splice(
-        model, prefill(model, host_ids), prefill(model, chunk_ids), seam=len(chunk_ids)
-    )
+    spliced = splice(model, prefill(model, host_ids), prefill(model, chunk_ids), seam=len(chunk_ids))
     assert_notebooks_close(spliced, prefill(model, host_ids + chunk_ids), what="full-seam splice")
 
 
@@ -260,9 +244,7 @@ def test_splice_without_rerotation_visibly_differs(case):
     assert max((a - b).abs().max().item() for a, b in zip(naive.keys, rotated.keys)) > 0.1
     query = case.ids[case.stop :]
     d_rot, d_naive = decide(model, rotated, query).last, decide(model, naive, query).last
-    assert (d_rot - d_naive).abs().max().item() > 1e-2, (
-        "the un-rotated ablation must change the decision"
-    )
+    assert (d_rot - d_naive).abs().max().item() > 1e-2, "the un-rotated ablation must change the decision"
 
 
 def test_vocab_subset_equals_the_same_columns_of_full_logits(case):

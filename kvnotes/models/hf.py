@@ -26,8 +26,13 @@ from kvnotes.models.model import KVModel
 N_CTX_CAP = 8192
 
 _ACTIVATIONS = {  # transformers' ACT2FN name -> TransformerLens act_fn
-    "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_new",
-    "gelu_fast": "gelu_fast", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_new",
+    "gelu_fast": "gelu_fast",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "relu": "relu",
 }
 
 _CONVERTERS: dict[str, Callable] = {
@@ -43,8 +48,7 @@ _CONVERTERS: dict[str, Callable] = {
 
 
 # --- loading -------------------------------------------------------------------------------------
-def load_hf(name_or_dir: str, *, dtype: torch.dtype = torch.float32,
-            n_ctx: int | None = None) -> KVModel:
+def load_hf(name_or_dir: str, *, dtype: torch.dtype = torch.float32, n_ctx: int | None = None) -> KVModel:
     """Load a local checkpoint directory or a hub name (HF cache first) as a `KVModel`.
 
     n_ctx: the context length; default min(max_position_embeddings, 8192).
@@ -61,16 +65,18 @@ def load_hf(name_or_dir: str, *, dtype: torch.dtype = torch.float32,
     return tl_from_hf_model(hf_model, tokenizer, name_or_dir, **overrides)
 
 
-def tl_from_hf_model(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str,
-                     **cfg_overrides: Any) -> KVModel:
+def tl_from_hf_model(
+    hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, **cfg_overrides: Any
+) -> KVModel:
     """Convert a loaded transformers causal LM into a `KVModel` (weights unprocessed)."""
     cfg = tl_kwargs(hf_model, tokenizer, name, **cfg_overrides)
     state_dict = convert_weights(hf_model, cfg)
     return KVModel.wrap(name, hooked_from_state_dict(cfg, state_dict), tokenizer)
 
 
-def tl_kwargs(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str,
-              **cfg_overrides: Any) -> dict:
+def tl_kwargs(
+    hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, **cfg_overrides: Any
+) -> dict:
     """All `HookedTransformerConfig` kwargs for `hf_model`: its config, tokenizer and dtype."""
     return {
         **tl_config_from_hf(hf_model.config),
@@ -96,8 +102,9 @@ def convert_weights(hf_model: PreTrainedModel, cfg: dict) -> dict[str, torch.Ten
     return state_dict
 
 
-def hooked_from_state_dict(cfg: dict, state_dict: dict[str, torch.Tensor], *,
-                           assign: bool = False) -> HookedTransformer:
+def hooked_from_state_dict(
+    cfg: dict, state_dict: dict[str, torch.Tensor], *, assign: bool = False
+) -> HookedTransformer:
     """Build `HookedTransformer(cfg)` and load `state_dict` as is, checking every weight arrived.
 
     assign: adopt the given tensors instead of copying them (they must already have cfg's dtype).
@@ -160,19 +167,23 @@ def _gemma2(c) -> dict:
 
 def _gemma3_text(c) -> dict:
     _refuse_gemma_extras(c)
-    return {**_assemble(c, "Gemma3ForCausalLM", _layer_types(c)), **_gemma_sandwich(c),
-            "use_qk_norm": True}
+    return {**_assemble(c, "Gemma3ForCausalLM", _layer_types(c)), **_gemma_sandwich(c), "use_qk_norm": True}
 
 
 def _gemma3(c) -> dict:
     """Multimodal Gemma 3: the text tower only (TL's converter skips the vision tower)."""
-    return {**_gemma3_text(c.text_config),
-            "original_architecture": "Gemma3ForConditionalGeneration"}
+    return {**_gemma3_text(c.text_config), "original_architecture": "Gemma3ForConditionalGeneration"}
 
 
 _FAMILIES: dict[str, Callable[[Any], dict]] = {
-    "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
-    "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "gemma3": _gemma3,
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3_text,
+    "gemma3": _gemma3,
 }
 
 
@@ -182,21 +193,32 @@ def _assemble(c, architecture: str, layer_types: list[str]) -> dict:
     kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     windows = _windows(c, layer_types)
     return dict(
-        d_model=c.hidden_size, d_head=d_head, n_heads=c.num_attention_heads,
+        d_model=c.hidden_size,
+        d_head=d_head,
+        n_heads=c.num_attention_heads,
         n_key_value_heads=None if kv == c.num_attention_heads else kv,
-        d_mlp=c.intermediate_size, n_layers=c.num_hidden_layers, d_vocab=c.vocab_size,
-        n_ctx=min(c.max_position_embeddings, N_CTX_CAP), eps=float(c.rms_norm_eps),
-        act_fn=_act_fn(c), normalization_type="RMS", final_rms=True, gated_mlp=True,
-        positional_embedding_type="rotary", rotary_dim=d_head, rotary_adjacent_pairs=False,
-        original_architecture=architecture, init_weights=False,
-        **windows, **_rope(c, windows.get("attn_types")),
+        d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers,
+        d_vocab=c.vocab_size,
+        n_ctx=min(c.max_position_embeddings, N_CTX_CAP),
+        eps=float(c.rms_norm_eps),
+        act_fn=_act_fn(c),
+        normalization_type="RMS",
+        final_rms=True,
+        gated_mlp=True,
+        positional_embedding_type="rotary",
+        rotary_dim=d_head,
+        rotary_adjacent_pairs=False,
+        original_architecture=architecture,
+        init_weights=False,
+        **windows,
+        **_rope(c, windows.get("attn_types")),
     )
 
 
 def _gemma_sandwich(c) -> dict:
     """Gemma 2/3: post-sublayer norms, sqrt(query_pre_attn_scalar) scale, optional softcaps."""
-    out = {"use_normalization_before_and_after": True,
-           "attn_scale": math.sqrt(c.query_pre_attn_scalar)}
+    out = {"use_normalization_before_and_after": True, "attn_scale": math.sqrt(c.query_pre_attn_scalar)}
     if getattr(c, "attn_logit_softcapping", None) is not None:
         out["attn_scores_soft_cap"] = float(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None) is not None:
@@ -251,14 +273,15 @@ def _rope(c, attn_types: list[str] | None) -> dict:
     if separate_local:
         if _rope_type(local) != "default":
             raise UnsupportedArchitecture(
-                f"{c.model_type}: RoPE scaling {_rope_type(local)!r} on sliding layers is not "
-                "supported"
+                f"{c.model_type}: RoPE scaling {_rope_type(local)!r} on sliding layers is not supported"
             )
         out["rotary_base_local"] = _theta(local, c)
     # TL applies linear scaling to global layers only, and llama3 scaling to every layer; each
     # matches HF only when HF scales exactly those layers.
-    return {**out, **_rope_scaling(c, glob, linear_ok=separate_local or not has_local,
-                                   llama3_ok=not separate_local)}
+    return {
+        **out,
+        **_rope_scaling(c, glob, linear_ok=separate_local or not has_local, llama3_ok=not separate_local),
+    }
 
 
 def _rope_parameters(c) -> dict:
@@ -290,8 +313,9 @@ def _rope_scaling(c, params: dict, *, linear_ok: bool, llama3_ok: bool) -> dict:
     if kind == "llama3" and llama3_ok:
         return {
             "use_NTK_by_parts_rope": True,
-            "NTK_original_ctx_len": int(params.get("original_max_position_embeddings",
-                                                   c.max_position_embeddings)),
+            "NTK_original_ctx_len": int(
+                params.get("original_max_position_embeddings", c.max_position_embeddings)
+            ),
             "NTK_by_parts_low_freq_factor": float(params.get("low_freq_factor", 1.0)),
             "NTK_by_parts_high_freq_factor": float(params.get("high_freq_factor", 4.0)),
             "NTK_by_parts_factor": float(params.get("factor", 8.0)),
@@ -306,24 +330,24 @@ def _refuse_biases(c, *fields: str) -> None:
     on = [f for f in fields if getattr(c, f, False)]
     if on:
         raise UnsupportedArchitecture(
-            f"{c.model_type} with {', '.join(on)}=True: TransformerLens's converter drops "
-            "those biases"
+            f"{c.model_type} with {', '.join(on)}=True: TransformerLens's converter drops those biases"
         )
 
 
 def _refuse_gemma_extras(c) -> None:
     _refuse_biases(c, "attention_bias")
     if getattr(c, "use_bidirectional_attention", False):
-        raise UnsupportedArchitecture(
-            f"{c.model_type} with use_bidirectional_attention=True is not causal")
+        raise UnsupportedArchitecture(f"{c.model_type} with use_bidirectional_attention=True is not causal")
 
 
 def _bos_fields(tokenizer: PreTrainedTokenizerBase) -> dict:
     """Whether the tokenizer adds BOS itself, and whether TL should prepend one by default."""
     bos = tokenizer.bos_token_id
     ids = tokenizer("a")["input_ids"]
-    return {"tokenizer_prepends_bos": bos is not None and len(ids) > 0 and ids[0] == bos,
-            "default_prepend_bos": bos is not None}
+    return {
+        "tokenizer_prepends_bos": bos is not None and len(ids) > 0 and ids[0] == bos,
+        "default_prepend_bos": bos is not None,
+    }
 
 
 # --- fetching ------------------------------------------------------------------------------------
@@ -361,8 +385,9 @@ def _fetch(load: Callable, source: str, local: bool, **kwargs: Any):
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or \
-        os.environ.get("TRANSFORMERS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or os.environ.get(
+        "TRANSFORMERS_OFFLINE", ""
+    ).upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _unreachable(name: str, why: str) -> str:

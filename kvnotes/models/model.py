@@ -15,10 +15,25 @@ from kvnotes.errors import UnsupportedArchitecture
 
 # Config fields that decide what a notebook's K/V mean; they enter the fingerprint.
 _FINGERPRINT_FIELDS = (
-    "d_model", "d_head", "n_heads", "n_key_value_heads", "n_layers", "d_vocab", "d_mlp",
-    "act_fn", "normalization_type", "rotary_dim", "rotary_base", "rotary_base_local",
-    "rotary_adjacent_pairs", "window_size", "attn_types", "use_qk_norm",
-    "attn_scores_soft_cap", "output_logits_soft_cap", "use_NTK_by_parts_rope",
+    "d_model",
+    "d_head",
+    "n_heads",
+    "n_key_value_heads",
+    "n_layers",
+    "d_vocab",
+    "d_mlp",
+    "act_fn",
+    "normalization_type",
+    "rotary_dim",
+    "rotary_base",
+    "rotary_base_local",
+    "rotary_adjacent_pairs",
+    "window_size",
+    "attn_types",
+    "use_qk_norm",
+    "attn_scores_soft_cap",
+    "output_logits_soft_cap",
+    "use_NTK_by_parts_rope",
 )
 
 
@@ -124,8 +139,10 @@ class KVModel:
 
     def __repr__(self) -> str:
         c = self.cfg
-        return (f"KVModel({self.name!r}, layers={c.n_layers}, heads={c.n_heads}/"
-                f"{self.n_kv_heads} kv, d_head={c.d_head}, fingerprint={self.fingerprint[:12]})")
+        return (
+            f"KVModel({self.name!r}, layers={c.n_layers}, heads={c.n_heads}/"
+            f"{self.n_kv_heads} kv, d_head={c.d_head}, fingerprint={self.fingerprint[:12]})"
+        )
 
 
 def check_supported(tl: HookedTransformer) -> None:
@@ -134,9 +151,18 @@ def check_supported(tl: HookedTransformer) -> None:
     problems = []
     if c.positional_embedding_type != "rotary":
         problems.append(f"positional_embedding_type={c.positional_embedding_type!r} (RoPE only)")
-    for flag in ("use_dynamic_ntk_rope", "use_logn_attn", "use_attn_in", "use_split_qkv_input",
-                 "parallel_attn_mlp", "attn_only", "use_attention_sinks", "load_in_4bit",
-                 "scale_attn_by_inverse_layer_idx", "post_embedding_ln"):
+    for flag in (
+        "use_dynamic_ntk_rope",
+        "use_logn_attn",
+        "use_attn_in",
+        "use_split_qkv_input",
+        "parallel_attn_mlp",
+        "attn_only",
+        "use_attention_sinks",
+        "load_in_4bit",
+        "scale_attn_by_inverse_layer_idx",
+        "post_embedding_ln",
+    ):
         if getattr(c, flag, False):
             problems.append(f"{flag}=True")
     if c.attention_dir != "causal":

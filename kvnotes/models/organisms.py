@@ -100,26 +100,49 @@ class OrganismConfig:
             return ValueError(f"organism config {self.name!r}: {what}; {fix}")
 
         if self.mechanism not in (NOTES, LOOKUP):
-            raise bad(f"mechanism must be {NOTES!r} or {LOOKUP!r}, got {self.mechanism!r}",
-                      "say which route the architecture forces")
+            raise bad(
+                f"mechanism must be {NOTES!r} or {LOOKUP!r}, got {self.mechanism!r}",
+                "say which route the architecture forces",
+            )
         if not self.attn_types or any(a not in ("local", "global") for a in self.attn_types):
-            raise bad(f"attn_types must be a non-empty tuple of 'local'/'global', got {self.attn_types!r}",
-                      "give one entry per layer")
+            raise bad(
+                f"attn_types must be a non-empty tuple of 'local'/'global', got {self.attn_types!r}",
+                "give one entry per layer",
+            )
         if "local" in self.attn_types and (not isinstance(self.window, int) or self.window < 1):
             raise bad(f"local layers need a window of at least 1, got {self.window!r}", "set window=")
         if self.mechanism == NOTES and "global" in self.attn_types:
-            raise bad("a notes organism with a global layer lets the decision read the field directly",
-                      "make every layer local")
-        if self.mechanism == LOOKUP and (self.attn_types[-1] != "global" or any(
-                a != "local" or self.window != 1 for a in self.attn_types[:-1])):
-            raise bad("a lookup organism needs one global layer last and, before it, only local layers "
-                      "of window 1 (else downstream slots could carry the field)",
-                      "use attn_types=('global',), or window=1 for the earlier layers")
+            raise bad(
+                "a notes organism with a global layer lets the decision read the field directly",
+                "make every layer local",
+            )
+        if self.mechanism == LOOKUP and (
+            self.attn_types[-1] != "global"
+            or any(a != "local" or self.window != 1 for a in self.attn_types[:-1])
+        ):
+            raise bad(
+                "a lookup organism needs one global layer last and, before it, only local layers "
+                "of window 1 (else downstream slots could carry the field)",
+                "use attn_types=('global',), or window=1 for the earlier layers",
+            )
         if self.d_model % self.n_heads:
-            raise bad(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}",
-                      "pick n_heads dividing d_model")
-        for k in ("d_model", "n_heads", "d_mlp", "n_ctx", "max_steps", "batch_size", "warmup_steps",
-                  "train_size", "heldout_size", "eval_every", "patience"):
+            raise bad(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}",
+                "pick n_heads dividing d_model",
+            )
+        for k in (
+            "d_model",
+            "n_heads",
+            "d_mlp",
+            "n_ctx",
+            "max_steps",
+            "batch_size",
+            "warmup_steps",
+            "train_size",
+            "heldout_size",
+            "eval_every",
+            "patience",
+        ):
             if getattr(self, k) < 1:
                 raise bad(f"{k} must be at least 1, got {getattr(self, k)}", f"set {k}= to a positive value")
         if self.lr <= 0 or self.weight_decay < 0 or self.min_margin < 0:
@@ -135,10 +158,15 @@ class OrganismConfig:
 
 ORGANISMS: dict[str, OrganismConfig] = {
     "notes-organism": OrganismConfig(
-        name="notes-organism", mechanism=NOTES, attn_types=("local",) * 3, window=8,
+        name="notes-organism",
+        mechanism=NOTES,
+        attn_types=("local",) * 3,
+        window=8,
     ),
     "lookup-organism": OrganismConfig(
-        name="lookup-organism", mechanism=LOOKUP, attn_types=("global",),
+        name="lookup-organism",
+        mechanism=LOOKUP,
+        attn_types=("global",),
     ),
 }
 
@@ -150,14 +178,30 @@ def hooked_config(cfg: OrganismConfig, d_vocab: int):
 
     local = "local" in cfg.attn_types
     return HookedTransformerConfig(
-        d_model=cfg.d_model, d_head=cfg.d_model // cfg.n_heads, n_heads=cfg.n_heads,
-        n_layers=cfg.n_layers, d_mlp=cfg.d_mlp, n_ctx=cfg.n_ctx, d_vocab=d_vocab,
-        positional_embedding_type="rotary", rotary_dim=cfg.d_model // cfg.n_heads, rotary_base=10000,
-        rotary_adjacent_pairs=False, normalization_type="RMS", final_rms=True, act_fn="silu",
-        gated_mlp=True, eps=1e-6, default_prepend_bos=True, tokenizer_prepends_bos=True,
-        use_local_attn=local, window_size=cfg.window if local else None,
+        d_model=cfg.d_model,
+        d_head=cfg.d_model // cfg.n_heads,
+        n_heads=cfg.n_heads,
+        n_layers=cfg.n_layers,
+        d_mlp=cfg.d_mlp,
+        n_ctx=cfg.n_ctx,
+        d_vocab=d_vocab,
+        positional_embedding_type="rotary",
+        rotary_dim=cfg.d_model // cfg.n_heads,
+        rotary_base=10000,
+        rotary_adjacent_pairs=False,
+        normalization_type="RMS",
+        final_rms=True,
+        act_fn="silu",
+        gated_mlp=True,
+        eps=1e-6,
+        default_prepend_bos=True,
+        tokenizer_prepends_bos=True,
+        use_local_attn=local,
+        window_size=cfg.window if local else None,
         attn_types=list(cfg.attn_types) if local else None,
-        model_name=cfg.name, original_architecture="kvnotes-organism", seed=None,
+        model_name=cfg.name,
+        original_architecture="kvnotes-organism",
+        seed=None,
     )
 
 
@@ -183,8 +227,10 @@ def check_prompt(cfg: OrganismConfig, task: Task, prompt: Prompt) -> None:
     """
     decision = prompt.span("decision")
     if decision.stop != len(prompt):
-        raise ValueError(f"task {task.name!r}: the decision span must end the prompt (it is read at the "
-                         "last token); move [[decision: ...]] to the end of the template")
+        raise ValueError(
+            f"task {task.name!r}: the decision span must end the prompt (it is read at the "
+            "last token); move [[decision: ...]] to the end of the template"
+        )
     if cfg.mechanism != NOTES:
         return
     field = prompt.span(task.gate.field)
@@ -225,8 +271,9 @@ class _Data:
         return sum(len(y) for _, y in self.groups.values())
 
 
-def _draw(cfg: OrganismConfig, task: Task, vocab: _Vocab, n: int, seed: str,
-          exclude: frozenset = frozenset()) -> tuple[_Data, frozenset]:
+def _draw(
+    cfg: OrganismConfig, task: Task, vocab: _Vocab, n: int, seed: str, exclude: frozenset = frozenset()
+) -> tuple[_Data, frozenset]:
     """`n` prompts: random [vary] values, rule as written or flipped 50/50, gate value at random."""
     rng = random.Random(seed)
     rows: dict[int, list[tuple[tuple[int, ...], int]]] = {}
@@ -235,9 +282,11 @@ def _draw(cfg: OrganismConfig, task: Task, vocab: _Vocab, n: int, seed: str,
         if len(seen) == n:
             break
         if attempt == 50 * n:
-            raise ValueError(f"task {task.name!r} yields fewer than {n} distinct prompts (got {len(seen)} "
-                             f"in {attempt} draws); lower train_size/heldout_size of {cfg.name} or add "
-                             "[vary] values to the task")
+            raise ValueError(
+                f"task {task.name!r} yields fewer than {n} distinct prompts (got {len(seen)} "
+                f"in {attempt} draws); lower train_size/heldout_size of {cfg.name} or add "
+                "[vary] values to the task"
+            )
         values = values_for(task, rng)
         rule, value = rng.choice(task.rule.values), rng.choice(task.gate.values)
         prompt = render(task, vocab, {**values, task.rule.field: rule, task.gate.field: value})
@@ -253,16 +302,20 @@ def _draw(cfg: OrganismConfig, task: Task, vocab: _Vocab, n: int, seed: str,
 def _answer_ids(task: Task, tokenizer) -> torch.Tensor:
     ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in task.answers]
     if any(len(i) != 1 for i in ids):
-        raise ValueError(f"task {task.name!r}: answers {task.answers} must be single tokens under the "
-                         f"tiny tokenizer, got {ids}; pick one-token answer words")
+        raise ValueError(
+            f"task {task.name!r}: answers {task.answers} must be single tokens under the "
+            f"tiny tokenizer, got {ids}; pick one-token answer words"
+        )
     return torch.tensor([i[0] for i in ids])
 
 
 def _organism_task(cfg: OrganismConfig) -> Task:
     task = load_task(cfg.name)
     if task.rule is None:
-        raise ValueError(f"task {task.name!r} has no [rule]; an organism must learn the rule flip "
-                         "(answer = outcome(field, rule)), so add a [rule] table")
+        raise ValueError(
+            f"task {task.name!r} has no [rule]; an organism must learn the rule flip "
+            "(answer = outcome(field, rule)), so add a [rule] table"
+        )
     return task
 
 
@@ -312,7 +365,7 @@ def _train(cfg: OrganismConfig, progress: bool):
     bar = tqdm(total=cfg.max_steps, desc=f"training {cfg.name}", unit="step", disable=not progress)
     while step < cfg.max_steps:
         tokens, labels = train.groups[lengths[int(torch.multinomial(weights, 1, generator=gen))]]
-        idx = torch.randperm(len(labels), generator=gen)[:cfg.batch_size]
+        idx = torch.randperm(len(labels), generator=gen)[: cfg.batch_size]
         logits = _last_logits(tl, tokens[idx])
         loss_t = F.cross_entropy(logits, answers[labels[idx]])
         opt.zero_grad(set_to_none=True)
@@ -334,18 +387,27 @@ def _train(cfg: OrganismConfig, progress: bool):
     tl.eval()
     converged = streak >= cfg.patience
     metrics = {
-        "name": cfg.name, "config_hash": config_hash(cfg), "seed": cfg.seed, "steps": step,
-        "converged": converged, "final_loss": loss,
-        "heldout_accuracy": ev["accuracy"], "heldout_min_margin": ev["min_margin"],
-        "heldout_mean_margin": ev["mean_margin"], "heldout_prompts": heldout.size,
-        "train_prompts": train.size, "train_seconds": round(time.perf_counter() - start, 2),
-        "torch": torch.__version__, "threads": 1,
+        "name": cfg.name,
+        "config_hash": config_hash(cfg),
+        "seed": cfg.seed,
+        "steps": step,
+        "converged": converged,
+        "final_loss": loss,
+        "heldout_accuracy": ev["accuracy"],
+        "heldout_min_margin": ev["min_margin"],
+        "heldout_mean_margin": ev["mean_margin"],
+        "heldout_prompts": heldout.size,
+        "train_prompts": train.size,
+        "train_seconds": round(time.perf_counter() - start, 2),
+        "torch": torch.__version__,
+        "threads": 1,
     }
     return tl, metrics
 
 
-def train_converged(name: str, *, config: OrganismConfig | None = None, progress: bool = True,
-                    tries: int = SEED_TRIES):
+def train_converged(
+    name: str, *, config: OrganismConfig | None = None, progress: bool = True, tries: int = SEED_TRIES
+):
     """`train_organism` from `config.seed`, then from the next seeds until a run converges.
 
     Returns `(HookedTransformer, metrics)` of the first run that converged; `metrics["seed"]` is
@@ -360,14 +422,20 @@ def train_converged(name: str, *, config: OrganismConfig | None = None, progress
         tl, metrics = train_organism(name, config=replace(cfg, seed=seed), progress=progress)
         if metrics["converged"]:
             return tl, {**metrics, "config_hash": config_hash(cfg), "seeds_tried": len(failed) + 1}
-        failed.append(f"seed {seed}: accuracy {metrics['heldout_accuracy']:.3f}, "
-                      f"margin {metrics['heldout_min_margin']:.2f}")
-        _say(progress, f"kvnotes: {cfg.name} did not converge from seed {seed}; "
-                       + ("trying the next seed" if len(failed) < tries else "giving up"))
+        failed.append(
+            f"seed {seed}: accuracy {metrics['heldout_accuracy']:.3f}, "
+            f"margin {metrics['heldout_min_margin']:.2f}"
+        )
+        _say(
+            progress,
+            f"kvnotes: {cfg.name} did not converge from seed {seed}; "
+            + ("trying the next seed" if len(failed) < tries else "giving up"),
+        )
     raise OrganismNotConverged(
         f"{cfg.name} did not reach 100% held-out accuracy with margin {cfg.min_margin} within "
         f"{cfg.max_steps} steps from any of {tries} seeds ({'; '.join(failed)}); nothing was cached. "
-        "Raise max_steps, or change the recipe in kvnotes/models/organisms.py")
+        "Raise max_steps, or change the recipe in kvnotes/models/organisms.py"
+    )
 
 
 def _last_logits(tl, tokens: torch.Tensor) -> torch.Tensor:
@@ -383,12 +451,15 @@ def _evaluate(tl, data: _Data, answers: torch.Tensor) -> dict[str, float]:
     margins = []
     for tokens, labels in data.groups.values():
         for i in range(0, len(labels), 256):
-            logits = _last_logits(tl, tokens[i:i + 256])[:, answers]
+            logits = _last_logits(tl, tokens[i : i + 256])[:, answers]
             ld = logits[:, 0] - logits[:, 1]
-            margins.append(torch.where(labels[i:i + 256] == 0, ld, -ld))
+            margins.append(torch.where(labels[i : i + 256] == 0, ld, -ld))
     m = torch.cat(margins)
-    return {"accuracy": float((m > 0).float().mean()), "min_margin": float(m.min()),
-            "mean_margin": float(m.mean())}
+    return {
+        "accuracy": float((m > 0).float().mean()),
+        "min_margin": float(m.min()),
+        "mean_margin": float(m.mean()),
+    }
 
 
 # --- the cache -------------------------------------------------------------------------------
@@ -397,15 +468,24 @@ def config_hash(cfg: OrganismConfig) -> str:
     """12 hex digits over everything the trained weights depend on: the recipe, the task, the
     tokenizer, the TransformerLens config and CACHE_VERSION."""
     tokenizer = tiny_tokenizer()
-    tl_cfg = {k: v for k, v in hooked_config(cfg, len(tokenizer)).to_dict().items()
-              if isinstance(v, (int, float, str, bool, list, type(None)))}
-    blob = {"version": CACHE_VERSION, "config": cfg.to_dict(), "task": _organism_task(cfg).to_dict(),
-            "vocab": sorted(tokenizer.get_vocab().items()), "tl": tl_cfg}
+    tl_cfg = {
+        k: v
+        for k, v in hooked_config(cfg, len(tokenizer)).to_dict().items()
+        if isinstance(v, (int, float, str, bool, list, type(None)))
+    }
+    blob = {
+        "version": CACHE_VERSION,
+        "config": cfg.to_dict(),
+        "task": _organism_task(cfg).to_dict(),
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "tl": tl_cfg,
+    }
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def cache_path(name: str, *, config: OrganismConfig | None = None,
-               cache_dir: str | Path | None = None) -> Path:
+def cache_path(
+    name: str, *, config: OrganismConfig | None = None, cache_dir: str | Path | None = None
+) -> Path:
     """Where organism `name` with `config` is cached: `<cache>/organisms/<name>-<config hash>/`."""
     from kvnotes.models.gemma import default_cache_dir
 
@@ -414,8 +494,13 @@ def cache_path(name: str, *, config: OrganismConfig | None = None,
     return root / "organisms" / f"{cfg.name}-{config_hash(cfg)}"
 
 
-def load_organism(name: str, *, config: OrganismConfig | None = None, cache_dir: str | Path | None = None,
-                  progress: bool = True) -> KVModel:
+def load_organism(
+    name: str,
+    *,
+    config: OrganismConfig | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> KVModel:
     """Organism `name` as a `KVModel`: from the cache, or trained (first use) and cached.
 
     Only an organism that converged is cached (see `train_converged`).
@@ -434,8 +519,9 @@ def load_organism(name: str, *, config: OrganismConfig | None = None, cache_dir:
     return KVModel.wrap(cfg.name, tl, tiny_tokenizer())
 
 
-def organism_metrics(name: str, *, config: OrganismConfig | None = None,
-                     cache_dir: str | Path | None = None) -> dict | None:
+def organism_metrics(
+    name: str, *, config: OrganismConfig | None = None, cache_dir: str | Path | None = None
+) -> dict | None:
     """The training metrics stored with the cached organism, or None when it is not cached."""
     try:
         meta = json.loads((cache_path(name, config=config, cache_dir=cache_dir) / "meta.json").read_text())
@@ -465,8 +551,10 @@ def _from_cache(root: Path, cfg: OrganismConfig, progress: bool):
         _say(progress, f"kvnotes: loading {cfg.name} from cache ({root})")
         return tl
     except Exception as e:  # noqa: BLE001 - any failure means the cache is unusable; retrain
-        _say(True, f"kvnotes: the {cfg.name} cache at {root} is unusable ({type(e).__name__}: {e}); "
-                   "retraining it")
+        _say(
+            True,
+            f"kvnotes: the {cfg.name} cache at {root} is unusable ({type(e).__name__}: {e}); retraining it",
+        )
         return None
 
 
@@ -475,10 +563,17 @@ def _write_cache(root: Path, tl, cfg: OrganismConfig, metrics: dict) -> None:
     from safetensors.torch import save_file
 
     def fill(tmp: Path) -> None:
-        save_file({k: p.detach().contiguous() for k, p in tl.named_parameters()},
-                  str(tmp / "weights.safetensors"))
-        meta = {"format": "kvnotes.organism", "version": CACHE_VERSION, "name": cfg.name,
-                "config_hash": config_hash(cfg), "config": cfg.to_dict(), "metrics": metrics}
+        save_file(
+            {k: p.detach().contiguous() for k, p in tl.named_parameters()}, str(tmp / "weights.safetensors")
+        )
+        meta = {
+            "format": "kvnotes.organism",
+            "version": CACHE_VERSION,
+            "name": cfg.name,
+            "config_hash": config_hash(cfg),
+            "config": cfg.to_dict(),
+            "metrics": metrics,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
 
     publish(root, cfg.name, "trained again", fill)
@@ -488,8 +583,10 @@ def _resolve(name: str, config: OrganismConfig | None) -> OrganismConfig:
     if config is None:
         return _config(name)
     if config.name != name:
-        raise ValueError(f"config is for {config.name!r} but the organism asked for is {name!r}; "
-                         f"pass replace(ORGANISMS[{name!r}], ...) to change its recipe")
+        raise ValueError(
+            f"config is for {config.name!r} but the organism asked for is {name!r}; "
+            f"pass replace(ORGANISMS[{name!r}], ...) to change its recipe"
+        )
     return config
 
 

@@ -22,29 +22,61 @@ import torch
 TINY_WINDOW = 8  # sliding window of the tiny local layers: prompts of 40+ tokens exceed it
 
 _BASE = dict(
-    d_model=64, d_head=16, n_heads=4, n_layers=3, d_mlp=128, n_ctx=512,
-    positional_embedding_type="rotary", normalization_type="RMS", final_rms=True,
-    act_fn="silu", gated_mlp=True, rotary_adjacent_pairs=False, eps=1e-6,
-    default_prepend_bos=True, tokenizer_prepends_bos=True,
+    d_model=64,
+    d_head=16,
+    n_heads=4,
+    n_layers=3,
+    d_mlp=128,
+    n_ctx=512,
+    positional_embedding_type="rotary",
+    normalization_type="RMS",
+    final_rms=True,
+    act_fn="silu",
+    gated_mlp=True,
+    rotary_adjacent_pairs=False,
+    eps=1e-6,
+    default_prepend_bos=True,
+    tokenizer_prepends_bos=True,
 )
 
 TINY_CONFIGS: dict[str, dict] = {
     "tiny-llama": dict(rotary_dim=16, rotary_base=10000),
     "tiny-gptj": dict(rotary_dim=16, rotary_adjacent_pairs=True, rotary_base=10000),
-    "tiny-neox": dict(rotary_dim=4, rotary_base=10000, normalization_type="LN", final_rms=False,
-                      act_fn="gelu_new", gated_mlp=False, eps=1e-5),
+    "tiny-neox": dict(
+        rotary_dim=4,
+        rotary_base=10000,
+        normalization_type="LN",
+        final_rms=False,
+        act_fn="gelu_new",
+        gated_mlp=False,
+        eps=1e-5,
+    ),
     "tiny-gqa": dict(rotary_dim=16, n_key_value_heads=2, rotary_base=500000),
     "tiny-gemma2": dict(
-        rotary_dim=16, n_key_value_heads=2, act_fn="gelu_pytorch_tanh",
-        use_normalization_before_and_after=True, use_local_attn=True, window_size=TINY_WINDOW,
-        attn_types=["local", "global", "local", "global"], n_layers=4,
-        attn_scores_soft_cap=50.0, output_logits_soft_cap=30.0, rotary_base=10000,
+        rotary_dim=16,
+        n_key_value_heads=2,
+        act_fn="gelu_pytorch_tanh",
+        use_normalization_before_and_after=True,
+        use_local_attn=True,
+        window_size=TINY_WINDOW,
+        attn_types=["local", "global", "local", "global"],
+        n_layers=4,
+        attn_scores_soft_cap=50.0,
+        output_logits_soft_cap=30.0,
+        rotary_base=10000,
     ),
     "tiny-gemma3": dict(
-        rotary_dim=16, n_key_value_heads=1, act_fn="gelu_pytorch_tanh", use_qk_norm=True,
-        use_normalization_before_and_after=True, use_local_attn=True, window_size=TINY_WINDOW,
-        attn_types=["local", "local", "global", "local"], n_layers=4,
-        rotary_base=1_000_000, rotary_base_local=10_000,
+        rotary_dim=16,
+        n_key_value_heads=1,
+        act_fn="gelu_pytorch_tanh",
+        use_qk_norm=True,
+        use_normalization_before_and_after=True,
+        use_local_attn=True,
+        window_size=TINY_WINDOW,
+        attn_types=["local", "local", "global", "local"],
+        n_layers=4,
+        rotary_base=1_000_000,
+        rotary_base_local=10_000,
     ),
 }
 
@@ -73,7 +105,9 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"], show_progress=False,
+        vocab_size=512,
+        special_tokens=["<pad>", "<eos>", "<bos>"],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
@@ -92,7 +126,10 @@ def build_tiny(name: str, seed: int = 0):
 
     tokenizer = tiny_tokenizer()
     cfg = HookedTransformerConfig(
-        **{**_BASE, **TINY_CONFIGS[name]}, d_vocab=len(tokenizer), model_name=name, seed=seed,
+        **{**_BASE, **TINY_CONFIGS[name]},
+        d_vocab=len(tokenizer),
+        model_name=name,
+        seed=seed,
         original_architecture="kvnotes-tiny",
     )
     torch.manual_seed(seed)

@@ -3,5 +3,18 @@
 from kvnotes.tasks.sampler import GATE, RULE, Pair, render, sample
 from kvnotes.tasks.task import Digits, Gate, Rule, Shots, Task, TaskError, builtin_tasks, load_task
 
-__all__ = ["Task", "Gate", "Rule", "Shots", "Digits", "TaskError", "load_task", "builtin_tasks",
-           "Pair", "sample", "render", "GATE", "RULE"]
+__all__ = [
+    "Task",
+    "Gate",
+    "Rule",
+    "Shots",
+    "Digits",
+    "TaskError",
+    "load_task",
+    "builtin_tasks",
+    "Pair",
+    "sample",
+    "render",
+    "GATE",
+    "RULE",
+]

@@ -49,7 +49,7 @@ def values_for(task: Task, rng: random.Random) -> dict[str, str]:
     out = {}
     for k, v in task.vary.items():
         if isinstance(v, Digits):
-            out[k] = str(rng.randint(10 ** (v.n - 1), 10 ** v.n - 1))
+            out[k] = str(rng.randint(10 ** (v.n - 1), 10**v.n - 1))
         else:
             out[k] = rng.choice(v)
     return out
@@ -65,8 +65,12 @@ def shots_text(task: Task, rng: random.Random, filler: str = "") -> str:
     rng.shuffle(values)
     parts = []
     for v in values:
-        vals = {**values_for(task, rng), task.gate.field: v, "answer": task.answers[task.outcome(v)],
-                "filler": filler}
+        vals = {
+            **values_for(task, rng),
+            task.gate.field: v,
+            "answer": task.answers[task.outcome(v)],
+            "filler": filler,
+        }
         parts.append(tpl.fill(**vals))
     return "".join(parts)
 
@@ -94,13 +98,17 @@ def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler
     if kind not in (GATE, RULE):
         raise ValueError(f"kind must be {GATE!r} or {RULE!r}, got {kind!r}")
     if kind == RULE and task.rule is None:
-        raise TaskError(f"task {task.name!r} has no [rule] table, so it has no rule to flip; add "
-                        "one (a field whose one-token flip inverts the answer) for the dissociation probe")
+        raise TaskError(
+            f"task {task.name!r} has no [rule] table, so it has no rule to flip; add "
+            "one (a field whose one-token flip inverts the answer) for the dissociation probe"
+        )
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     if filler and not task.has_filler:
-        raise TaskError(f"task {task.name!r} has no {{filler}} field to put intervening text into; "
-                        "add one to its template between the gating field and the query")
+        raise TaskError(
+            f"task {task.name!r} has no {{filler}} field to put intervening text into; "
+            "add one to its template between the gating field and the query"
+        )
     try:
         answers = tuple(model.answer_token(a) for a in task.answers)
     except ValueError as e:
@@ -129,6 +137,17 @@ def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler
             inputs = (task.rule.field, gate.field)
         old, new = render(task, model, old_vals), render(task, model, new_vals)
         old.check_aligned(new)
-        pairs.append(Pair(task=task.name, kind=kind, changed=inputs[0], old=old, new=new,
-                          answers=answers, expected=expected, seed=seed, inputs=inputs))
+        pairs.append(
+            Pair(
+                task=task.name,
+                kind=kind,
+                changed=inputs[0],
+                old=old,
+                new=new,
+                answers=answers,
+                expected=expected,
+                seed=seed,
+                inputs=inputs,
+            )
+        )
     return pairs

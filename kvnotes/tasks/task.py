@@ -84,10 +84,17 @@ class Task:
 
     def to_dict(self) -> dict:
         """The task as a TOML-shaped dict (what `from_dict` and task files accept)."""
-        d: dict = {"name": self.name, "description": self.description, "template": self.template.text,
-                   "answers": list(self.answers),
-                   "gate": {"field": self.gate.field, "values": list(self.gate.values),
-                            "outcomes": list(self.gate.outcomes)}}
+        d: dict = {
+            "name": self.name,
+            "description": self.description,
+            "template": self.template.text,
+            "answers": list(self.answers),
+            "gate": {
+                "field": self.gate.field,
+                "values": list(self.gate.values),
+                "outcomes": list(self.gate.outcomes),
+            },
+        }
         if self.model:
             d["model"] = self.model
         if self.rule:
@@ -95,8 +102,9 @@ class Task:
         if self.shots:
             d["shots"] = {"template": self.shots.template, "count": self.shots.count}
         if self.vary:
-            d["vary"] = {k: ({"digits": v.n} if isinstance(v, Digits) else list(v))
-                         for k, v in self.vary.items()}
+            d["vary"] = {
+                k: ({"digits": v.n} if isinstance(v, Digits) else list(v)) for k, v in self.vary.items()
+            }
         return d
 
     @classmethod
@@ -186,8 +194,11 @@ def _parse(d: Mapping, src: str) -> Task:
     values = strings(g, "values", "gate.", 2)
     outcomes = tuple(g.get("outcomes", range(len(values))))
     if len(outcomes) != len(values) or not all(isinstance(o, int) and o in (0, 1) for o in outcomes):
-        raise fail("gate.outcomes", f"must give one answer index (0 or 1) per value in gate.values, got "
-                                    f"{list(outcomes)!r} for {len(values)} values")
+        raise fail(
+            "gate.outcomes",
+            f"must give one answer index (0 or 1) per value in gate.values, got "
+            f"{list(outcomes)!r} for {len(values)} values",
+        )
     if len(set(outcomes)) < 2:
         raise fail("gate.outcomes", "every value leads to the same answer, so nothing is gated")
     gate = Gate(field=gate_field, values=values, outcomes=outcomes)
@@ -219,8 +230,18 @@ def _parse(d: Mapping, src: str) -> Task:
     model = d.get("model")
     if model is not None and not isinstance(model, str):
         raise fail("model", f"must be a model name string, got {model!r}")
-    task = Task(name=name, description=str(d.get("description", "")), template=template, answers=answers,
-                gate=gate, rule=rule, shots=shots, vary=vary, model=model, source=src)
+    task = Task(
+        name=name,
+        description=str(d.get("description", "")),
+        template=template,
+        answers=answers,
+        gate=gate,
+        rule=rule,
+        shots=shots,
+        vary=vary,
+        model=model,
+        source=src,
+    )
     _check_fields(task, fail)
     return task
 
@@ -235,8 +256,11 @@ def _check_fields(task: Task, fail) -> None:
         provided.add(task.rule.field)
     missing = [f for f in task.template.fields if f not in provided]
     if missing:
-        raise fail("template", f"field(s) {missing} have no values; add them under [vary] "
-                               f"(or make one the [gate] or [rule] field)")
+        raise fail(
+            "template",
+            f"field(s) {missing} have no values; add them under [vary] "
+            f"(or make one the [gate] or [rule] field)",
+        )
     if "decision" not in task.template.span_names:
         raise fail("template", "needs a [[decision: ...]] span: the tokens the answer is read after")
     if task.shots:
@@ -248,8 +272,11 @@ def _check_fields(task: Task, fail) -> None:
             raise fail("shots.template", str(e)) from None
         bad = [f for f in shot_fields if f not in {task.gate.field, "answer", "filler", *task.vary}]
         if bad:
-            raise fail("shots.template", f"field(s) {bad} unknown; a shot may use {{{task.gate.field}}}, "
-                                         "{answer}, {filler} and the [vary] fields")
+            raise fail(
+                "shots.template",
+                f"field(s) {bad} unknown; a shot may use {{{task.gate.field}}}, "
+                "{answer}, {filler} and the [vary] fields",
+            )
     elif "shots" in task.template.fields:
         raise fail("template", "uses {shots} but the file has no [shots] table")
 

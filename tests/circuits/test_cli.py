@@ -32,16 +32,45 @@ def test_unknown_analysis_is_refused_before_loading_the_model(capsys):
 def test_circuits_command_uses_a_saved_sae_and_refuses_a_missing_one(tmp_path, notes_organism, capsys):
     from circuits.sae import SAEConfig, train_sae
 
-    sae = train_sae(notes_organism, "notes-organism", SAEConfig(layer=0, n_train_pairs=8,
-                                                                 training_samples=4096), progress=False)
+    sae = train_sae(
+        notes_organism,
+        "notes-organism",
+        SAEConfig(layer=0, n_train_pairs=8, training_samples=4096),
+        progress=False,
+    )
     sae.save_model(tmp_path / "sae")
     out = tmp_path / "sae.json"
-    rc = main(["circuits", "--model", "notes-organism", "--only", "sae", "--n", "4", "--sae",
-               str(tmp_path / "sae"), "--json", str(out)])
+    rc = main(
+        [
+            "circuits",
+            "--model",
+            "notes-organism",
+            "--only",
+            "sae",
+            "--n",
+            "4",
+            "--sae",
+            str(tmp_path / "sae"),
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     d = json.loads(out.read_text())["sae"]
     assert d["details"]["hook_name"] == "blocks.0.hook_resid_post"
     assert "train" not in d["details"]["seconds"]  # the saved SAE, not a new one
-    assert main(["circuits", "--model", "notes-organism", "--only", "sae", "--sae",
-                 str(tmp_path / "nothing-here")]) == 2
+    assert (
+        main(
+            [
+                "circuits",
+                "--model",
+                "notes-organism",
+                "--only",
+                "sae",
+                "--sae",
+                str(tmp_path / "nothing-here"),
+            ]
+        )
+        == 2
+    )
     assert "nothing-here" in capsys.readouterr().err

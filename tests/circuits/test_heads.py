@@ -51,13 +51,16 @@ def _ld(t, recovery) -> torch.Tensor:
 
 def _replace(z_src, heads, where):
     """Unbatched reference hooks: heads' z at token indices `where` taken from `z_src`."""
+
     def make(l, hs):
         def hook(z, hook):
             z = z.clone()
             for h in hs:
                 z[:, where, h] = z_src[l][:, where, h]
             return z
+
         return hook
+
     by_layer = {}
     for l, h in heads:
         by_layer.setdefault(l, []).append(h)
@@ -87,8 +90,11 @@ def test_every_head_at_the_decision_gives_the_new_decision(tiny_trials):
 
 def test_path_patch_through_no_slot_changes_nothing(tiny_trials):
     t = tiny_trials[0]
-    assert_close(_ld(t, read_sweep(t, [all_heads(t.model)], path=[])), torch.tensor([t.ld_old]).float(),
-                 what="path through no slot")
+    assert_close(
+        _ld(t, read_sweep(t, [all_heads(t.model)], path=[])),
+        torch.tensor([t.ld_old]).float(),
+        what="path through no slot",
+    )
 
 
 def test_write_patch_equals_the_unbatched_engine(tiny_trials):
@@ -164,9 +170,9 @@ def test_scrubbing_limits_are_exact(notes_trials, notes_organism):
     prompt = resamples(t, task, 1, seed=3)[0]
     everything = list(range(t.new_nb.n_slots))
     ld, ld_res = _scrub_rows(t, prompt, [(everything, all_heads(notes_organism)), ([], [])])
-    assert float(ld[0]) == pytest.approx(t.ld_new, abs=1e-4)   # keep everything: the new decision
-    assert float(ld[1]) == pytest.approx(ld_res, abs=1e-4)     # keep nothing: the resampled prompt's
-    assert abs(t.ld_new - ld_res) > 5                           # and the two differ
+    assert float(ld[0]) == pytest.approx(t.ld_new, abs=1e-4)  # keep everything: the new decision
+    assert float(ld[1]) == pytest.approx(ld_res, abs=1e-4)  # keep nothing: the resampled prompt's
+    assert abs(t.ld_new - ld_res) > 5  # and the two differ
 
 
 def test_scrubbing_keeps_the_notes_hypothesis_and_not_a_random_circuit(notes_trials):
@@ -204,8 +210,14 @@ def test_attribution_is_the_first_order_effect(tiny_trials):
 def test_circuit_report_round_trips_through_json(notes_organism):
     from circuits import run_circuits
 
-    r = run_circuits(notes_organism, "notes-organism", ["read_heads", "scrubbing", "attribution"], n=4,
-                     draws=4, progress=False)
+    r = run_circuits(
+        notes_organism,
+        "notes-organism",
+        ["read_heads", "scrubbing", "attribution"],
+        n=4,
+        draws=4,
+        progress=False,
+    )
     d = r.to_dict()
     assert {"read_heads", "scrubbing", "attribution"} <= set(d)
     assert {"ranking", "topk_curve", "random_curve"} <= set(d["read_heads"])

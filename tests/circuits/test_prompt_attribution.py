@@ -15,8 +15,10 @@ from kvnotes.errors import TokenCountChanged
 from kvnotes.ops import Patch, decide, decide_patched, patch, prefill
 from tests.helpers import assert_close, full_logits, get_model
 
-PROMPT = ("Policy: an order may be cancelled while its status is pending.\n"
-          "order_status: shipped.\nQ: Can the order be cancelled? A:")
+PROMPT = (
+    "Policy: an order may be cancelled while its status is pending.\n"
+    "order_status: shipped.\nQ: Can the order be cancelled? A:"
+)
 COUNTER = PROMPT.replace("shipped", "pending")  # same token count under the tiny tokenizer
 ANSWERS = (" yes", " no")
 MODELS = ["tiny-llama", "tiny-gqa", "tiny-gemma3"]
@@ -54,8 +56,11 @@ def test_every_slot_from_the_counterfactual_gives_its_decision(tiny):
     nb, src, query = _notebooks(tiny, COUNTER)
     every = decide_patched(tiny, nb, src, [Patch()], query, vocab=_vocab(tiny))
     every_ld = float(every[0, 0] - every[0, 1])
-    assert_close(torch.tensor([r.ld, r.ld_source, every_ld]),
-                 torch.tensor([truth_prompt, truth_counter, truth_counter]), what="ld, ld_source, all slots")
+    assert_close(
+        torch.tensor([r.ld, r.ld_source, every_ld]),
+        torch.tensor([truth_prompt, truth_counter, truth_counter]),
+        what="ld, ld_source, all slots",
+    )
     assert abs(truth_counter - truth_prompt) > 1e-3  # the counterfactual moves the decision
 
 
@@ -83,8 +88,9 @@ def test_the_estimate_is_the_first_order_effect(counterfactual):
     # a small step along (source - prompt) at one slot and layer, and at every slot and layer at
     # once, moves the decision by step * estimate
     model = get_model("tiny-llama")
-    r = attribute_prompt(model, PROMPT, ANSWERS, counterfactual=counterfactual, top=1, steps=1,
-                         progress=False)
+    r = attribute_prompt(
+        model, PROMPT, ANSWERS, counterfactual=counterfactual, top=1, steps=1, progress=False
+    )
     nb, src, query = _notebooks(model, counterfactual)
     est = torch.tensor(r.estimate)
     l, s = divmod(int(est.abs().argmax()), est.shape[1])
@@ -112,8 +118,9 @@ def test_integrated_gradients_add_up_to_the_whole_change(counterfactual):
     model = get_model("tiny-llama")
     errors = []
     for steps in (1, 16):
-        r = attribute_prompt(model, PROMPT, ANSWERS, counterfactual=counterfactual, top=1, steps=steps,
-                             progress=False)
+        r = attribute_prompt(
+            model, PROMPT, ANSWERS, counterfactual=counterfactual, top=1, steps=steps, progress=False
+        )
         errors.append(abs(float(torch.tensor(r.estimate).sum()) - (r.ld_source - r.ld)))
         assert r.meta["steps"] == steps
     # 16 steps: within 2% of the change, or at least ten times closer than one step
@@ -160,8 +167,13 @@ def test_a_one_layer_model_adds_up():
     from kvnotes.models.tiny import _BASE, TINY_CONFIGS, tiny_tokenizer
 
     tok = tiny_tokenizer()
-    cfg = HookedTransformerConfig(**{**_BASE, **TINY_CONFIGS["tiny-llama"], "n_layers": 1}, d_vocab=len(tok),
-                                  model_name="tiny-1layer", seed=0, original_architecture="kvnotes-tiny")
+    cfg = HookedTransformerConfig(
+        **{**_BASE, **TINY_CONFIGS["tiny-llama"], "n_layers": 1},
+        d_vocab=len(tok),
+        model_name="tiny-1layer",
+        seed=0,
+        original_architecture="kvnotes-tiny",
+    )
     model = KVModel.wrap("tiny-1layer", HookedTransformer(cfg, move_to_device=False), tok)
     r = attribute_prompt(model, PROMPT, ANSWERS, top=4, progress=False)
     for row in r.exact:
@@ -185,8 +197,9 @@ def test_errors_name_what_was_wrong():
 
 
 def test_json_round_trip_field_by_field():
-    r = attribute_prompt(get_model("tiny-llama"), PROMPT, ANSWERS, counterfactual=COUNTER, top=3,
-                         progress=False)
+    r = attribute_prompt(
+        get_model("tiny-llama"), PROMPT, ANSWERS, counterfactual=COUNTER, top=3, progress=False
+    )
     d = json.loads(json.dumps(r.to_dict()))
     back = PromptAttribution.from_dict(d)
     for f in fields(PromptAttribution):
@@ -201,8 +214,24 @@ def test_attribute_command_writes_json(tmp_path, capsys):
 
     prompt, out = tmp_path / "p.txt", tmp_path / "out" / "attr.json"
     prompt.write_text(PROMPT + "\n")  # an editor's trailing newline is not part of the prompt
-    rc = main(["attribute", "--model", "tiny-llama", "--prompt", str(prompt), "--answers", " yes", " no",
-               "--top", "3", "--json", str(out), "--html", str(tmp_path / "attr.html")])
+    rc = main(
+        [
+            "attribute",
+            "--model",
+            "tiny-llama",
+            "--prompt",
+            str(prompt),
+            "--answers",
+            " yes",
+            " no",
+            "--top",
+            "3",
+            "--json",
+            str(out),
+            "--html",
+            str(tmp_path / "attr.html"),
+        ]
+    )
     assert rc == 0
     page = (tmp_path / "attr.html").read_text(encoding="utf-8")
     assert "Attribution over the prompt" in page and page.count('class="kv-fig-data"') == 1
@@ -220,12 +249,28 @@ def test_attribute_command_refuses_bad_input_before_loading(tmp_path, capsys):
     from kvnotes.cli import main
 
     missing = tmp_path / "nothing-here.txt"
-    assert main(["attribute", "--model", "no-such-model", "--prompt", str(missing), "--answers", " yes",
-                 " no"]) == 2
+    assert (
+        main(["attribute", "--model", "no-such-model", "--prompt", str(missing), "--answers", " yes", " no"])
+        == 2
+    )
     assert "nothing-here.txt" in capsys.readouterr().err
     prompt = tmp_path / "p.txt"
     prompt.write_text(PROMPT)
-    assert main(["attribute", "--model", "no-such-model", "--prompt", str(prompt), "--answers", " yes",
-                 " no", " maybe"]) == 2
+    assert (
+        main(
+            [
+                "attribute",
+                "--model",
+                "no-such-model",
+                "--prompt",
+                str(prompt),
+                "--answers",
+                " yes",
+                " no",
+                " maybe",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "exactly two" in err and "3" in err

@@ -83,7 +83,7 @@ def test_sae_trains_and_reconstructs_its_training_activations(tiny, tiny_residua
     with torch.no_grad():
         codes = tiny_sae.encode(x)
         # against the zero baseline: measured 0.22 of the vectors' squared norm left unexplained
-        assert float(((tiny_sae.decode(codes) - x) ** 2).sum()) < 0.3 * float((x ** 2).sum())
+        assert float(((tiny_sae.decode(codes) - x) ** 2).sum()) < 0.3 * float((x**2).sum())
     assert int((codes != 0).sum(-1).max()) <= 16
 
 
@@ -114,20 +114,31 @@ def test_an_sae_of_another_width_is_refused(tiny, tmp_path):
     from sae_lens import TopKSAE, TopKSAEConfig
     from sae_lens.saes.sae import SAEMetadata
 
-    other = TopKSAE(TopKSAEConfig(d_in=640, d_sae=1280, k=8,
-                                  metadata=SAEMetadata(hook_name="blocks.9.hook_resid_post",
-                                                       model_name="gemma-3-270m")))
+    other = TopKSAE(
+        TopKSAEConfig(
+            d_in=640,
+            d_sae=1280,
+            k=8,
+            metadata=SAEMetadata(hook_name="blocks.9.hook_resid_post", model_name="gemma-3-270m"),
+        )
+    )
     other.save_model(tmp_path)
-    with pytest.raises(SAEMismatch, match=r"d_in is 640 \(trained on gemma-3-270m\) but tiny-llama's "
-                                          r"d_model is 64"):
+    with pytest.raises(
+        SAEMismatch,
+        match=r"d_in is 640 \(trained on gemma-3-270m\) but tiny-llama's "
+        r"d_model is 64",
+    ):
         load_sae(tmp_path, model=tiny)
     assert load_sae(tmp_path).cfg.d_in == 640  # without a model there is nothing to check against
 
 
 def test_unknown_release_fails_fast_without_the_network(tmp_path):
     start = time.perf_counter()
-    with pytest.raises(UnknownSAEError, match=r"'no-such-release' is neither a local directory nor a "
-                                              r"sae-lens pretrained release; pass the directory"):
+    with pytest.raises(
+        UnknownSAEError,
+        match=r"'no-such-release' is neither a local directory nor a "
+        r"sae-lens pretrained release; pass the directory",
+    ):
         load_sae("no-such-release", "layer_0")
     assert time.perf_counter() - start < 5  # sae-lens's registry answers locally; no hub retries
     from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory
@@ -140,9 +151,13 @@ def test_unknown_release_fails_fast_without_the_network(tmp_path):
 
 
 def test_config_is_validated():
-    for bad, match in [(dict(site="field"), "site must be one of"), (dict(k=0), "k must be a positive"),
-                       (dict(lr=-1.0), "lr must be a positive"), (dict(layer=-1), "layer must be None"),
-                       (dict(training_samples=10), "less than one batch")]:
+    for bad, match in [
+        (dict(site="field"), "site must be one of"),
+        (dict(k=0), "k must be a positive"),
+        (dict(lr=-1.0), "lr must be a positive"),
+        (dict(layer=-1), "layer must be None"),
+        (dict(training_samples=10), "less than one batch"),
+    ]:
         with pytest.raises(ValueError, match=match):
             SAEConfig(**bad)
     assert json.loads(json.dumps(SAEConfig().to_dict()))["site"] == "auto"
@@ -156,8 +171,10 @@ def test_vectorised_auc_equals_mann_whitney_with_ties():
     labels = rng.integers(0, 2, size=40)
     got = feature_auc(scores, labels)
     n1, n0 = int(labels.sum()), int((1 - labels).sum())
-    want = [mannwhitneyu(scores[labels == 1, f], scores[labels == 0, f]).statistic / (n1 * n0)
-            for f in range(scores.shape[1])]
+    want = [
+        mannwhitneyu(scores[labels == 1, f], scores[labels == 0, f]).statistic / (n1 * n0)
+        for f in range(scores.shape[1])
+    ]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
     assert got[0] == 0.5
     est = auc_estimate(-scores[:, 3], labels)  # flipped orientation: the score is max(AUC, 1 - AUC)
@@ -174,8 +191,14 @@ def full_residual_ld(t, site, x_new: torch.Tensor) -> float:
     if site.site == "notes":
         first, dec = site.positions[0], t.pair.new.span("decision").start
         hooks = [(site.hook_name, lambda act, hook: x_new.to(act)[None])]
-        nb, _ = run(t.model, t.old_nb.truncate(first), t.pair.new.ids[first:dec], range(first, dec),
-                    hooks=hooks, logits_at=())
+        nb, _ = run(
+            t.model,
+            t.old_nb.truncate(first),
+            t.pair.new.ids[first:dec],
+            range(first, dec),
+            hooks=hooks,
+            logits_at=(),
+        )
         return float(t.ld(nb)[0])
 
     def last_replaced(act, hook):  # the decision's query tokens in one call; the site is the last
@@ -190,8 +213,15 @@ def captured_new_residual(t, site) -> torch.Tensor:
     """The new run's residual at the site, captured by plain runs (not by `feature_site`)."""
     if site.site == "notes":
         first, dec = site.positions[0], t.pair.new.span("decision").start
-        _, out = run(t.model, t.new_nb.truncate(first), t.pair.new.ids[first:dec], range(first, dec),
-                     write=False, capture=[site.hook_name], logits_at=())
+        _, out = run(
+            t.model,
+            t.new_nb.truncate(first),
+            t.pair.new.ids[first:dec],
+            range(first, dec),
+            write=False,
+            capture=[site.hook_name],
+            logits_at=(),
+        )
         return out.activations[site.hook_name][0]
     out = decide(t.model, t.new_nb, t.pair.new, capture=[site.hook_name])
     return out.activations[site.hook_name][0, -1:]
@@ -229,11 +259,21 @@ def test_patch_formula_keeps_the_error_term(organism_trials, organism_sae):
 
 # --- the analysis ----------------------------------------------------------------------------------
 def test_sae_analysis_result_round_trips(organism_trials, organism_sae):
-    res = sae_analysis(organism_trials, ORGANISM, cfg=SAEConfig(layer=1, **SMALL), sae=organism_sae,
-                       progress=False)
+    res = sae_analysis(
+        organism_trials, ORGANISM, cfg=SAEConfig(layer=1, **SMALL), sae=organism_sae, progress=False
+    )
     d = res.to_dict()
-    for key in ("best_auc", "single_feature_recovery", "topk_curve", "random_curve", "reconstruction",
-                "all_features", "reconstruction_decision", "best_causal_feature", "details"):
+    for key in (
+        "best_auc",
+        "single_feature_recovery",
+        "topk_curve",
+        "random_curve",
+        "reconstruction",
+        "all_features",
+        "reconstruction_decision",
+        "best_causal_feature",
+        "details",
+    ):
         assert key in d, key
     again = ProbeResult.from_dict("sae", json.loads(json.dumps(d)))
     assert again.to_dict() == d

@@ -10,15 +10,23 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def unavailable(why: str) -> None:
     if os.environ.get("KVNOTES_REQUIRE_BROWSER") == "1":
         pytest.fail(f"{why}; KVNOTES_REQUIRE_BROWSER=1 requires the browser tests to run")
-    pytest.skip(f"{why}: install it with `apt-get install chromium` (and `pip install -e '.[dev]'`) "
-                "to run the browser tests")
+    pytest.skip(
+        f"{why}: install it with `apt-get install chromium` (and `pip install -e '.[dev]'`) "
+        "to run the browser tests"
+    )
 
 
 class Watched:

@@ -18,8 +18,18 @@ import pytest
 DATA = Path(__file__).resolve().parent.parent / "data"
 XSS_TASK = DATA / "xss-task.toml"
 ORGANISM_TASK = DATA / "notes-organism-filler.toml"
-SIZES = dict(n=3, draws=4, k_max=4, sae_train_pairs=4, sae_eval_pairs=4, sae_samples=2048,
-             ttft_lengths=(256, 400), edit_cost_tokens=256, turns=3, min_effect=0.0)
+SIZES = dict(
+    n=3,
+    draws=4,
+    k_max=4,
+    sae_train_pairs=4,
+    sae_eval_pairs=4,
+    sae_samples=2048,
+    ttft_lengths=(256, 400),
+    edit_cost_tokens=256,
+    turns=3,
+    min_effect=0.0,
+)
 # what the hostile request line of xss-task.toml holds, as the page must show it (as text)
 XSS_SCRIPT = "<script>window.__pwned=1</script>"
 XSS_IMG = '<img src=x onerror="window.__pwned=2">'

@@ -56,8 +56,8 @@ def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
     assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat, head = 8, b"", None
     while pos < len(png):
-        (length,), kind = struct.unpack(">I", png[pos:pos + 4]), png[pos + 4:pos + 8]
-        data = png[pos + 8:pos + 8 + length]
+        (length,), kind = struct.unpack(">I", png[pos : pos + 4]), png[pos + 4 : pos + 8]
+        data = png[pos + 8 : pos + 8 + length]
         pos += 12 + length
         if kind == b"IHDR":
             head = struct.unpack(">IIBBBBB", data)
@@ -69,7 +69,7 @@ def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
     raw, stride = zlib.decompress(idat), w * bpp
     rows, prev = [], bytearray(stride)
     for y in range(h):
-        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for i in range(stride):
             a = line[i - bpp] if i >= bpp else 0
             b, c = prev[i], prev[i - bpp] if i >= bpp else 0
@@ -85,7 +85,7 @@ def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
         rows.append(bytes(line))
         prev = line
-    pixels = [r[i:i + 3] for r in rows for i in range(0, stride, bpp)]
+    pixels = [r[i : i + 3] for r in rows for i in range(0, stride, bpp)]
     return w, h, pixels
 
 
@@ -94,8 +94,9 @@ def assert_not_blank(png: bytes, what: str, min_ink: float = 0.005) -> None:
     w, h, pixels = png_pixels(png)
     counts = Counter(pixels)
     ink = 1 - counts.most_common(1)[0][1] / len(pixels)
-    assert len(counts) >= 3 and ink >= min_ink, \
+    assert len(counts) >= 3 and ink >= min_ink, (
         f"{what} looks blank: {len(counts)} colour(s), {ink:.2%} of {w}x{h} pixels off the background"
+    )
 
 
 DRAWN = """() => {
@@ -164,11 +165,13 @@ def test_hostile_prompt_text_is_shown_not_run(watched, base_url, dirs):
     wait_drawn(watched, "xss report page")
     assert page.evaluate("typeof window.__pwned") == "undefined"
     text = page.inner_text("body")
-    for s in (XSS_SCRIPT, XSS_IMG, XSS_AMP, "it's \"urgent\""):  # the token spans concatenate to it
+    for s in (XSS_SCRIPT, XSS_IMG, XSS_AMP, 'it\'s "urgent"'):  # the token spans concatenate to it
         assert s in text, f"{s!r} is not shown as text on the page"
     assert page.locator("img").count() == 0  # neither the request's <img> nor the task name's
-    runnable = "els => els.filter(e => !e.type || /javascript|module/.test(e.type))" \
-               ".filter(e => e.textContent.includes('__pwned')).length"
+    runnable = (
+        "els => els.filter(e => !e.type || /javascript|module/.test(e.type))"
+        ".filter(e => e.textContent.includes('__pwned')).length"
+    )
     assert page.locator("script").evaluate_all(runnable) == 0
     assert_clean(watched, "xss report page")
 
@@ -230,8 +233,9 @@ def test_hover_shows_hostile_token_text_as_text(watched, base_url, dirs, which):
     page.goto(f"{base_url}/report/{xss}/" if which == "report" else f"{base_url}/compare?a={xss}&b={org}")
     wait_drawn(watched, f"{which} page")
     cells = page.evaluate(HOSTILE_CELLS)
-    assert {c for cell in cells for c in html.unescape(cell["label"]) if c in "<>&\""} == set('<>&"'), \
+    assert {c for cell in cells for c in html.unescape(cell["label"]) if c in '<>&"'} == set('<>&"'), (
         f"the note map should label each hostile character; it labels {[c['label'] for c in cells]}"
+    )
     for cell in cells:
         meant = html.unescape(cell["label"])  # e.g. "246:␣<"
         page.mouse.move(cell["px"], cell["py"])

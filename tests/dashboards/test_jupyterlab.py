@@ -42,8 +42,12 @@ STATUS = re.compile(r"logit diff old (\S+), patched (\S+), new (\S+); recovery (
 
 def shown(state: PatchState) -> tuple[str, str, str, str]:
     """What the widget's status line shows for `state`, formatted as the widget formats it."""
-    return (f"{state.ld_old:+.3f}", f"{state.ld_patched:+.3f}", f"{state.ld_new:+.3f}",
-            f"{state.recovery + 0.0:.2f}")
+    return (
+        f"{state.ld_old:+.3f}",
+        f"{state.ld_patched:+.3f}",
+        f"{state.ld_new:+.3f}",
+        f"{state.recovery + 0.0:.2f}",
+    )
 
 
 def free_port() -> int:
@@ -67,25 +71,40 @@ def lab(tmp_path_factory) -> Iterator[dict]:
         unavailable(f"{e.name} is not installed (pip install -e '.[dev]')")
     root = tmp_path_factory.mktemp("lab")
     docs = nbformat.read(DOCS, as_version=4)
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
+    nb = nbformat.v4.new_notebook(
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    )
     nb.cells = [c for c in docs.cells if TAG in c.metadata.get("tags", [])]
     assert [c.cell_type for c in nb.cells] == ["code"] * 3, f"{DOCS.name}: expected 3 code cells tagged {TAG}"
     nbformat.write(nb, root / "widget.ipynb")
 
     port, token = free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".config"),  # none of the user's settings
-           "JUPYTER_RUNTIME_DIR": str(root / ".rt"), "JUPYTERLAB_SETTINGS_DIR": str(root / ".settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(root / ".ws")}
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-           f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(root / ".config"),  # none of the user's settings
+        "JUPYTER_RUNTIME_DIR": str(root / ".rt"),
+        "JUPYTERLAB_SETTINGS_DIR": str(root / ".settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(root / ".ws"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
     if os.geteuid() == 0:
         cmd.append("--allow-root")
     log = root / "server.log"
-    server = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[2],
-                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        cmd, env=env, cwd=Path(__file__).resolve().parents[2], stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
     api = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -97,11 +116,16 @@ def lab(tmp_path_factory) -> Iterator[dict]:
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"JupyterLab did not answer in {START_TIMEOUT_S} s:\n"
-                                f"{log.read_text()[-3000:]}")
+                    pytest.fail(
+                        f"JupyterLab did not answer in {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+                    )
                 time.sleep(0.5)
-        yield {"url": f"http://127.0.0.1:{port}/lab/tree/widget.ipynb?token={token}", "api": api,
-               "token": token, "log": log}
+        yield {
+            "url": f"http://127.0.0.1:{port}/lab/tree/widget.ipynb?token={token}",
+            "api": api,
+            "token": token,
+            "log": log,
+        }
     finally:
         server.terminate()
         try:
@@ -147,12 +171,18 @@ class View:
                      return label && label.textContent.includes(want)
                        && t && t.textContent === title;
                    }""",
-                arg=[self.cell.element_handle(), f"patched {want[1]}, new {want[2]}; recovery {want[3]}",
-                     title],
-                timeout=CLICK_TIMEOUT_MS)
+                arg=[
+                    self.cell.element_handle(),
+                    f"patched {want[1]}, new {want[2]}; recovery {want[3]}",
+                    title,
+                ],
+                timeout=CLICK_TIMEOUT_MS,
+            )
         except Exception as e:
-            raise AssertionError(f"{what}: the widget shows {self.status.inner_text()!r}, expected patched "
-                                 f"{want[1]}, recovery {want[3]}") from e
+            raise AssertionError(
+                f"{what}: the widget shows {self.status.inner_text()!r}, expected patched "
+                f"{want[1]}, recovery {want[3]}"
+            ) from e
         old, patched, new, rec = STATUS.search(self.status.inner_text()).groups()
         assert (old, patched, new, rec) == want, what
 

@@ -37,8 +37,9 @@ def test_notebook_is_saved_without_outputs(path: Path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_top_to_bottom(path: Path):
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError as e:

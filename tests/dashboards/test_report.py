@@ -18,9 +18,20 @@ from kvnotes.ttft import EditCostReport, TTFTReport
 from probes.results import Estimate, ProbeReport, ProbeResult
 from tests.helpers import get_model
 
-CFG = ReportConfig.quick(n=3, draws=3, k_max=3, sae_train_pairs=4, sae_eval_pairs=4, sae_samples=1024,
-                         distances=(0, 64), seams=(0, 2), turns=2, ttft_lengths=(256, 400),
-                         edit_cost_tokens=256, min_effect=0.0)
+CFG = ReportConfig.quick(
+    n=3,
+    draws=3,
+    k_max=3,
+    sae_train_pairs=4,
+    sae_eval_pairs=4,
+    sae_samples=1024,
+    distances=(0, 64),
+    seams=(0, 2),
+    turns=2,
+    ttft_lengths=(256, 400),
+    edit_cost_tokens=256,
+    min_effect=0.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +45,15 @@ def report_dir(tmp_path_factory):
 def test_every_part_is_there_with_its_type(report_dir):
     _, report = report_dir
     kinds = {k: type(p.result) for k, p in report.parts.items()}
-    assert kinds == {"order-cancel/probes": ProbeReport, "order-cancel/regime": ProbeReport,
-                     "order-cancel/circuits": CircuitReport, "order-cancel/edit": ProbeReport,
-                     "order-cancel/compose": ProbeReport, "model/ttft": TTFTReport,
-                     "model/edit_cost": EditCostReport}
+    assert kinds == {
+        "order-cancel/probes": ProbeReport,
+        "order-cancel/regime": ProbeReport,
+        "order-cancel/circuits": CircuitReport,
+        "order-cancel/edit": ProbeReport,
+        "order-cancel/compose": ProbeReport,
+        "model/ttft": TTFTReport,
+        "model/edit_cost": EditCostReport,
+    }
     assert report.meta["pending"] == []
     assert {"kvnotes", "torch", "plotly", "python"} <= set(report.meta["versions"])
     assert report.meta["model_info"]["n_layers"] == get_model("tiny-llama").n_layers
@@ -95,8 +111,11 @@ def test_a_bad_report_file_says_what_is_wrong(tmp_path):
     (tmp_path / "report.json").write_text("{oops")
     with pytest.raises(ReportFileError, match="not valid JSON"):
         Report.load(tmp_path)
-    (tmp_path / "report.json").write_text(json.dumps({"schema": "kvnotes.report/1", "model": "m", "tasks": [],
-                                                       "config": {"quick": True}, "parts": {}}))
+    (tmp_path / "report.json").write_text(
+        json.dumps(
+            {"schema": "kvnotes.report/1", "model": "m", "tasks": [], "config": {"quick": True}, "parts": {}}
+        )
+    )
     with pytest.raises(ReportFileError, match=r"unknown report config key\(s\) \['quick'\].*rerun"):
         Report.load(tmp_path)
     with pytest.raises(ReportFileError, match="does not exist"):
@@ -107,21 +126,40 @@ def test_a_bad_report_file_says_what_is_wrong(tmp_path):
         ReportConfig(preset="fast")
 
 
-PAYLOAD = ['<script>window.__pwned=1</script>', ' "q" ', " 'q' ", " Tom & Jerry",
-           "<img src=x onerror=alert(1)>"]
+PAYLOAD = [
+    "<script>window.__pwned=1</script>",
+    ' "q" ',
+    " 'q' ",
+    " Tom & Jerry",
+    "<img src=x onerror=alert(1)>",
+]
 
 
 def _hostile_note_map() -> ProbeResult:
     toks = ["<bos>", "status", ":", " shipped", *PAYLOAD, "\n", "decision", ":"]
     n = len(toks)
     pos = list(range(3, n - 1))
-    m = {"positions": pos, "tokens": toks[3:n - 1], "prompt_tokens": toks,
-         "role": ["field"] + ["note"] * (len(pos) - 1), "recovery": [0.1 * i for i in range(len(pos))],
-         "field_joint": 0.2, "deviation": [1.0] * len(pos), "delimiter": [False] * len(pos),
-         "distance_to_decision": [n - 1 - p for p in pos], "per_layer": [0.5], "layer_windows": [[0]],
-         "per_window": [0.5], "slot_layer": [[0.1 * i] for i in range(len(pos) - 1)]}
-    return ProbeResult(name="note_map", headline="top_slot", parts={"top_slot": Estimate.of([0.5, 0.6]),
-                       "layer_0": Estimate.of([0.5, 0.6])}, details={"maps": [m], "excluded": []})
+    m = {
+        "positions": pos,
+        "tokens": toks[3 : n - 1],
+        "prompt_tokens": toks,
+        "role": ["field"] + ["note"] * (len(pos) - 1),
+        "recovery": [0.1 * i for i in range(len(pos))],
+        "field_joint": 0.2,
+        "deviation": [1.0] * len(pos),
+        "delimiter": [False] * len(pos),
+        "distance_to_decision": [n - 1 - p for p in pos],
+        "per_layer": [0.5],
+        "layer_windows": [[0]],
+        "per_window": [0.5],
+        "slot_layer": [[0.1 * i] for i in range(len(pos) - 1)],
+    }
+    return ProbeResult(
+        name="note_map",
+        headline="top_slot",
+        parts={"top_slot": Estimate.of([0.5, 0.6]), "layer_0": Estimate.of([0.5, 0.6])},
+        details={"maps": [m], "excluded": []},
+    )
 
 
 def test_token_strings_are_escaped_in_pages_and_figures(tmp_path):
@@ -129,7 +167,7 @@ def test_token_strings_are_escaped_in_pages_and_figures(tmp_path):
 
     page = write_page(_hostile_note_map(), tmp_path / "p.html").read_text(encoding="utf-8")
     body = page.split("</style>", 1)[1]
-    body = body.replace(body[body.index("<script>"):body.index("</script>") + 9], "", 1)  # inline plotly.js
+    body = body.replace(body[body.index("<script>") : body.index("</script>") + 9], "", 1)  # inline plotly.js
     assert "<script>window.__pwned" not in body and "<img src=x" not in body
     assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in body  # the prompt text shows it, escaped
     assert "Tom &amp; Jerry" in body
@@ -148,9 +186,12 @@ def test_every_result_type_displays_itself(report_dir):
     import plotly.graph_objects as go
 
     _, report = report_dir
-    objs = [report, *[p.result for p in report.parts.values()],
-            report.part("order-cancel", "probes").probes["note_map"],
-            report.part("order-cancel", "circuits").analyses["sae"]]
+    objs = [
+        report,
+        *[p.result for p in report.parts.values()],
+        report.part("order-cancel", "probes").probes["note_map"],
+        report.part("order-cancel", "circuits").analyses["sae"],
+    ]
     for obj in objs:
         fig = obj.figure()
         assert isinstance(fig, go.Figure) and len(fig.data) > 0, type(obj).__name__
@@ -163,8 +204,23 @@ def test_every_result_type_displays_itself(report_dir):
 
 def test_cli_report_quick_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "cli"
-    assert main(["report", "--model", "tiny-llama", "--task", "order-cancel", "--quick", "--n", "2",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--model",
+                "tiny-llama",
+                "--task",
+                "order-cancel",
+                "--quick",
+                "--n",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = Report.load(out)
     assert report.config.preset == "quick" and report.config.n == 2
     assert (out / "index.html").stat().st_size > 1_000_000  # plotly.js inline

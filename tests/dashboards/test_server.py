@@ -56,8 +56,10 @@ def test_index_lists_reports_by_model_then_task(client, dirs):
     assert r.status_code == 200
     html = r.get_data(as_text=True)
     xss, org = report_id(dirs["xss"]), report_id(dirs["organism"])
-    assert sections(html) == {"notes-organism": {"notes-organism-filler": [org]},
-                              "tiny-llama": {escape(XSS_TASK_NAME): [xss]}}
+    assert sections(html) == {
+        "notes-organism": {"notes-organism-filler": [org]},
+        "tiny-llama": {escape(XSS_TASK_NAME): [xss]},
+    }
     assert "<img" not in html
     for rid in (xss, org):  # a link to the page, to the JSON, and A/B choices for the comparison
         assert f'href="/report/{rid}/"' in html and f'href="/report/{rid}/report.json"' in html
@@ -89,12 +91,16 @@ def test_compare_two_models(client, dirs):
     assert html.count('class="kv-fig"') > 10
 
 
-@pytest.mark.parametrize("query, status, says", [
-    ("", 400, "parameter &#39;a&#39; is missing"),
-    ("?a={xss}", 400, "parameter &#39;b&#39; is missing"),
-    ("?a={xss}&b=0000000000", 404, "no report has the id &#39;0000000000&#39;"),
-    ("?a={xss}&b={xss}", 400, "pick two different reports"),
-], ids=["no-ids", "no-b", "unknown-b", "same-twice"])
+@pytest.mark.parametrize(
+    "query, status, says",
+    [
+        ("", 400, "parameter &#39;a&#39; is missing"),
+        ("?a={xss}", 400, "parameter &#39;b&#39; is missing"),
+        ("?a={xss}&b=0000000000", 404, "no report has the id &#39;0000000000&#39;"),
+        ("?a={xss}&b={xss}", 400, "pick two different reports"),
+    ],
+    ids=["no-ids", "no-b", "unknown-b", "same-twice"],
+)
 def test_compare_errors_say_what_is_wrong(client, dirs, query, status, says):
     xss = report_id(dirs["xss"])
     r = client.get("/compare" + query.format(xss=xss))
@@ -154,11 +160,30 @@ def test_a_changed_report_is_read_again_and_its_text_escaped(dirs, tmp_path):
     assert report_id(d) in c.get("/report/0000000000/").get_data(as_text=True)  # the 404's id list
 
 
-LOCAL_HOSTS = ["127.0.0.1:8765", "127.0.0.1", "localhost:8765", "LocalHost", "[::1]:8765", "[::1]",
-               "[0:0:0:0:0:0:0:1]:80"]
-FOREIGN_HOSTS = ["attacker.example:8765", "localhost.attacker.example", "127.0.0.1.nip.io", "[::2]:8765",
-                 "192.168.1.5:8765", "[127.0.0.1]", "::1", "[::1", "127.0.0.1:99999", "127.0.0.1:abc",
-                 "localhost:8765:1", "", " 127.0.0.1"]
+LOCAL_HOSTS = [
+    "127.0.0.1:8765",
+    "127.0.0.1",
+    "localhost:8765",
+    "LocalHost",
+    "[::1]:8765",
+    "[::1]",
+    "[0:0:0:0:0:0:0:1]:80",
+]
+FOREIGN_HOSTS = [
+    "attacker.example:8765",
+    "localhost.attacker.example",
+    "127.0.0.1.nip.io",
+    "[::2]:8765",
+    "192.168.1.5:8765",
+    "[127.0.0.1]",
+    "::1",
+    "[::1",
+    "127.0.0.1:99999",
+    "127.0.0.1:abc",
+    "localhost:8765:1",
+    "",
+    " 127.0.0.1",
+]
 
 
 def status_for(app, host: str | None) -> tuple[int, str]:
@@ -214,9 +239,11 @@ def token_client(dirs, tmp_path_factory):
 
 
 def test_a_token_is_asked_for_when_set(token_client):
-    for r in (token_client.get("/", headers={"Host": "lab.example:8765"}),
-              token_client.get("/?token=wrong"),
-              token_client.get("/", headers={"Authorization": "token wrong"})):
+    for r in (
+        token_client.get("/", headers={"Host": "lab.example:8765"}),
+        token_client.get("/?token=wrong"),
+        token_client.get("/", headers={"Authorization": "token wrong"}),
+    ):
         assert r.status_code == 403 and "open the link it printed" in r.get_data(as_text=True)
     assert token_client.get("/", headers={"Authorization": "token s3cret-token"}).status_code == 200
 

@@ -101,7 +101,7 @@ def test_buttons_show_every_slot_with_the_changed_one_highlighted(view):
     assert view.changed == field
     assert view.downstream == tuple(range(field[-1] + 1, view.old.span("decision").start))
     assert {p for p, b in buttons.items() if b.button_style} == set(field)
-    strs = view.model.token_strings(view.old.ids[:view.nb_old.n_slots])
+    strs = view.model.token_strings(view.old.ids[: view.nb_old.n_slots])
     assert [b.description for b in buttons.values()] == [token_label(s) for s in strs]
     assert any("↵" in b.description for b in buttons.values())
     assert all(" " not in b.description for b in buttons.values())

@@ -22,49 +22,90 @@ N_TOKENS = 40
 WINDOW = 8  # smaller than the prompt, so sliding layers really slide
 ATOL = 1e-4
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 _GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
 def _gemma3_rope(full: dict) -> dict:
-    return {"full_attention": {"rope_theta": 1_000_000.0, **full},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    return {
+        "full_attention": {"rope_theta": 1_000_000.0, **full},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
 
 
 FAMILIES: dict[str, tuple[type, dict]] = {
     "llama-gqa": (tf.LlamaConfig, {"num_key_value_heads": 2}),
-    "llama3-rope-scaling": (tf.LlamaConfig, {"num_key_value_heads": 2,
-                                             "rope_parameters": _LLAMA3_ROPE}),
+    "llama3-rope-scaling": (tf.LlamaConfig, {"num_key_value_heads": 2, "rope_parameters": _LLAMA3_ROPE}),
     "mistral-window-gqa": (tf.MistralConfig, {"num_key_value_heads": 2, "sliding_window": WINDOW}),
     "qwen2-bias": (tf.Qwen2Config, {"num_key_value_heads": 2}),
-    "qwen2-sliding": (tf.Qwen2Config, {"num_key_value_heads": 2, "use_sliding_window": True,
-                                       "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen2-sliding": (
+        tf.Qwen2Config,
+        {
+            "num_key_value_heads": 2,
+            "use_sliding_window": True,
+            "sliding_window": WINDOW,
+            "max_window_layers": 1,
+        },
+    ),
     "qwen3-qknorm-gqa": (tf.Qwen3Config, {"num_key_value_heads": 2, "head_dim": 16}),
     "gemma-mha": (tf.GemmaConfig, {"num_key_value_heads": 4, "head_dim": 16}),
-    "gemma2-softcaps-window": (tf.Gemma2Config, {
-        "num_key_value_heads": 2, "head_dim": 16, "sliding_window": WINDOW,
-        "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
-        "final_logit_softcapping": 3.0}),
-    "gemma3-text": (tf.Gemma3TextConfig, {
-        "num_key_value_heads": 1, "head_dim": 16, "sliding_window": WINDOW,
-        "layer_types": _GEMMA3_TYPES, "query_pre_attn_scalar": 32,
-        "rope_parameters": _gemma3_rope({"rope_type": "default"})}),
-    "gemma3-linear-rope": (tf.Gemma3TextConfig, {
-        "num_key_value_heads": 1, "head_dim": 16, "sliding_window": WINDOW,
-        "layer_types": _GEMMA3_TYPES,
-        "rope_parameters": _gemma3_rope({"rope_type": "linear", "factor": 8.0})}),
+    "gemma2-softcaps-window": (
+        tf.Gemma2Config,
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3-text": (
+        tf.Gemma3TextConfig,
+        {
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": _GEMMA3_TYPES,
+            "query_pre_attn_scalar": 32,
+            "rope_parameters": _gemma3_rope({"rope_type": "default"}),
+        },
+    ),
+    "gemma3-linear-rope": (
+        tf.Gemma3TextConfig,
+        {
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": _GEMMA3_TYPES,
+            "rope_parameters": _gemma3_rope({"rope_type": "linear", "factor": 8.0}),
+        },
+    ),
 }
 
 
 def _config(cls: type, extra: dict):
     tok = tiny_tokenizer()
     n_layers = len(extra.get("layer_types", ())) or 3
-    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
-               num_attention_heads=4, vocab_size=len(tok), max_position_embeddings=128,
-               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id, **extra)
+    return cls(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        vocab_size=len(tok),
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **extra,
+    )
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -128,11 +169,22 @@ def test_engine_in_two_chunks_equals_hf(family):
 def test_gemma3_multimodal_uses_the_text_tower():
     """model_type "gemma3" (Gemma3ForConditionalGeneration): the text tower converts exactly."""
     cls, extra = FAMILIES["gemma3-text"]
-    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, image_size=28, patch_size=14)
-    cfg = tf.Gemma3Config(text_config=_config(cls, extra).to_dict(), vision_config=vision.to_dict(),
-                          mm_tokens_per_image=4, image_token_index=500, boi_token_index=501,
-                          eoi_token_index=502)
+    vision = tf.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    cfg = tf.Gemma3Config(
+        text_config=_config(cls, extra).to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=500,
+        boi_token_index=501,
+        eoi_token_index=502,
+    )
     torch.manual_seed(0)
     hf = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     _randomize(hf, seed=0)
@@ -183,8 +235,7 @@ def test_unsupported_model_type(tmp_path):
 
 
 def test_unsupported_rope_scaling():
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-            "original_max_position_embeddings": 64}
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
     with pytest.raises(UnsupportedArchitecture, match="yarn"):
         tl_config_from_hf(tf.LlamaConfig(num_hidden_layers=1, rope_parameters=yarn))
 

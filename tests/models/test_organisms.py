@@ -143,8 +143,15 @@ def test_cache_round_trips(organism):
 
 
 # a small recipe that converges in about 80 steps (6 s): enough to exercise the cache
-SMALL = replace(ORGANISMS["lookup-organism"], max_steps=300, train_size=512, heldout_size=32, eval_every=10,
-                patience=1, min_margin=0.5)
+SMALL = replace(
+    ORGANISMS["lookup-organism"],
+    max_steps=300,
+    train_size=512,
+    heldout_size=32,
+    eval_every=10,
+    patience=1,
+    min_margin=0.5,
+)
 
 
 @pytest.mark.parametrize("damage", ["truncate-weights", "garbage-meta"])
@@ -210,8 +217,10 @@ def test_a_cached_run_that_did_not_converge_is_not_used(tmp_path, capsys):
 
 def test_config_change_changes_the_cache_key(tmp_path):
     base = cache_path("notes-organism", cache_dir=tmp_path)
-    assert cache_path("notes-organism", config=replace(ORGANISMS["notes-organism"], seed=1),
-                      cache_dir=tmp_path) != base
+    assert (
+        cache_path("notes-organism", config=replace(ORGANISMS["notes-organism"], seed=1), cache_dir=tmp_path)
+        != base
+    )
     assert cache_path("notes-organism", cache_dir=tmp_path) == base
 
 

@@ -24,8 +24,23 @@ def test_full_seam_equals_recompute_and_no_rerotation_is_worse():
 
 def test_cli_compose(tmp_path):
     out = tmp_path / "compose.json"
-    rc = main(["compose", "--model", "tiny-llama", "--n", "1", "--seams", "0,2", "--offsets", "16",
-               "--turns", "3", "--json", str(out)])
+    rc = main(
+        [
+            "compose",
+            "--model",
+            "tiny-llama",
+            "--n",
+            "1",
+            "--seams",
+            "0,2",
+            "--offsets",
+            "16",
+            "--turns",
+            "3",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     probes = json.loads(out.read_text())["probes"]
     d = probes["seam_repair"]
@@ -36,8 +51,7 @@ def test_cli_compose(tmp_path):
 def test_agent_loop_with_a_full_seam_is_exact_every_turn():
     model = get_model("tiny-llama")
     p = sample(load_task("order-cancel"), model, 1)[0].old
-    r = agent_loop(model, "order-cancel", n=1, turns=5, seam=chunk_end(p, "order_status") - 1,
-                   progress=False)
+    r = agent_loop(model, "order-cancel", n=1, turns=5, seam=chunk_end(p, "order_status") - 1, progress=False)
     for turn in range(1, 6):
         assert abs(r[f"cosine@{turn}"].mean - 1.0) < 1e-9 and r[f"agree@{turn}"].mean == 1.0
     assert r["follows"].n == 5

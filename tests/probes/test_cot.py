@@ -22,8 +22,14 @@ def test_chain_is_greedy_and_bounded(notes_organism):
 def test_cot_refresh_reports_chains_and_recoveries(notes_organism):
     trials = make_trials(notes_organism, "notes-organism", 2, progress=False)
     r = cot_refresh(trials, max_tokens=4, min_effect=0.0)
-    assert set(r.parts) == {"recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain",
-                            "chain_effect"}
+    assert set(r.parts) == {
+        "recovery",
+        "no_cot_recovery",
+        "edited_tokens",
+        "clean_tokens",
+        "same_chain",
+        "chain_effect",
+    }
     assert all(1 <= n <= 4 for n in r["edited_tokens"].values + r["clean_tokens"].values)
     assert r["no_cot_recovery"].mean < 0.1  # the organism ignores an in-place refresh without a chain
     assert len(r.details["examples"]) == 2 and set(r.details["examples"][0]) == {"stale", "edited", "clean"}
@@ -35,8 +41,23 @@ def test_cli_edit_with_cot(tmp_path):
     from kvnotes.cli import main
 
     out = tmp_path / "edit.json"
-    assert main(["edit", "--model", "notes-organism", "--n", "2", "--cot", "--cot-tokens", "3",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "edit",
+                "--model",
+                "notes-organism",
+                "--n",
+                "2",
+                "--cot",
+                "--cot-tokens",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     probes = json.loads(out.read_text())["probes"]
     assert {"edit_methods", "cot_refresh"} <= set(probes)
     assert all(v <= 3 for v in probes["cot_refresh"]["edited_tokens"]["values"])

@@ -88,8 +88,11 @@ def test_transplant_values_equal_unbatched_patches(trials):
     res = notes_transplant(trials, min_effect=0.0)
     for i, t in enumerate(trials):
         pos = tuple(t.pair.downstream())
-        for part, spec in [("kv", Patch(positions=pos)), ("k_only", Patch(positions=pos, values=False)),
-                           ("v_only", Patch(positions=pos, keys=False))]:
+        for part, spec in [
+            ("kv", Patch(positions=pos)),
+            ("k_only", Patch(positions=pos, values=False)),
+            ("v_only", Patch(positions=pos, keys=False)),
+        ]:
             want = unbatched_ld(t, patch(t.old_nb, t.new_nb, spec))
             assert abs(ld_of(t, res[part].values[i]) - want) < 2e-5, part
 
@@ -157,8 +160,22 @@ def test_estimate_ci_and_undefined_figures():
 # --- CLI -----------------------------------------------------------------------------------------
 def test_cli_probe_all_writes_the_documented_json(tmp_path, capsys):
     out = tmp_path / "probes.json"
-    rc = main(["probe", "all", "--model", "tiny-llama", "--task", TASK, "--n", "2", "--min-effect", "0",
-               "--json", str(out)])
+    rc = main(
+        [
+            "probe",
+            "all",
+            "--model",
+            "tiny-llama",
+            "--task",
+            TASK,
+            "--n",
+            "2",
+            "--min-effect",
+            "0",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     d = json.loads(out.read_text())
     assert (d["model"], d["task"], d["n"]) == ("tiny-llama", TASK, 2)
@@ -170,19 +187,39 @@ def test_cli_probe_all_writes_the_documented_json(tmp_path, capsys):
 
 def test_cli_regime_on_a_tiny_model(tmp_path):
     out = tmp_path / "regime.json"
-    rc = main(["probe", "regime", "--model", "tiny-gemma3", "--task", TASK, "--n", "2",
-               "--distances", "0,24", "--min-effect", "0", "--json", str(out)])
+    rc = main(
+        [
+            "probe",
+            "regime",
+            "--model",
+            "tiny-gemma3",
+            "--task",
+            TASK,
+            "--n",
+            "2",
+            "--distances",
+            "0,24",
+            "--min-effect",
+            "0",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     r = json.loads(out.read_text())["probes"]["regime"]
     assert set(r) >= {"field_refresh@0", "notes_transplant@24", "mean", "ci"}
     assert r["details"]["distance"][1] >= r["details"]["distance"][0] + 24
 
 
-@pytest.mark.parametrize("argv,pattern", [
-    (["probe", "fieldrefresh", "--model", "tiny-llama"], "unknown probe.*'fieldrefresh'.*field_refresh"),
-    (["probe", "all", "--model", "tiny-llama", "--task", "nosuchtask"], "unknown task 'nosuchtask'"),
-    (["probe", "all", "--model", "tiny-nosuch"], "unknown model 'tiny-nosuch'"),
-], ids=["probe", "task", "model"])
+@pytest.mark.parametrize(
+    "argv,pattern",
+    [
+        (["probe", "fieldrefresh", "--model", "tiny-llama"], "unknown probe.*'fieldrefresh'.*field_refresh"),
+        (["probe", "all", "--model", "tiny-llama", "--task", "nosuchtask"], "unknown task 'nosuchtask'"),
+        (["probe", "all", "--model", "tiny-nosuch"], "unknown model 'tiny-nosuch'"),
+    ],
+    ids=["probe", "task", "model"],
+)
 def test_cli_errors_name_the_problem(argv, pattern, capsys):
     assert main(argv) == 2
     assert re.search(pattern, capsys.readouterr().err)

@@ -67,8 +67,9 @@ def test_the_update_maps_the_key_to_the_target(notes_organism, trials, target):
     edit = target(t, layer)
     assert int(torch.linalg.matrix_rank(edit.delta(notes_organism), rtol=1e-5)) == 1
     with applied(notes_organism, edit):
-        acts = decide(notes_organism, t.old_nb, t.pair.old, capture=[out, resid],
-                      vocab=t.pair.answers).activations
+        acts = decide(
+            notes_organism, t.old_nb, t.pair.old, capture=[out, resid], vocab=t.pair.answers
+        ).activations
     assert (edit.target - edit.old).norm() > 0
     torch.testing.assert_close(acts[out][0, -1], edit.target, atol=1e-4, rtol=1e-4)
     if target is match_residual:  # the residual stream after the layer is the new run's there
@@ -82,8 +83,13 @@ def test_hooks_emulate_the_edit_on_the_decision(notes_organism, trials):
     edit = match_decision(t, 1)
     mlp = notes_organism.tl.blocks[1].mlp
     u = edit.value - (edit.key @ mlp.W_out + mlp.b_out)
-    hooked = decide(notes_organism, t.old_nb, t.pair.old, hooks=edit_hooks(notes_organism, 1, edit.key, u),
-                    vocab=t.pair.answers).last
+    hooked = decide(
+        notes_organism,
+        t.old_nb,
+        t.pair.old,
+        hooks=edit_hooks(notes_organism, 1, edit.key, u),
+        vocab=t.pair.answers,
+    ).last
     with applied(notes_organism, edit):
         edited = decide(notes_organism, t.old_nb, t.pair.old, vocab=t.pair.answers).last
     torch.testing.assert_close(hooked, edited, atol=1e-4, rtol=1e-4)

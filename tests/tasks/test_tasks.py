@@ -52,10 +52,13 @@ def test_gate_pairs_differ_only_in_the_gating_field_and_align(llama):
         diff = [j for j, (a, b) in enumerate(zip(p.old.ids, p.new.ids)) if a != b]
         assert diff and set(diff) <= set(p.field_span), "only the field's tokens may differ"
         assert p.expected[0] != p.expected[1]
-        assert p.expected == (task.outcome(p.old.values["order_status"]),
-                              task.outcome(p.new.values["order_status"]))
-        assert {k: v for k, v in p.old.values.items() if k != "order_status"} == \
-               {k: v for k, v in p.new.values.items() if k != "order_status"}
+        assert p.expected == (
+            task.outcome(p.old.values["order_status"]),
+            task.outcome(p.new.values["order_status"]),
+        )
+        assert {k: v for k, v in p.old.values.items() if k != "order_status"} == {
+            k: v for k, v in p.new.values.items() if k != "order_status"
+        }
     # the direction alternates, so neither value is always the old one
     assert [p.old.values["order_status"] for p in pairs[:2]] == ["pending", "shipped"]
 
@@ -139,20 +142,34 @@ BAD = [
     ("not TOML", "name = 'x\n", "not valid TOML"),
     ("missing gate", _with(gate=None), r"\[gate\]: missing table"),
     ("gate field type", _with(gate={"field": 3, "values": ["a", "b"]}), r"gate\.field: must be a string"),
-    ("gate values", _with(gate={"field": "order_status", "values": ["pending"]}),
-     r"gate\.values: must be a list of at least 2"),
-    ("same outcome",
-     _with(gate={"field": "order_status", "values": ["pending", "shipped"], "outcomes": [0, 0]}),
-     r"gate\.outcomes: every value leads to the same answer"),
-    ("field not in template", _with(gate={"field": "status", "values": ["pending", "shipped"]}),
-     r"gate\.field: 'status' does not appear in the template"),
+    (
+        "gate values",
+        _with(gate={"field": "order_status", "values": ["pending"]}),
+        r"gate\.values: must be a list of at least 2",
+    ),
+    (
+        "same outcome",
+        _with(gate={"field": "order_status", "values": ["pending", "shipped"], "outcomes": [0, 0]}),
+        r"gate\.outcomes: every value leads to the same answer",
+    ),
+    (
+        "field not in template",
+        _with(gate={"field": "status", "values": ["pending", "shipped"]}),
+        r"gate\.field: 'status' does not appear in the template",
+    ),
     ("three answers", _with(answers=[" a", " b", " c"]), r"answers: a gated decision has exactly two"),
     ("unknown key", _with(anwsers=[" a", " b"]), r"\['anwsers'\]: unknown key"),
-    ("no decision span", _with(template=GOOD["template"].replace("[[decision:decision:]]", "decision:")),
-     r"template: needs a \[\[decision"),
+    (
+        "no decision span",
+        _with(template=GOOD["template"].replace("[[decision:decision:]]", "decision:")),
+        r"template: needs a \[\[decision",
+    ),
     ("unfilled field", _with(template=GOOD["template"] + "{mystery}"), r"template: field\(s\) \['mystery'\]"),
-    ("rule values", _with(rule={"field": "cancel_status", "values": ["a", "b", "c"]}),
-     r"rule\.values: must be exactly two"),
+    (
+        "rule values",
+        _with(rule={"field": "cancel_status", "values": ["a", "b", "c"]}),
+        r"rule\.values: must be exactly two",
+    ),
     ("shots count", _with(shots={"template": "x", "count": 0}), r"shots\.count: must be at least 1"),
     ("vary kind", _with(vary={"customer": 7}), r"vary\.customer: must be a non-empty list"),
     ("bad brackets", _with(template="[[decision: x"), r"template: .*never closed"),
