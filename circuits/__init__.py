@@ -8,34 +8,21 @@ hypothesis preserves, how fast gradients rank it, and which SAE features carry i
     trials = make_trials(model, "order-cancel", n=8)
     read_heads(trials).tables["ranking"][:5]           # the heads that read the conclusion
     run_circuits(model, "order-cancel", n=8)          # every analysis, as one CircuitReport
+
+Each analysis is declared in the registry (`kvnotes.analysis`) beside its code.
 """
 
 from __future__ import annotations
 
-import platform
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from circuits.attribution import Attribution, attribute, attribution
-from circuits.heads import Head, all_heads, read_sweep, write_sweep
-from circuits.prompt_attribution import PromptAttribution, attribute_prompt
-from circuits.read_write import read_heads, write_heads
-from circuits.scrubbing import scrubbing
-from kvnotes.bench import versions
-from kvnotes.errors import KVNotesError
+from kvnotes.analysis import MIN_EFFECT, Section, UnknownAnalysisError, choose, for_command, register_section
 from kvnotes.models.model import KVModel
-from kvnotes.tasks import Task, load_task
-from probes.results import ProbeReport, ProbeResult
-from probes.trials import MIN_EFFECT, make_trials
+from kvnotes.tasks import Task
+from probes.results import ProbeReport, ProbeResult, collect
 
-ANALYSES = ("read_heads", "write_heads", "scrubbing", "attribution", "sae")
 _META = ("model", "task", "n", "seed", "meta")
-
-
-class UnknownAnalysisError(KVNotesError):
-    """An analysis name that `circuits` does not have."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +55,34 @@ class CircuitReport(ProbeReport):
         )
 
 
+register_section(
+    Section(
+        "circuits",
+        "Circuits",
+        order=30,
+        command="circuits",
+        container=CircuitReport,
+        intro=(
+            "Which heads write the conclusion onto the notes and which read it at the decision; "
+            "what a scrubbed "
+            "hypothesis keeps; how gradients rank it; which SAE features carry it."
+        ),
+    )
+)
+
+from circuits.attribution import Attribution, attribute, attribution  # noqa: E402  (registers on import)
+from circuits.features import sae_analysis  # noqa: E402
+from circuits.heads import Head, all_heads, read_sweep, write_sweep  # noqa: E402
+from circuits.prompt_attribution import PromptAttribution, attribute_prompt  # noqa: E402
+from circuits.read_write import read_heads, write_heads  # noqa: E402
+from circuits.scrubbing import scrubbing  # noqa: E402
+from probes.trials import make_trials  # noqa: E402
+
+ANALYSES = tuple(a.name for a in for_command("circuits"))
+
+
 def check_analyses(names: Sequence[str]) -> list[str]:
-    names = list(ANALYSES) if list(names) in (["all"], []) else list(names)
-    bad = [n for n in names if n not in ANALYSES]
-    if bad:
-        raise UnknownAnalysisError(f"unknown analysis(es) {bad}: the analyses are {list(ANALYSES)} or 'all'")
-    return names
+    return choose("circuits", names)
 
 
 def run_circuits(
@@ -92,8 +101,9 @@ def run_circuits(
 ) -> CircuitReport:
     """Run the named circuit analyses on `n` pairs of `task`, sharing prefills among them.
 
-    Scrubbing's hypothesis uses the top `k_max` read heads (so it runs the read side first);
-    `sae_config` is a `circuits.sae.SAEConfig`, `sae` a loaded sae-lens SAE (else one is trained).
+    Scrubbing's hypothesis uses the top `k_max` read heads (so it runs the read side first); the
+    write side draws half as many random head sets. `sae_config` is a `circuits.sae.SAEConfig`,
+    `sae` a loaded sae-lens SAE (else one is trained).
 
     >>> from kvnotes import load_model
     >>> r = run_circuits(load_model("tiny-llama"), "order-cancel", ["read_heads"], n=2, min_effect=0.0,
@@ -101,60 +111,21 @@ def run_circuits(
     >>> round(r.analyses["read_heads"].parts["all_heads"].mean, 2)  # every head patched: the new decision
     1.0
     """
+    from kvnotes.analysis import get
+
     names = check_analyses(names)
-    task = load_task(task)
-    t0 = time.perf_counter()
-    trials = make_trials(model, task, n, seed=seed, progress=progress)
-    results: dict[str, ProbeResult] = {}
-    timings: dict[str, float] = {}
-
-    def timed(name: str, fn):
-        s = time.perf_counter()
-        results[name] = fn()
-        timings[name] = round(time.perf_counter() - s, 1)
-        if progress:
-            print(f"circuits {name}: done in {timings[name]:.1f} s", file=sys.stderr, flush=True)
-
-    if "read_heads" in names or "scrubbing" in names:
-        timed(
-            "read_heads",
-            lambda: read_heads(trials, k_max=k_max, draws=draws, seed=seed, min_effect=min_effect),
-        )
-    if "write_heads" in names:
-        timed(
-            "write_heads",
-            lambda: write_heads(
-                trials, k_max=k_max, draws=max(draws // 2, 1), seed=seed, min_effect=min_effect
-            ),
-        )
-    if "scrubbing" in names:
-        ranking = results["read_heads"].tables.get("ranking", [])
-        heads = [(r["layer"], r["head"]) for r in ranking[:k_max]]
-        timed("scrubbing", lambda: scrubbing(trials, task, heads, seed=seed, min_effect=min_effect))
-    if "attribution" in names:
-        timed("attribution", lambda: attribution(trials, min_effect=min_effect))
-    if "sae" in names:
-        from circuits.features import sae_analysis
-        from circuits.sae import SAEConfig
-
-        cfg = sae_config or SAEConfig(seed=seed)
-        timed(
-            "sae",
-            lambda: sae_analysis(trials, task, cfg=cfg, sae=sae, min_effect=min_effect, progress=progress),
-        )
-    results = {k: results[k] for k in ANALYSES if k in results}
-    meta = {
+    configs = {"write_heads": get("write_heads").make_config(n=n, k_max=k_max, draws=max(draws // 2, 1))}
+    memo = {k: v for k, v in {"sae_config": sae_config, "sae": sae}.items() if v is not None}
+    run = {
+        "seed": seed,
         "min_effect": min_effect,
-        "k_max": k_max,
-        "draws": draws,
-        "timings": timings,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "machine": platform.machine(),
-        "task_source": task.source,
-        "prompt_tokens": [len(t.pair.old) for t in trials],
-        "versions": versions(),
+        "progress": progress,
+        "memo": memo,
+        "container": CircuitReport,
     }
-    return CircuitReport(model=model.name, task=task.name, n=n, seed=seed, probes=results, meta=meta)
+    return collect(
+        model, task, names, n=n, overrides={"k_max": k_max, "draws": draws}, configs=configs, **run
+    )
 
 
 __all__ = [
@@ -173,6 +144,7 @@ __all__ = [
     "all_heads",
     "read_sweep",
     "write_sweep",
+    "sae_analysis",
     "UnknownAnalysisError",
     "check_analyses",
     "make_trials",

@@ -17,17 +17,20 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from scipy.stats import spearmanr
 
 from circuits.heads import all_heads, read_sweep
+from kvnotes.analysis import Context, analysis, option
 from kvnotes.engine import run
+from kvnotes.errors import BadArgument
+from kvnotes.hooks import hook_name
+from kvnotes.metrics import Metric, answer_columns, logit_diff, spearman
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, PromptLike, query_tokens
 from kvnotes.types import Float, Tensor
-from probes.causal import effect_estimate, split
+from probes.causal import effect_estimate, split_by_effect
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Trial, each
+from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,9 +69,12 @@ def _backward(
     pos: Tensor,
     answers: Sequence[int],
     keep: Sequence[str] = (),
+    metric: Metric = logit_diff,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], list[Tensor], tuple[Tensor, ...]]:
-    """One forward and one backward on `nb`: the logit difference, its gradients with respect to
-    every layer's keys and values, and the activations named in `keep` with their gradients."""
+    """One forward and one backward on `nb`: the decision `metric` (logit difference by default),
+    its gradients with respect to every layer's keys and values, and the activations named in
+    `keep` with their gradients."""
+    vocab, columns = answer_columns(metric, answers)
     with torch.enable_grad():
         keys = tuple(k.detach().clone().requires_grad_(True) for k in nb.keys)
         values = tuple(v.detach().clone().requires_grad_(True) for v in nb.values)
@@ -79,12 +85,12 @@ def _backward(
             kept[hook.name] = act
             return act
 
-        _, out = run(model, leaf, ids, pos, write=False, hooks=[(n, hold) for n in keep], vocab=answers)
-        ld = out.last[0, 0] - out.last[0, 1]
+        _, out = run(model, leaf, ids, pos, write=False, hooks=[(n, hold) for n in keep], vocab=vocab)
+        score = metric(out.last, columns)[0]
         acts = [kept[n] for n in keep]
-        grads = torch.autograd.grad(ld, [*keys, *values, *acts])
+        grads = torch.autograd.grad(score, [*keys, *values, *acts])
     L = nb.n_layers
-    return ld.detach(), grads[:L], grads[L : 2 * L], [a.detach() for a in acts], grads[2 * L :]
+    return score.detach(), grads[:L], grads[L : 2 * L], [a.detach() for a in acts], grads[2 * L :]
 
 
 def _kv_effects(
@@ -105,6 +111,7 @@ def slot_attribution(
     answers: tuple[int, int],
     *,
     steps: int = 1,
+    metric: Metric = logit_diff,
 ) -> SlotAttribution:
     """Attribution patching of `new`'s K/V into `old`, slot × layer, for the decision read by
     `query`: one forward and one backward on `old` (no head part, so no forward on `new`).
@@ -112,15 +119,16 @@ def slot_attribution(
     With `steps` > 1 the gradient is averaged at the midpoints of `steps` equal pieces of the
     straight path from `old` to `new` (integrated gradients): `steps` passes instead of one, and
     the estimates of all slots together then sum to the whole change up to the Riemann error.
-    `ld` is always `old`'s."""
+    `ld` is always `old`'s; all values are in units of `metric` (default: the logit difference)."""
     if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+        raise BadArgument(f"steps must be at least 1 (1: plain attribution patching), got {steps}")
     ids, pos = query_tokens(model, old, query)
     if steps == 1:
-        ld, g_k, g_v, _, _ = _backward(model, old, ids, pos, answers)
-    else:  # old's ld from a forward alone; the gradients from the midpoints
-        _, out = run(model, old, ids, pos, write=False, vocab=answers)
-        ld = out.last[0, 0] - out.last[0, 1]
+        score, g_k, g_v, _, _ = _backward(model, old, ids, pos, answers, metric=metric)
+    else:  # old's score from a forward alone; the gradients from the midpoints
+        vocab, columns = answer_columns(metric, answers)
+        _, out = run(model, old, ids, pos, write=False, vocab=vocab)
+        score = metric(out.last, columns)[0]
         src = new.select(old.positions)
         g_k, g_v = [torch.zeros_like(k) for k in old.keys], [torch.zeros_like(v) for v in old.values]
         for i in range(steps):
@@ -130,23 +138,29 @@ def slot_attribution(
                 keys=tuple(o + a * (n - o) for o, n in zip(old.keys, src.keys)),
                 values=tuple(o + a * (n - o) for o, n in zip(old.values, src.values)),
             )
-            _, gk, gv, _, _ = _backward(model, mid, ids, pos, answers)
+            _, gk, gv, _, _ = _backward(model, mid, ids, pos, answers, metric=metric)
             for acc, g in zip(g_k + g_v, gk + gv):
                 acc += g / steps
     keys, values = _kv_effects(old, new, g_k, g_v)
-    return SlotAttribution(keys=keys, values=values, ld=float(ld), positions=tuple(old.positions.tolist()))
+    return SlotAttribution(keys=keys, values=values, ld=float(score), positions=tuple(old.positions.tolist()))
 
 
 def attribute(
-    model: KVModel, old: Notebook, new: Notebook, query: PromptLike, answers: tuple[int, int]
+    model: KVModel,
+    old: Notebook,
+    new: Notebook,
+    query: PromptLike,
+    answers: tuple[int, int],
+    *,
+    metric: Metric = logit_diff,
 ) -> Attribution:
-    """Attribution patching of `new` into `old` for the decision read by `query`, whose logit
-    difference is logit[answers[0]] - logit[answers[1]]: one forward on `new` (its head outputs),
-    one forward and one backward on `old`."""
+    """Attribution patching of `new` into `old` for the decision read by `query` as `metric` (by
+    default the logit difference logit[answers[0]] - logit[answers[1]]): one forward on `new`
+    (its head outputs), one forward and one backward on `old`."""
     ids, pos = query_tokens(model, old, query)
-    names = [f"blocks.{l}.attn.hook_z" for l in range(model.n_layers)]
+    names = [hook_name(l, "attn.hook_z") for l in range(model.n_layers)]
     _, ref = run(model, new, ids, pos, write=False, capture=names, vocab=answers)
-    _, g_k, g_v, zs, g_z = _backward(model, old, ids, pos, answers, keep=names)
+    _, g_k, g_v, zs, g_z = _backward(model, old, ids, pos, answers, keep=names, metric=metric)
     keys, values = _kv_effects(old, new, g_k, g_v)
     heads = torch.stack(
         [((ref.activations[n][0, -1] - zs[l][0, -1]) * g_z[l][0, -1]).sum(-1) for l, n in enumerate(names)]
@@ -154,12 +168,6 @@ def attribute(
     return Attribution(
         slot_layer=keys + values, heads=heads.detach().cpu(), positions=tuple(old.positions.tolist())
     )
-
-
-def _rho(a: Sequence[float], b: Sequence[float]) -> float | None:
-    if len(set(a)) < 2 or len(set(b)) < 2:
-        return None
-    return float(spearmanr(a, b).statistic)
 
 
 def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MIN_EFFECT) -> ProbeResult:
@@ -171,25 +179,15 @@ def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MI
     agree on), `speedup` (activation-patching time / attribution time, per prompt, both
     computed from scratch in this process), `attribution_seconds`, `activation_seconds`.
     """
-    used, excluded = split(trials, min_effect)
-    parts: dict[str, list] = {
-        k: []
-        for k in (
-            "rank_correlation",
-            "slot_rank_correlation",
-            "top_overlap",
-            "speedup",
-            "attribution_seconds",
-            "activation_seconds",
-        )
-    }
+    used, excluded = split_by_effect(trials, min_effect)
+    parts: dict[str, list] = {k: [] for k in AttributionPatching.PARTS if k != "effect"}
     per_slot, head_attr, head_act = [], [], []
-    for t in each(used, "attribution"):
+    for t in with_progress(used, "attribution"):
         model = t.model
         heads = all_heads(model)
         t.cache.pop("read_site", None)  # time activation patching from scratch
         s = time.perf_counter()
-        a = attribute(model, t.old_nb, t.new_nb, t.pair.new, t.pair.answers)
+        a = attribute(model, t.old_nb, t.new_nb, t.pair.new, t.pair.answers, metric=t.metric)
         t_attr = time.perf_counter() - s
         slots = list(t.pair.field_span) + t.pair.downstream()
         s = time.perf_counter()
@@ -199,8 +197,8 @@ def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MI
         scale = t.ld_new - t.ld_old  # attribution in recovery units, like activation patching
         attr_slots = (a.slots[t.old_nb.slot_index(slots)] / scale).numpy()
         attr_heads = (a.heads.flatten() / scale).numpy()
-        parts["rank_correlation"].append(_rho(attr_heads.tolist(), act_heads.tolist()))
-        parts["slot_rank_correlation"].append(_rho(attr_slots.tolist(), act_slots.tolist()))
+        parts["rank_correlation"].append(spearman(attr_heads.tolist(), act_heads.tolist()))
+        parts["slot_rank_correlation"].append(spearman(attr_slots.tolist(), act_slots.tolist()))
         k = min(top, len(heads))
         both = set(np.argsort(-attr_heads)[:k]) & set(np.argsort(-act_heads)[:k])
         parts["top_overlap"].append(len(both) / k)
@@ -233,17 +231,56 @@ def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MI
         table.sort(key=lambda r: -r["activation"])
     est = {k: Estimate.of([x for x in v if x is not None]) for k, v in parts.items()}
     est["effect"] = effect_estimate(used)
-    return ProbeResult(
+    return AttributionPatching.of(
         name="attribution",
         headline="rank_correlation",
         parts=est,
         tables={"heads": table},
-        details={
-            "excluded": excluded,
-            "slots": per_slot,
-            "top": top,
-            "timing": "per prompt: one attribution pass (a forward on the new run, a forward and "
-            "backward on the old) against single-slot and single-head activation patching",
-        },
+        excluded=excluded,
+        slots=per_slot,
+        top=top,
+        timing="per prompt: one attribution pass (a forward on the new run, a forward and "
+        "backward on the old) against single-slot and single-head activation patching",
         description="gradient attribution patching vs activation patching: rank agreement and speed",
     )
+
+
+@dataclass(frozen=True)
+class SlotScores:
+    """One pair's slots scored both ways (recovery): exact transplant and gradient estimate."""
+
+    positions: tuple[int, ...]
+    tokens: tuple[str, ...]
+    attribution: tuple[float, ...]
+    activation: tuple[float, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttributionPatching(ProbeResult):
+    """Gradient attribution against activation patching: rank agreement (heads, slots), overlap of
+    the top heads, and speed; table `heads` with both scores per head."""
+
+    PARTS = (
+        "rank_correlation",
+        "slot_rank_correlation",
+        "top_overlap",
+        "speedup",
+        "attribution_seconds",
+        "activation_seconds",
+        "effect",
+    )
+    TABLES = ("heads",)
+    slots: tuple[SlotScores, ...]
+    top: int
+    timing: str
+
+
+@dataclass(frozen=True)
+class AttributionConfig(Pairs):
+    top: int = option(5, "top heads compared between the two rankings")
+
+
+@analysis("attribution", "circuits", AttributionConfig, AttributionPatching, quick={"n": 6}, order=4)
+def _run_attribution(ctx: Context, cfg: AttributionConfig) -> AttributionPatching:
+    """Attribution patching (one backward pass) against activation patching."""
+    return attribution(shared_trials(ctx, cfg.n), top=cfg.top, min_effect=ctx.min_effect)

@@ -36,6 +36,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +47,6 @@ from tqdm.auto import tqdm
 from circuits.heads import read_site
 from circuits.sae import (
     EVAL_SEED,
-    HOOK,
     SITES,
     TRAIN_SEED,
     Residuals,
@@ -54,15 +54,19 @@ from circuits.sae import (
     check_sae,
     collect_residuals,
     decoder_rows,
+    load_sae,
     train_sae,
 )
+from kvnotes.analysis import Context, analysis, option
 from kvnotes.engine import run
+from kvnotes.errors import BadArgument
+from kvnotes.hooks import hook_name
 from kvnotes.notebook import Notebook
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
-from probes.causal import split
+from probes.causal import split_by_effect
 from probes.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Trial
+from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials
 
 Labels = Int[np.ndarray, " n"] | Bool[np.ndarray, " n"]  # the answer index (conclusion) of each prompt
 TOP = 32  # features ranked by AUC whose single-feature recovery is measured
@@ -77,7 +81,10 @@ def feature_auc(scores: Float[np.ndarray, "n f"], labels: Labels) -> Float[np.nd
     n1 = int(labels.sum())
     n0 = len(labels) - n1
     if n1 == 0 or n0 == 0:
-        raise ValueError(f"AUC needs prompts of both conclusions; got {n1} of one and {n0} of the other")
+        raise BadArgument(
+            f"AUC needs prompts of both conclusions; got {n1} of one and {n0} of the other; "
+            "give labels with both values"
+        )
     ranks = rankdata(scores, axis=0)
     return (ranks[labels].sum(0) - n1 * (n1 + 1) / 2) / (n1 * n0)
 
@@ -164,7 +171,7 @@ class FeatureSite:
         """Decision logit difference with `deltas[i]` added to the residual at the site (row i)."""
         model, n = self.trial.model, deltas.shape[0]
 
-        def add(act, hook):
+        def add(act, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
             return act + deltas.to(act)
 
         tok = torch.tensor(self.tokens)[None].expand(n, -1)
@@ -172,10 +179,8 @@ class FeatureSite:
         if self.site == "notes":  # rewrite the note slots (K/V of later layers follow), then decide
             nb, _ = run(model, base, tok, self.positions, hooks=hooks, logits_at=())
             return self.trial.ld(nb).cpu()
-        _, out = run(
-            model, base, tok, self.positions, write=False, hooks=hooks, vocab=self.trial.pair.answers
-        )
-        return (out.last[:, 0] - out.last[:, 1]).double().cpu()
+        _, out = run(model, base, tok, self.positions, write=False, hooks=hooks, vocab=self.trial.vocab)
+        return self.trial.score(out.last).cpu()
 
 
 def site_inputs(t: Trial, site: str) -> tuple[list[int], list[int], Notebook, Notebook]:
@@ -191,7 +196,7 @@ def site_inputs(t: Trial, site: str) -> tuple[list[int], list[int], Notebook, No
     if site == "decision":
         rs = read_site(t)
         return [rs.position], [rs.token], rs.old, rs.new
-    raise ValueError(f"site must be one of {SITES}, got {site!r}")
+    raise BadArgument(f"site must be one of {SITES}, got {site!r}")
 
 
 @torch.no_grad()
@@ -202,7 +207,7 @@ def feature_site(trial: Trial, sae, site: str = "notes", *, decoder: Tensor | No
     model = trial.model
     positions, tokens, base_old, base_new = site_inputs(trial, site)
     if not positions:
-        raise ValueError(
+        raise BadArgument(
             "this pair has no note slots between the field and the decision; use site='decision'"
         )
 
@@ -250,9 +255,9 @@ def residual_scan(t: Trial, site: str) -> Float[Tensor, " layer"]:
     """Recovery when the whole residual at `site` after each layer is the new run's (one layer
     at a time; at the notes site the note slots are recomputed from there, so later layers'
     K/V follow). NaN everywhere for the notes site of a pair without note slots."""
-    model, pair = t.model, t.pair
+    model = t.model
     L = model.n_layers
-    names = [HOOK.format(layer=l) for l in range(L)]
+    names = [hook_name(l, "hook_resid_post") for l in range(L)]
     positions, tokens, base_old, base_new = site_inputs(t, site)
     if not positions:
         return torch.full((L,), float("nan"), dtype=torch.float64)
@@ -260,7 +265,7 @@ def residual_scan(t: Trial, site: str) -> Float[Tensor, " layer"]:
     rows = torch.arange(L)
 
     def make(l: int):
-        def hook(act, hook):
+        def hook(act, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
             return torch.where((rows == l)[:, None, None].to(act.device), ref.activations[names[l]], act)
 
         return hook
@@ -270,8 +275,8 @@ def residual_scan(t: Trial, site: str) -> Float[Tensor, " layer"]:
     if site == "notes":
         nb, _ = run(model, base_old, tok, positions, hooks=hooks, logits_at=())
         return t.recovery(t.ld(nb).cpu())
-    _, out = run(model, base_old, tok, positions, write=False, hooks=hooks, vocab=pair.answers)
-    return t.recovery((out.last[:, 0].double() - out.last[:, 1].double()).cpu())
+    _, out = run(model, base_old, tok, positions, write=False, hooks=hooks, vocab=t.vocab)
+    return t.recovery(t.score(out.last).cpu())
 
 
 def locate(trials: Sequence[Trial], cfg: SAEConfig, *, progress: bool = True) -> tuple[str, int, dict]:
@@ -342,19 +347,19 @@ def sae_analysis(
     >>> trials = make_trials(model, "order-cancel", 2, progress=False)
     >>> cfg = SAEConfig(n_train_pairs=4, n_eval_pairs=4, training_samples=512, max_k=4, draws=2)
     >>> res = sae_analysis(trials, "order-cancel", cfg=cfg, min_effect=0.0, progress=False)
-    >>> res.name, res.headline, res.details["located"]["site"] in ("notes", "decision")
+    >>> res.name, res.headline, res.located.site in ("notes", "decision")
     ('sae', 'single_feature_recovery', True)
     >>> sorted(res.curves)
     ['auc_topk_curve', 'random_curve', 'scan_decision', 'scan_notes', 'topk_curve']
     """
     if not trials:
-        raise ValueError("no trials: make some with probes.make_trials(model, task, n)")
+        raise BadArgument("no trials: make some with probes.make_trials(model, task, n)")
     cfg = asked = cfg or SAEConfig()
     model, task = trials[0].model, load_task(task)
     kind = trials[0].pair.kind
     _check_seeds(trials, cfg)
     clock = _Clock()
-    used, excluded = split(trials, min_effect)
+    used, excluded = split_by_effect(trials, min_effect)
     if sae is not None:
         cfg = replace(cfg, layer=check_sae(sae, model, layer=cfg.layer)[1])
     site, layer, scans = locate(used, cfg, progress=progress)
@@ -432,17 +437,7 @@ def sae_analysis(
         curves = causal["curves"]
         details |= causal["details"]
     else:
-        parts |= {
-            name: Estimate.of([])
-            for name in (
-                "single_feature_recovery",
-                "best_causal_feature",
-                "all_features",
-                "features_only",
-                "reconstruction_decision",
-                "reconstruction_recovery",
-            )
-        }
+        parts |= {name: Estimate.of([]) for name in SAEFeatures.PARTS if name not in parts}
         details["not_applicable"] = "no usable trials"
     curves |= {f"scan_{s}": c for s, c in scans.items()}
     details["located"] = {
@@ -456,12 +451,12 @@ def sae_analysis(
         ),
     }
     details["seconds"] = clock.laps
-    return ProbeResult(
+    return SAEFeatures.of(
         name="sae",
         headline="single_feature_recovery",
         parts=parts,
         curves=curves,
-        details=details,
+        **details,
         description=(
             f"TopK SAE at {hook}, site {cfg.site}: features that decode the conclusion "
             "(AUC) against features that carry it (patched toward the new run, error kept)"
@@ -487,7 +482,7 @@ def _check_seeds(trials: Sequence[Trial], cfg: SAEConfig) -> None:
     ours = {TRAIN_SEED + cfg.seed: "training", EVAL_SEED + cfg.seed: "held-out"}
     clash = sorted({t.pair.seed for t in trials} & set(ours))
     if clash:
-        raise ValueError(
+        raise BadArgument(
             f"the trials were sampled with seed {clash[0]}, the seed of the SAE's "
             f"{ours[clash[0]]} prompts; make trials with another seed or set "
             "SAEConfig(seed=...)"
@@ -551,35 +546,36 @@ def _causal(sites: Sequence[FeatureSite], top: Sequence[int], cfg: SAEConfig, pr
     by_fold = [push_ranking([sites[j] for j in folds[1 - f]])[0] if crossed else None for f in (0, 1)]
     everywhere, push = push_ranking(sites)
     ks = list(range(1, min(cfg.max_k, d_sae) + 1))
-    rks = sorted({min(2**i, ks[-1]) for i in range(ks[-1].bit_length() + 1)})
-    singles, topk, auck, rnd, whole, feats_only, recon, recon_rec, none, pools = ([] for _ in range(10))
+    random_ks = sorted({min(2**i, ks[-1]) for i in range(ks[-1].bit_length() + 1)})
+    singles, topk, auc_topk, rnd, whole, feats_only = ([] for _ in range(6))
+    recon, recon_rec, no_features, pools = ([] for _ in range(4))
     for i, s in enumerate(tqdm(sites, desc="SAE feature patches", disable=not progress, unit="pair")):
         pool = [int(f) for f in ((s.a_new - s.a_old) != 0).any(0).nonzero().flatten()]
         ranked = by_fold[i % 2] if crossed else everywhere
         rng = random.Random(f"sae/{cfg.seed}/{i}")
-        draws = [rng.sample(pool, min(k, len(pool))) for k in rks for _ in range(cfg.draws)]
+        draws = [rng.sample(pool, min(k, len(pool))) for k in random_ks for _ in range(cfg.draws)]
         groups = {
             "none": [[]],
             "features_only": [range(d_sae)],
             "singles": [[f] for f in top],
             "topk": [ranked[:k] for k in ks],
-            "auck": [top[:k] for k in ks],
+            "auc_topk": [top[:k] for k in ks],
             "random": draws,
         }
         r = s.recovery([x for g in groups.values() for x in g]).numpy()
         got = dict(zip(groups, np.split(r, np.cumsum([len(g) for g in groups.values()])[:-1])))
-        none.append(float(got["none"][0]))
+        no_features.append(float(got["none"][0]))
         feats_only.append(float(got["features_only"][0]))
         singles.append(got["singles"])
         topk.append(got["topk"])
-        auck.append(got["auck"])
-        rnd.append(got["random"].reshape(len(rks), cfg.draws).mean(1))
+        auc_topk.append(got["auc_topk"])
+        rnd.append(got["random"].reshape(len(random_ks), cfg.draws).mean(1))
         whole.append(float(s.recovery([range(d_sae)], error=True)[0]))
         ld_recon = s.ld_reconstructed()
         recon.append(ld_recon / s.trial.ld_new)
         recon_rec.append(float(s.trial.recovery(ld_recon)))
         pools.append(len(pool))
-    singles, topk, auck, rnd = (np.array(v) for v in (singles, topk, auck, rnd))
+    singles, topk, auc_topk, rnd = (np.array(v) for v in (singles, topk, auc_topk, rnd))
     best_causal = int(np.argmax(singles.mean(0)))
     return {
         "singles": singles,
@@ -593,17 +589,138 @@ def _causal(sites: Sequence[FeatureSite], top: Sequence[int], cfg: SAEConfig, pr
         },
         "curves": {
             "topk_curve": Curve.of("k", ks, topk.T.tolist()),
-            "auc_topk_curve": Curve.of("k", ks, auck.T.tolist()),
-            "random_curve": Curve.of("k", rks, rnd.T.tolist()),
+            "auc_topk_curve": Curve.of("k", ks, auc_topk.T.tolist()),
+            "random_curve": Curve.of("k", random_ks, rnd.T.tolist()),
         },
         "details": {
             "best_causal_feature": {"feature": top[best_causal], "auc_rank": best_causal},
             "topk_cross_fitted": crossed,
             "topk_features": everywhere[: ks[-1]],
             "topk_push": [float(push[f]) for f in everywhere[: ks[-1]]],
-            "no_features": none,
+            "no_features": no_features,
             "random_pool_sizes": pools,
             "random_draws": cfg.draws,
             "n_trials": len(sites),
         },
     }
+
+
+@dataclass(frozen=True)
+class TopFeature:
+    """One of the top features by held-out AUC, with its single-feature recovery where measured."""
+
+    feature: int
+    auc: float
+    score: float  # max(AUC, 1 - AUC)
+    high_for: str  # the answer it fires for
+    recovery: Estimate | None = None
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the SAE was placed, what was asked for, and the rule that chose."""
+
+    site: str
+    layer: int
+    asked: dict[str, Any]
+    rule: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SAEFeatures(ProbeResult):
+    """SAE features that decode the conclusion (AUC) against those that carry it (patched)."""
+
+    PARTS = (
+        "best_auc",
+        "reconstruction",
+        "single_feature_recovery",
+        "best_causal_feature",
+        "all_features",
+        "features_only",
+        "reconstruction_decision",
+        "reconstruction_recovery",
+    )
+    CURVES = ("scan_notes", "scan_decision")
+    CURVE_PATTERNS = ("topk_curve", "auc_topk_curve", "random_curve")
+    layer: int
+    hook_name: str
+    site: str
+    d_sae: int
+    k: int | None
+    L0: float
+    dead_features: int
+    mse: float
+    training_seconds: float | None
+    n_train_activations: int | None
+    sae_model_name: str | None
+    best_feature: dict[str, Any]  # feature, auc, high_for, n_auc_ge_0.95, n_auc_ge_0.99
+    top_features: tuple[TopFeature, ...]
+    n_eval_prompts: int
+    eval_seed: int
+    config: dict[str, Any]  # the SAEConfig used
+    note: str
+    located: Located
+    seconds: dict[str, float]  # per stage
+    best_causal_feature: dict[str, Any] | None = None  # with the causal patches (no usable trials: None)
+    topk_cross_fitted: bool | None = None
+    topk_features: tuple[int, ...] | None = None
+    topk_push: tuple[float, ...] | None = None
+    no_features: Any = None
+    random_pool_sizes: tuple[int, ...] | None = None
+    random_draws: int | None = None
+    n_trials: int | None = None
+
+
+@dataclass(frozen=True)
+class SAEOptions(Pairs):
+    sae_site: str = option(
+        "auto",
+        "where the SAE reads and features are patched: the note slots, the decision "
+        "token, or auto (the notes if their residual carries the decision, else the "
+        "decision; docs/circuits.md)",
+        choices=("auto", "notes", "decision"),
+    )
+    sae_layer: int | None = option(
+        None, "residual layer of a trained SAE (default: located by a whole-residual scan)"
+    )
+    sae: str | None = option(
+        None,
+        "use this sae-lens SAE (a local directory, or a pretrained release with "
+        "--sae-id) instead of training one",
+        metavar="DIR_OR_RELEASE",
+    )
+    sae_id: str | None = option(None, "with a pretrained release: the SAE's id in it")
+    sae_train_pairs: int = option(96, "fresh pairs the SAE is trained on")
+    sae_eval_pairs: int = option(32, "fresh pairs features are decoded on")
+    sae_samples: int = option(60_000, "activations the SAE's trainer sees in all")
+
+
+@analysis(
+    "sae",
+    "circuits",
+    SAEOptions,
+    SAEFeatures,
+    quick={"n": 6, "sae_train_pairs": 48, "sae_eval_pairs": 16, "sae_samples": 24_000},
+    order=5,
+)
+def _sae(ctx: Context, cfg: SAEOptions) -> SAEFeatures:
+    """SAE features: which decode the conclusion, which carry it."""
+    sae_cfg = ctx.memo.get("sae_config") or SAEConfig(
+        site=cfg.sae_site,
+        layer=cfg.sae_layer,
+        seed=ctx.seed,
+        n_train_pairs=cfg.sae_train_pairs,
+        n_eval_pairs=cfg.sae_eval_pairs,
+        training_samples=cfg.sae_samples,
+    )
+    sae = ctx.memo.get("sae")
+    if sae is None and cfg.sae:
+        sae = load_sae(cfg.sae, cfg.sae_id, model=ctx.model)
+    return sae_analysis(
+        shared_trials(ctx, cfg.n),
+        ctx.task,
+        cfg=sae_cfg,
+        sae=sae,
+        min_effect=ctx.min_effect,
+        progress=ctx.progress,
+    )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvnotes.engine import run
+from kvnotes.hooks import hook_name
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import query_tokens
@@ -72,8 +73,9 @@ def masks_for(model: KVModel, sets: Sequence[Sequence[Head]]) -> Bool[Tensor, "b
     return m
 
 
-def _z(l: int) -> str:
-    return f"blocks.{l}.attn.hook_z"
+def _hook_z(l: int) -> str:
+    """The hook name of layer `l`'s per-head attention outputs."""
+    return hook_name(l, "attn.hook_z")
 
 
 # --- read side -------------------------------------------------------------------------------
@@ -103,9 +105,9 @@ def read_site(t: Trial) -> ReadSite:
         return t.cache["read_site"]
     model = t.model
     ids, pos = query_tokens(model, t.old_nb, t.pair.new)
-    names = [_z(l) for l in range(model.n_layers)]
-    pats = [f"blocks.{l}.attn.hook_pattern" for l in range(model.n_layers)]
-    vals = [f"blocks.{l}.attn.hook_v" for l in range(model.n_layers)]
+    names = [_hook_z(l) for l in range(model.n_layers)]
+    pats = [hook_name(l, "attn.hook_pattern") for l in range(model.n_layers)]
+    vals = [hook_name(l, "attn.hook_v") for l in range(model.n_layers)]
     ext, zs, ps, vs = [], [], [], []
     for nb in (t.old_nb, t.new_nb):
         if len(ids) > 1:
@@ -158,12 +160,12 @@ def path_delta(t: Trial, positions: Sequence[int]) -> Float[Tensor, "layer n_hea
     return out
 
 
-def read_hooks(model: KVModel, masks: Tensor, source: Tensor, *, add: bool) -> list:
+def read_hooks(masks: Tensor, source: Tensor, *, add: bool) -> list:
     """`hook_z` hooks for one decision token: where `masks[b, l, h]`, replace (or, with `add`,
     add to) head h's output with `source[l, h]`."""
 
     def make(l: int):
-        def hook(z, hook):
+        def hook(z, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
             m = masks[:, l][:, None, :, None].to(z.device)  # [B, 1, head, 1]
             s = source[l][None, None].to(z)
             return z + m * s if add else torch.where(m, s, z)
@@ -171,7 +173,7 @@ def read_hooks(model: KVModel, masks: Tensor, source: Tensor, *, add: bool) -> l
         return hook
 
     layers = masks.any(0).any(-1).nonzero().flatten().tolist()
-    return [(_z(l), make(l)) for l in layers]
+    return [(_hook_z(l), make(l)) for l in layers]
 
 
 def read_sweep(
@@ -187,10 +189,10 @@ def read_sweep(
     out = []
     for i in range(0, len(sets), batch_size):
         m = masks_for(t.model, sets[i : i + batch_size])
-        hooks = read_hooks(t.model, m, source, add=path is not None)
+        hooks = read_hooks(m, source, add=path is not None)
         tok = torch.tensor([[site.token]]).expand(len(m), 1)
-        _, r = run(t.model, site.old, tok, [site.position], write=False, hooks=hooks, vocab=t.pair.answers)
-        out.append(r.last[:, 0].double() - r.last[:, 1].double())
+        _, r = run(t.model, site.old, tok, [site.position], write=False, hooks=hooks, vocab=t.vocab)
+        out.append(t.score(r.last))
     return t.recovery(torch.cat(out).cpu()) if out else torch.zeros(0, dtype=torch.float64)
 
 
@@ -219,7 +221,7 @@ def write_site(t: Trial) -> WriteSite | None:
         pos = tuple(notes)
         ids = tuple(t.pair.new.ids[p] for p in pos)
         q_ids, q_pos = query_tokens(model, t.old_nb, t.pair.new)
-        names = [_z(l) for l in range(model.n_layers)]
+        names = [_hook_z(l) for l in range(model.n_layers)]
         _, out = run(model, t.new_nb.truncate(pos[0]), ids, pos, capture=names, logits_at=())
         site = WriteSite(
             base=t.old_nb.truncate(pos[0]),
@@ -232,7 +234,7 @@ def write_site(t: Trial) -> WriteSite | None:
     return site
 
 
-def write_hooks(model: KVModel, masks: Tensor, z_new: Sequence[Tensor], n_total: int) -> list:
+def write_hooks(masks: Tensor, z_new: Sequence[Tensor], n_total: int) -> list:
     """`hook_z` hooks over the note slots (the first `len(z_new[l])` computed tokens of
     `n_total`): where `masks[b, l, h]`, head h's output at every note slot is the new run's."""
     n = z_new[0].shape[0]
@@ -241,14 +243,14 @@ def write_hooks(model: KVModel, masks: Tensor, z_new: Sequence[Tensor], n_total:
     def make(l: int):
         src = torch.cat([z_new[l], z_new[l].new_zeros(n_total - n, *z_new[l].shape[1:])])
 
-        def hook(z, hook):
+        def hook(z, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
             m = (masks[:, l][:, None, :, None] & at_note[None, :, None, None]).to(z.device)
             return torch.where(m, src[None].to(z), z)
 
         return hook
 
     layers = masks.any(0).any(-1).nonzero().flatten().tolist()
-    return [(_z(l), make(l)) for l in layers]
+    return [(_hook_z(l), make(l)) for l in layers]
 
 
 def write_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, batch_size: int = ROWS) -> Float[Tensor, " n"]:
@@ -271,10 +273,10 @@ def write_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, batch_size: int = R
             tok,
             site.positions,
             write=False,
-            vocab=t.pair.answers,
-            hooks=write_hooks(t.model, m, site.z_new, n),
+            vocab=t.vocab,
+            hooks=write_hooks(m, site.z_new, n),
         )
-        out.append(r.last[:, 0].double() - r.last[:, 1].double())
+        out.append(t.score(r.last))
     return t.recovery(torch.cat(out).cpu()) if out else torch.zeros(0, dtype=torch.float64)
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from circuits.attribution import _rho, slot_attribution
+from circuits.attribution import slot_attribution
 from kvnotes.display import Displayable
-from kvnotes.errors import KVNotesError, OutOfRange, TokenCountChanged
+from kvnotes.errors import OutOfRange, PromptAttributionError, TokenCountChanged
+from kvnotes.metrics import logit_diff, spearman
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, decide, decide_patched, prefill
@@ -27,10 +28,6 @@ from kvnotes.ops import Patch, decide, decide_patched, prefill
 SCHEMA = "kvnotes.prompt_attribution/1"
 COUNTERFACTUAL = "counterfactual"
 MEAN_ABLATION = "value-mean-ablation"
-
-
-class PromptAttributionError(KVNotesError):
-    """A prompt, counterfactual or answer pair that `attribute_prompt` cannot attribute."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +232,7 @@ def attribute_prompt(
         estimate_keys=a.keys.tolist(),
         estimate_values=a.values.tolist(),
         exact=exact,
-        rank_correlation=_rho([r["estimate"] for r in exact], [r["total"] for r in exact]),
+        rank_correlation=spearman([r["estimate"] for r in exact], [r["total"] for r in exact]),
         gradient_seconds=gradient_seconds,
         exact_seconds=exact_seconds,
         meta={
@@ -250,4 +247,4 @@ def attribute_prompt(
 
 
 def _ld(logits: torch.Tensor) -> torch.Tensor:
-    return (logits[:, 0] - logits[:, 1]).float()
+    return logit_diff(logits, (0, 1))

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from circuits.heads import Head, Sweep, all_heads, grouping, kv_head, read_sweep, write_sweep
-from probes.causal import effect_estimate, split
+from kvnotes.analysis import Context, analysis, option, replace_default
+from probes.causal import effect_estimate, split_by_effect
 from probes.results import Curve, Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Trial, each
+from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 K_MAX = 12
 PATHS = ("prefix", "field", "notes", "query", "self")
@@ -78,7 +80,7 @@ def topk_vs_random(
     crossed = n >= 2
     top, rnd = [[] for _ in ks], [[] for _ in ks]
     chosen = []
-    for i, t in enumerate(each(trials, "top-k vs random")):
+    for i, t in enumerate(with_progress(trials, "top-k vs random")):
         other = folds[1 - i % 2] if crossed else list(range(n))
         order = np.argsort(-scores[other].mean(0), kind="stable")
         ranked = [heads[j] for j in order]
@@ -105,7 +107,7 @@ def _head_analysis(
     ks = list(range(1, min(k_max, len(heads)) + 1))
     kh = headline_k(len(heads), k_max)
     singles, together = [], []
-    for t in each(used, desc):
+    for t in with_progress(used, desc):
         r = sweep(t, [[h] for h in heads] + [list(heads)]).numpy()
         singles.append(r[:-1])
         together.append(float(r[-1]))
@@ -139,15 +141,15 @@ def read_heads(
     token itself). Table `ranking`: heads by output-patching recovery, with their path
     recoveries. Curves `topk_curve`, `random_curve` over k = 1..k_max.
     """
-    used, excluded = split(trials, min_effect)
+    used, excluded = split_by_effect(trials, min_effect)
     if not used:
-        return _empty("read_heads", excluded)
+        return _empty(ReadHeads, "read_heads", excluded)
     heads, out, parts, curves, details = _head_analysis(
         used, read_sweep, "read heads", k_max=k_max, draws=draws, seed=seed
     )
     singles = [[h] for h in heads]
     paths = {name: ([], []) for name in PATHS}
-    for t in each(used, "read paths"):
+    for t in with_progress(used, "read paths"):
         where = path_positions(t)
         for name, (per, total) in paths.items():
             r = read_sweep(t, singles + [heads], path=where[name]).numpy()
@@ -158,13 +160,14 @@ def read_heads(
     )
     parts |= {f"{k}_path": Estimate.of(total) for k, (_, total) in paths.items()}
     parts["effect"] = effect_estimate(used)
-    return ProbeResult(
+    return ReadHeads.of(
         name="read_heads",
         headline="top_k",
         parts=parts,
         curves=curves,
         tables={"ranking": table},
-        details={"excluded": excluded, **details},
+        excluded=excluded,
+        **details,
         description="patch head outputs at the decision from the new-value run: the heads that read "
         "the conclusion",
     )
@@ -186,41 +189,116 @@ def write_heads(
     heads of one layer). Curves `topk_curve`, `random_curve`. Trials without note slots are
     excluded.
     """
-    used, excluded = split(trials, min_effect)
+    used, excluded = split_by_effect(trials, min_effect)
     no_notes = [i for i, t in enumerate(used) if not t.pair.downstream()]
     excluded += [{"index": i, "reason": "no note slots between the field and the decision"} for i in no_notes]
     used = [t for i, t in enumerate(used) if i not in no_notes]
     if not used:
-        return _empty("write_heads", excluded)
+        return _empty(WriteHeads, "write_heads", excluded)
     heads, out, parts, curves, details = _head_analysis(
         used, write_sweep, "write heads", k_max=k_max, draws=draws, seed=seed
     )
     model = used[0].model
     layers = [[(l, h) for h in range(model.n_heads)] for l in range(model.n_layers)]
-    per_layer = np.array([write_sweep(t, layers).numpy() for t in each(used, "write layers")])
+    per_layer = np.array([write_sweep(t, layers).numpy() for t in with_progress(used, "write layers")])
     by_layer = [
         {"layer": l, **Estimate.of(per_layer[:, l].tolist()).to_dict()} for l in range(model.n_layers)
     ]
     parts["effect"] = effect_estimate(used)
-    return ProbeResult(
+    return WriteHeads.of(
         name="write_heads",
         headline="top_k",
         parts=parts,
         curves=curves,
         tables={"ranking": ranking_table(model, heads, out), "by_layer": by_layer},
-        details={
-            "excluded": excluded,
-            "note_slots": "every slot after the field and before the decision",
-            **details,
-        },
+        excluded=excluded,
+        note_slots="every slot after the field and before the decision",
+        **details,
         description="patch head outputs at the note slots during prefill: which heads write the conclusion",
     )
 
 
-def _empty(name: str, excluded: list) -> ProbeResult:
-    return ProbeResult(
+def _empty(cls: type[HeadCircuit], name: str, excluded: list) -> HeadCircuit:
+    extra = {"note_slots": "every slot after the field and before the decision"} if cls is WriteHeads else {}
+    return cls.of(
         name=name,
         headline="top_k",
         parts={"top_k": Estimate.of([])},
-        details={"excluded": excluded, "not_applicable": "no usable trials"},
+        excluded=excluded,
+        not_applicable="no usable trials",
+        **extra,
     )
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """How the model's query heads share keys and values."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    queries_per_kv_head: int
+    attention: str  # multi-head, grouped-query or multi-query
+    note: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadCircuit(ProbeResult):
+    """Heads ranked by their causal share, and the top-k heads (cross-fitted) against k random."""
+
+    PARTS = ("top_k", "random_k", "top_head", "all_heads", "effect")
+    CURVES = ("topk_curve", "random_curve")
+    TABLES = ("ranking",)
+    # None only where the analysis could not run (`not_applicable`)
+    grouping: Grouping | None = None
+    k_max: int | None = None
+    headline_k: int | None = None  # the k of `top_k` and `random_k`
+    cross_fitted: bool | None = None
+    draws: int | None = None
+    top_heads_per_trial: tuple[tuple[str, ...], ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadHeads(HeadCircuit):
+    """Read side: head outputs at the decision; `{path}_path` via one key region at a time."""
+
+    PARTS = HeadCircuit.PARTS + tuple(f"{p}_path" for p in PATHS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteHeads(HeadCircuit):
+    """Write side: head outputs at the note slots during prefill; table `by_layer`."""
+
+    TABLES = ("ranking", "by_layer")
+    note_slots: str
+
+
+@dataclass(frozen=True)
+class HeadsConfig(Pairs):
+    k_max: int = option(
+        K_MAX, "largest k of the top-k vs random-k head curves (and heads in scrubbing's hypothesis)"
+    )
+    draws: int = option(32, "random head sets per k")
+
+
+WriteHeadsConfig = replace_default(HeadsConfig, draws=16)
+
+
+def _heads(side, ctx: Context, cfg: HeadsConfig) -> HeadCircuit:
+    return side(
+        shared_trials(ctx, cfg.n), k_max=cfg.k_max, draws=cfg.draws, seed=ctx.seed, min_effect=ctx.min_effect
+    )
+
+
+@analysis("read_heads", "circuits", HeadsConfig, ReadHeads, quick={"n": 6, "k_max": 8, "draws": 16}, order=1)
+def _run_read_heads(ctx: Context, cfg: HeadsConfig) -> ReadHeads:
+    """The heads that read the conclusion at the decision, and the paths they read it through."""
+    return _heads(read_heads, ctx, cfg)
+
+
+@analysis(
+    "write_heads", "circuits", WriteHeadsConfig, WriteHeads, quick={"n": 6, "k_max": 8, "draws": 8}, order=2
+)
+def _run_write_heads(ctx: Context, cfg: HeadsConfig) -> WriteHeads:
+    """The heads that write the conclusion onto the note slots."""
+    return _heads(write_heads, ctx, cfg)

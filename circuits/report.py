@@ -15,122 +15,214 @@ renders nothing.
 from __future__ import annotations
 
 import json
-import platform
 import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvnotes.bench import BenchReport, versions
+from kvnotes.analysis import (
+    MIN_EFFECT,
+    MODEL,
+    TASK,
+    Analysis,
+    BadOption,
+    Context,
+    Section,
+    analyses,
+    config_from_dict,
+    config_to_dict,
+    report_analyses,
+    run_meta,
+    sections,
+)
 from kvnotes.display import Displayable
-from kvnotes.errors import KVNotesError
+from kvnotes.errors import KVNotesError, ReportFileError
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task, load_task
-from kvnotes.ttft import EditCostReport, TTFTReport
-from probes.results import ProbeReport
+from probes.results import ProbeReport, ResultSchemaError, collect
 
-SCHEMA = "kvnotes.report/1"
-MODEL_PARTS = ("ttft", "edit_cost")  # once per model
-TASK_PARTS = ("probes", "regime", "circuits", "edit", "compose")  # once per task
-
-
-class ReportFileError(KVNotesError):
-    """A report.json (or a saved part) that kvnotes cannot read."""
+SCHEMA = "kvnotes.report/2"
+READS = ("kvnotes.report/1", SCHEMA)  # /1 is migrated on load (its config was flat)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReportConfig:
-    """The sizes of a report run. `full()` is the documented run; `quick()` a fast look (the same
-    analyses on fewer pairs, draws and lengths). JSON-safe; a saved part is reused only when the
-    config it was computed with equals this one."""
+    """The sizes of a report run: the seed, the minimum effect, analyses to `skip`, and each
+    analysis's own config (its registered options). `full()` is the documented run; `quick()` a
+    fast look (each analysis's `quick` sizes). Overrides name a config field and apply to every
+    analysis that has it (`ReportConfig.quick(n=4, k_max=6)`). JSON-safe; a saved part is reused
+    only when the config it was computed with equals this one."""
 
-    n: int = 8  # prompt pairs for probes, circuits and edits
-    seed: int = 0
-    min_effect: float = 0.1  # pairs whose decision moves less (logits) are excluded, and listed
-    regime_n: int = 4
-    distances: tuple[int, ...] = (0, 16, 32, 64, 128, 256, 512, 768)
-    k_max: int = 12  # top-k vs random-k head curves, k = 1..k_max
-    draws: int = 32  # random head sets per k
-    sae_train_pairs: int = 96
-    sae_eval_pairs: int = 32
-    sae_samples: int = 60_000
-    compose_n: int = 4
-    seams: tuple[int, ...] = (0, 1, 2, 4, 8, 16)
-    offsets: tuple[int, ...] = (32, 128)
-    turns: int = 28  # agent loop: errata turns
-    memory: bool = True  # two-hop memory blocks
-    ttft_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
-    edit_cost_tokens: int = 2048
     preset: str = "full"  # "full" or "quick": the sizes these started from
+    seed: int = 0
+    min_effect: float = MIN_EFFECT  # pairs whose decision moves less (logits) are excluded, and listed
+    skip: tuple[str, ...] = ()  # analyses left out
+    analyses: Mapping[str, Any] = field(default_factory=dict)  # name -> its config
 
     def __post_init__(self):
         if self.preset not in ("full", "quick"):
-            raise ValueError(f"ReportConfig.preset must be 'full' or 'quick', got {self.preset!r}")
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, int | float) and not isinstance(v, bool) and v < 0:
-                raise ValueError(f"ReportConfig.{f.name} must be >= 0, got {v}")
-        if self.n < 2:
-            raise ValueError(f"ReportConfig.n must be at least 2 (CIs need two pairs), got {self.n}")
+            raise BadOption(f"ReportConfig.preset must be 'full' or 'quick', got {self.preset!r}")
+        known = report_analyses()
+        bad = sorted((set(self.skip) | set(self.analyses)) - set(known))
+        if bad:
+            raise BadOption(f"unknown analysis(es) {bad} in the report config; a report runs {sorted(known)}")
+        object.__setattr__(self, "skip", tuple(self.skip))
+        object.__setattr__(
+            self,
+            "analyses",
+            {k: self.analyses.get(k) or a.make_config(self.preset) for k, a in known.items()},
+        )
 
     @classmethod
     def full(cls, **overrides) -> ReportConfig:
-        return cls(**overrides)
+        return cls._make("full", overrides)
 
     @classmethod
     def quick(cls, **overrides) -> ReportConfig:
-        sizes = dict(
-            n=6,
-            regime_n=3,
-            distances=(0, 64, 256),
-            k_max=8,
-            draws=16,
-            sae_train_pairs=48,
-            sae_eval_pairs=16,
-            sae_samples=24_000,
-            compose_n=2,
-            seams=(0, 2, 8),
-            offsets=(32,),
-            turns=6,
-            memory=True,
-            ttft_lengths=(256, 512, 1024, 2048),
-            edit_cost_tokens=1024,
-            preset="quick",
+        return cls._make("quick", overrides)
+
+    @classmethod
+    def _make(cls, preset: str, overrides: Mapping) -> ReportConfig:
+        top = {k: overrides[k] for k in ("seed", "min_effect", "skip") if k in overrides}
+        rest = {k: v for k, v in overrides.items() if k not in top}
+        known = report_analyses()
+        fields_ = {f.name for a in known.values() for f in fields(a.config)}
+        bad = sorted(set(rest) - fields_)
+        if bad:
+            raise BadOption(
+                f"unknown report option(s) {bad}; the options are seed, min_effect, skip and "
+                f"the analyses' own: {sorted(fields_)}"
+            )
+        if "n" in rest and (not isinstance(rest["n"], int) or rest["n"] < 2):
+            raise BadOption(f"n must be at least 2 (CIs need two pairs), got {rest['n']!r}")
+        return cls(
+            preset=preset, **top, analyses={k: a.make_config(preset, **rest) for k, a in known.items()}
         )
-        return cls(**{**sizes, **overrides})
+
+    @property
+    def n(self) -> int:
+        """The prompt pairs most analyses run on (what a listing of reports shows)."""
+        sizes = [c.n for k, c in self.analyses.items() if hasattr(c, "n") and k not in self.skip]
+        return max(set(sizes), key=sizes.count) if sizes else 0
+
+    def config(self, name: str) -> Any:
+        return self.analyses[name]
+
+    def sizes(self) -> str:
+        """One line of what sets a run's cost: pairs and the main sizes per analysis."""
+        keys = ("n", "k_max", "draws", "distances", "sae_train_pairs", "turns", "lengths", "tokens")
+        parts = []
+        for name, c in self.analyses.items():
+            if name in self.skip:
+                continue
+            got = [f"{k} {getattr(c, k)}" for k in keys if hasattr(c, k)]
+            parts.append(f"{name} ({', '.join(got)})" if got else name)
+        return "; ".join(parts)
 
     def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {
+            "preset": self.preset,
+            "seed": self.seed,
+            "min_effect": self.min_effect,
+            "skip": list(self.skip),
+            "analyses": {k: config_to_dict(c) for k, c in self.analyses.items()},
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> ReportConfig:
-        known = {f.name: f for f in fields(cls)}
-        bad = sorted(set(d) - set(known))
+        known = {"preset", "seed", "min_effect", "skip", "analyses"}
+        bad = sorted(set(d) - known)
         if bad:
             raise ReportFileError(f"unknown report config key(s) {bad}; known: {sorted(known)}")
+        reg = report_analyses()
+        unknown = sorted(set(d.get("analyses", {})) - set(reg))
+        if unknown:
+            raise ReportFileError(f"the report config names analyses this kvnotes does not have: {unknown}")
         return cls(
-            **{
-                k: tuple(v) if isinstance(v, list) else float(v) if k == "min_effect" else v
-                for k, v in d.items()
-            }
+            preset=d.get("preset", "full"),
+            seed=d.get("seed", 0),
+            min_effect=float(d.get("min_effect", MIN_EFFECT)),
+            skip=tuple(d.get("skip", ())),
+            analyses={k: config_from_dict(reg[k], v) for k, v in d.get("analyses", {}).items()},
+        )
+
+    @classmethod
+    def from_v1(cls, d: Mapping) -> ReportConfig:
+        """A `kvnotes.report/1` config (one flat set of sizes) in today's terms."""
+        v1 = {
+            "n",
+            "seed",
+            "min_effect",
+            "regime_n",
+            "distances",
+            "k_max",
+            "draws",
+            "sae_train_pairs",
+            "sae_eval_pairs",
+            "sae_samples",
+            "compose_n",
+            "seams",
+            "offsets",
+            "turns",
+            "memory",
+            "ttft_lengths",
+            "edit_cost_tokens",
+            "preset",
+        }
+        bad = sorted(set(d) - v1)
+        if bad:
+            raise ReportFileError(f"unknown report config key(s) {bad}; known: {sorted(v1)}")
+        base = cls._make(d.get("preset", "full"), {})
+        n, cn, k = d.get("n", 8), d.get("compose_n", 4), d.get("k_max", 12)
+        draws = d.get("draws", 32)
+        per = {
+            "regime": {"n": d.get("regime_n", 4), "distances": d.get("distances")},
+            "read_heads": {"n": n, "k_max": k, "draws": draws},
+            "write_heads": {"n": n, "k_max": k, "draws": max(draws // 2, 1)},
+            "scrubbing": {"n": n, "k_max": k},
+            "sae": {
+                "n": n,
+                "sae_train_pairs": d.get("sae_train_pairs"),
+                "sae_eval_pairs": d.get("sae_eval_pairs"),
+                "sae_samples": d.get("sae_samples"),
+            },
+            "seam_repair": {"n": cn, "seams": d.get("seams"), "offsets": d.get("offsets")},
+            "memory_blocks": {"questions": 2 * cn},
+            "agent_loop": {"prompts": min(cn, 2), "turns": d.get("turns")},
+            "ttft": {"lengths": d.get("ttft_lengths")},
+            "edit_cost": {"tokens": d.get("edit_cost_tokens")},
+        }
+        configs = {}
+        for name, c in base.analyses.items():
+            values = per.get(name, {"n": n} if hasattr(c, "n") else {})
+            configs[name] = replace(
+                c,
+                **{key: tuple(v) if isinstance(v, list) else v for key, v in values.items() if v is not None},
+            )
+        skip = () if d.get("memory", True) else ("memory_blocks",)
+        return cls(
+            preset=base.preset,
+            seed=d.get("seed", 0),
+            min_effect=float(d.get("min_effect", MIN_EFFECT)),
+            skip=skip,
+            analyses=configs,
         )
 
 
-# Result classes a part may hold, by the name stored in its "kind".
-KINDS: dict[str, type] = {}
-
-
 def _kinds() -> dict[str, type]:
-    if not KINDS:
-        from circuits import CircuitReport
-
-        KINDS.update({c.__name__: c for c in (ProbeReport, CircuitReport, TTFTReport, EditCostReport)})
-    return KINDS
+    """Result classes a part may hold, by the name stored in its "kind": each task section's report
+    class and each model-level analysis's result."""
+    kinds = {c.__name__: c for c in (ProbeReport, *(s.container for s in sections().values() if s.container))}
+    kinds |= {
+        a.result.__name__: a.result for a in analyses().values() if sections()[a.section].level == MODEL
+    }
+    return kinds
 
 
 @dataclass(frozen=True)
@@ -138,7 +230,7 @@ class Part:
     """One finished piece of a report: its result object and how long it took."""
 
     key: str  # "order-cancel/circuits" or "model/ttft"
-    result: ProbeReport | BenchReport
+    result: Any  # a section's ProbeReport (or CircuitReport), or a model-level analysis's result
     seconds: float
 
     def to_dict(self) -> dict:
@@ -162,8 +254,9 @@ class Report(Displayable):
     parts: Mapping[str, Part]
     meta: Mapping = field(default_factory=dict)  # model info, versions, machine, started, run time
 
-    def part(self, task: str, section: str) -> ProbeReport | BenchReport | None:
-        """The result of `section` ("probes", "circuits", ...) for `task` ("model" for per-model parts)."""
+    def part(self, task: str, section: str) -> Any:
+        """The result of `section` ("probes", "circuits", ...) for `task`, or of a model-level analysis
+        ("ttft", ...) for `task` "model"; None when the report has no such part."""
         p = self.parts.get(f"{task}/{section}")
         return p.result if p else None
 
@@ -183,16 +276,19 @@ class Report(Displayable):
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Report:
-        if not isinstance(d, Mapping) or d.get("schema") != SCHEMA:
-            got = d.get("schema") if isinstance(d, Mapping) else type(d).__name__
+        """Read a report's JSON: this schema, or `kvnotes.report/1` migrated (its flat config)."""
+        got = d.get("schema") if isinstance(d, Mapping) else type(d).__name__
+        if got not in READS:
             raise ReportFileError(
-                f"not a kvnotes report (schema {got!r}, expected {SCHEMA!r}); "
-                "write one with `kvnotes report --model M --task T --out DIR`"
+                f"not a report this kvnotes reads (schema {got!r}; it reads {list(READS)}); rewrite it "
+                "with `kvnotes report --model M --task T --out DIR`, then `kvnotes render DIR` "
+                "redraws the page"
             )
+        config = ReportConfig.from_v1(d["config"]) if got == READS[0] else ReportConfig.from_dict(d["config"])
         return cls(
             model=d["model"],
             tasks=tuple(d["tasks"]),
-            config=ReportConfig.from_dict(d["config"]),
+            config=config,
             parts={k: Part.from_dict(k, v) for k, v in d["parts"].items()},
             meta=d.get("meta", {}),
         )
@@ -219,17 +315,18 @@ class Report(Displayable):
             raise ReportFileError(
                 f"{path} is not valid JSON ({e}); rerun `kvnotes report` to rewrite it"
             ) from e
-        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+        if not isinstance(d, dict) or d.get("schema") not in READS:
             got = d.get("schema") if isinstance(d, dict) else type(d).__name__
             raise ReportFileError(
-                f"{path} is not a kvnotes report (schema {got!r}, expected {SCHEMA!r}); "
-                "write one with `kvnotes report --model M --task T --out DIR`"
+                f"{path} is not a report this kvnotes reads (schema {got!r}; it reads {list(READS)}); "
+                "rewrite it with `kvnotes report --model M --task T --out DIR`, then `kvnotes render DIR` "
+                "redraws the page"
             )
         try:
             return cls.from_dict(d)
         except ReportFileError as e:  # already says what is wrong: add only the file
             raise ReportFileError(f"{path}: {e}; rerun `kvnotes report` to rewrite it") from e
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, ResultSchemaError) as e:
             raise ReportFileError(
                 f"{path} is not a readable kvnotes report ({type(e).__name__}: {e}); "
                 "rerun `kvnotes report` to rewrite it"
@@ -245,103 +342,41 @@ class Report(Displayable):
 def plan(
     model: KVModel, tasks: Sequence[Task], cfg: ReportConfig, *, progress: bool = True
 ) -> list[tuple[str, Callable]]:
-    """The parts of a report in run order: per task, then per model (a bench sized 0 is left out)."""
+    """The parts of a report in run order: per task each section, then each model-level analysis."""
     out: list[tuple[str, Callable]] = []
+    run_ = [a for a in report_analyses().values() if a.name not in cfg.skip]
+    secs = sections()
     for task in tasks:
-        out += [(f"{task.name}/{s}", _task_part(model, task, s, cfg, progress)) for s in TASK_PARTS]
-    sized = {"ttft": bool(cfg.ttft_lengths), "edit_cost": bool(cfg.edit_cost_tokens)}
-    out += [(f"model/{s}", _model_part(model, s, cfg, progress)) for s in MODEL_PARTS if sized[s]]
+        for sec in secs.values():
+            names = [a.name for a in run_ if a.section == sec.name]
+            if sec.level == TASK and names:
+                out.append(
+                    (f"{task.name}/{sec.name}", partial(_task_part, model, task, sec, names, cfg, progress))
+                )
+    for a in run_:
+        if secs[a.section].level == MODEL:
+            out.append((f"model/{a.name}", partial(_model_part, model, a, cfg, progress)))
     return out
 
 
 def _task_part(
-    model: KVModel, task: Task, section: str, cfg: ReportConfig, progress: bool
-) -> Callable[[], ProbeReport]:
-    c, quiet = cfg, {"progress": progress}
-
-    def report(results: dict, n: int) -> ProbeReport:
-        return ProbeReport(model=model.name, task=task.name, n=n, seed=c.seed, probes=results)
-
-    def probes():
-        from probes import run_probes
-
-        return run_probes(model, task, n=c.n, seed=c.seed, min_effect=c.min_effect, **quiet)
-
-    def regime():
-        from probes.regime import regime
-
-        return report(
-            {
-                "regime": regime(
-                    model,
-                    task,
-                    n=c.regime_n,
-                    distances=c.distances,
-                    seed=c.seed,
-                    min_effect=c.min_effect,
-                    **quiet,
-                )
-            },
-            c.regime_n,
-        )
-
-    def circuits():
-        from circuits import run_circuits
-        from circuits.sae import SAEConfig
-
-        sae = SAEConfig(
-            seed=c.seed,
-            n_train_pairs=c.sae_train_pairs,
-            n_eval_pairs=c.sae_eval_pairs,
-            training_samples=c.sae_samples,
-        )
-        return run_circuits(
-            model,
-            task,
-            n=c.n,
-            seed=c.seed,
-            k_max=c.k_max,
-            draws=c.draws,
-            sae_config=sae,
-            min_effect=c.min_effect,
-            **quiet,
-        )
-
-    def edit():
-        from probes import make_trials
-        from probes.edit import edit_methods
-
-        trials = make_trials(model, task, c.n, seed=c.seed, **quiet)
-        return report({"edit_methods": edit_methods(trials)}, c.n)
-
-    def compose():
-        from probes.agent import agent_loop
-        from probes.compose import seam_repair
-        from probes.memory import memory_blocks
-
-        results = {
-            "seam_repair": seam_repair(
-                model, task, n=c.compose_n, seams=c.seams, offsets=c.offsets, seed=c.seed, **quiet
-            )
-        }
-        if c.memory:
-            results["memory_blocks"] = memory_blocks(model, n=2 * c.compose_n, seed=c.seed, **quiet)
-        if c.turns:
-            results["agent_loop"] = agent_loop(
-                model, task, n=min(c.compose_n, 2), turns=c.turns, seed=c.seed, **quiet
-            )
-        return report(results, c.compose_n)
-
-    parts = {"probes": probes, "regime": regime, "circuits": circuits, "edit": edit, "compose": compose}
-    return parts[section]
+    model: KVModel, task: Task, section: Section, names: list[str], cfg: ReportConfig, progress: bool
+) -> ProbeReport:
+    return collect(
+        model,
+        task,
+        names,
+        configs={n: cfg.config(n) for n in names},
+        seed=cfg.seed,
+        min_effect=cfg.min_effect,
+        progress=progress,
+        container=section.container or ProbeReport,
+    )
 
 
-def _model_part(model: KVModel, section: str, cfg: ReportConfig, progress: bool) -> Callable[[], BenchReport]:
-    from kvnotes.ttft import edit_cost, ttft
-
-    if section == "ttft":
-        return lambda: ttft(model, [n for n in cfg.ttft_lengths if n <= model.n_ctx], progress=progress)
-    return lambda: edit_cost(model, min(cfg.edit_cost_tokens, model.n_ctx), progress=progress)
+def _model_part(model: KVModel, a: Analysis, cfg: ReportConfig, progress: bool) -> Any:
+    ctx = Context(model=model, seed=cfg.seed, min_effect=cfg.min_effect, progress=progress, fit_context=True)
+    return a.run(ctx, cfg.config(a.name))
 
 
 def _part_file(out: Path, key: str) -> Path:
@@ -393,8 +428,8 @@ def run_report(
     >>> import tempfile
     >>> from kvnotes import load_model
     >>> cfg = ReportConfig.quick(n=2, distances=(0,), draws=2, k_max=2, sae_train_pairs=2, sae_eval_pairs=2,
-    ...                          sae_samples=256, seams=(0,), turns=0, memory=False, ttft_lengths=(),
-    ...                          edit_cost_tokens=0)
+    ...                          sae_samples=256, seams=(0,), turns=0, skip=("memory_blocks",), lengths=(),
+    ...                          tokens=0)
     >>> r = run_report(load_model("tiny-llama"), ["order-cancel"], tempfile.mkdtemp(), cfg, progress=False)
     >>> [k.split("/")[1] for k in r.parts]  # no per-model benches: they were sized 0
     ['probes', 'regime', 'circuits', 'edit', 'compose']
@@ -408,16 +443,8 @@ def run_report(
     names = [t.name for t in tasks]
     if len(set(names)) != len(names):
         raise KVNotesError(f"task names repeat in {names}; pass each task once")
-    started = datetime.now(UTC).isoformat(timespec="seconds")
     t0 = time.perf_counter()
-    meta = {
-        "model_info": model_info(model),
-        "versions": versions(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "started": started,
-        "task_sources": {t.name: t.source for t in tasks},
-    }
+    meta = {"model_info": model_info(model), **run_meta(), "task_sources": {t.name: t.source for t in tasks}}
     done: dict[str, Part] = {}
     reused: list[str] = []
     steps = plan(model, tasks, cfg, progress=progress)
@@ -455,6 +482,8 @@ def run_report(
                 result = _skipped(model, key, cfg, e)
                 if progress:
                     tqdm.write(f"report {key}: skipped ({e})", file=sys.stderr)
+            if result is None:  # sized to nothing (a bench with no lengths): not a part
+                continue
             part = Part(key=key, result=result, seconds=round(time.perf_counter() - s, 1))
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"model": model.name, "config": cfg.to_dict(), **part.to_dict()}))

@@ -15,6 +15,8 @@ outlier in most models). `circuits.features` asks what its features decode and w
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import re
@@ -25,30 +27,29 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 from urllib.parse import urlparse
 
 import torch
 from tqdm.auto import tqdm
 
 from kvnotes.engine import run
-from kvnotes.errors import KVNotesError, MissingDependency, OutOfRange
+from kvnotes.errors import (
+    BadArgument,
+    MissingDependency,
+    OutOfRange,
+    SAEMismatch,
+    UnknownSAEError,
+)
+from kvnotes.hooks import hook_name
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.tasks import GATE, Pair, Task, load_task, sample
 from kvnotes.types import Float, Tensor
 
 SITES = ("notes", "decision")
-HOOK = "blocks.{layer}.hook_resid_post"
 _HOOK_RE = re.compile(r"^blocks\.(\d+)\.hook_resid_post$")
 TRAIN_SEED, EVAL_SEED = 1000, 2000  # + cfg.seed: prompts other than the trials' (sampled with seed 0, ...)
-
-
-class UnknownSAEError(KVNotesError):
-    """An SAE source that is neither a local sae-lens directory nor a loadable pretrained release."""
-
-
-class SAEMismatch(KVNotesError):
-    """An SAE that does not fit the model or the analysis (another width, hook or layer)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,9 +82,9 @@ class SAEConfig:
 
     def __post_init__(self):
         if self.site not in (*SITES, "auto"):
-            raise ValueError(f"site must be one of {SITES} or 'auto', got {self.site!r}")
+            raise BadArgument(f"site must be one of {SITES} or 'auto', got {self.site!r}")
         if self.layer is not None and (not _is_int(self.layer) or self.layer < 0):
-            raise ValueError(
+            raise BadArgument(
                 f"layer must be None (the middle layer) or a block index >= 0, got {self.layer!r}"
             )
         for name in (
@@ -98,16 +99,16 @@ class SAEConfig:
         ):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise BadArgument(f"{name} must be a positive integer, got {v!r}")
         if self.training_samples < self.batch_size:
-            raise ValueError(
+            raise BadArgument(
                 f"training_samples ({self.training_samples}) is less than one batch "
                 f"({self.batch_size}); raise it or lower batch_size"
             )
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+            raise BadArgument(f"lr must be a positive finite number, got {self.lr!r}")
         if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+            raise BadArgument(f"seed must be an integer >= 0, got {self.seed!r}")
 
     def layer_for(self, model: KVModel) -> int:
         """The block whose output the SAE reads on `model`."""
@@ -125,6 +126,15 @@ class SAEConfig:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _training_bar(progress: bool) -> contextlib.AbstractContextManager:
+    """sae-lens's training progress bar, silenced when `progress` is False (`fit` has no switch)."""
+    from sae_lens.training import sae_trainer
+
+    if progress or not hasattr(sae_trainer, "tqdm"):
+        return contextlib.nullcontext()
+    return mock.patch.object(sae_trainer, "tqdm", functools.partial(sae_trainer.tqdm, disable=True))
 
 
 def _sae_lens():
@@ -156,7 +166,7 @@ class Residuals:
     def at(self, site: str) -> list[Float[Tensor, "pos d_model"]]:
         """Each prompt's vectors at `site` (its note slots, or its last token)."""
         if site not in SITES:
-            raise ValueError(f"site must be one of {SITES}, got {site!r}")
+            raise BadArgument(f"site must be one of {SITES}, got {site!r}")
         if site == "notes":
             return [v[list(n)] for v, n in zip(self.vectors, self.notes)]
         return [v[-1:] for v in self.vectors]
@@ -210,7 +220,7 @@ def train_sae(
     ('blocks.1.hook_resid_post', True)
     """
     task = load_task(task)
-    hook = HOOK.format(layer=cfg.layer_for(model))
+    hook = hook_name(cfg.layer_for(model), "hook_resid_post")
     pairs = sample(task, model, cfg.n_train_pairs, seed=TRAIN_SEED + cfg.seed, kind=kind)
     residuals = collect_residuals(model, pairs, hook, progress=progress)
     return fit_sae(residuals, cfg, model=model, task=task.name, progress=progress)
@@ -229,6 +239,7 @@ def fit_sae(
 
     Inputs are scaled to mean norm sqrt(d_in) during training (folded back into the weights
     afterwards, as sae-lens does), and the decoder bias starts at the data's mean.
+    progress: show sae-lens's training bar.
     """
     sl = _sae_lens()
     from sae_lens.config import LoggingConfig, SAETrainerConfig
@@ -238,7 +249,7 @@ def fit_sae(
     n, d_in = x.shape
     d_sae = cfg.expansion * d_in
     if cfg.k > d_sae:
-        raise ValueError(f"k={cfg.k} exceeds the SAE's {d_sae} features; lower k or raise expansion")
+        raise BadArgument(f"k={cfg.k} exceeds the SAE's {d_sae} features; lower k or raise expansion")
     device = str(next(model.tl.parameters()).device) if model is not None else "cpu"
     scale = math.sqrt(d_in) / float(x.norm(dim=-1).mean())
     steps = math.ceil(cfg.training_samples / cfg.batch_size)
@@ -270,7 +281,8 @@ def fit_sae(
             sae.b_dec.copy_(x.mean(0) * scale)
         trainer = sl.SAETrainer(trainer_cfg, sae, data_provider=_batches(x, cfg.batch_size, cfg.seed))
         trainer.activation_scaler.scaling_factor = scale  # preset: fit() folds it in at the end
-        trainer.fit()
+        with _training_bar(progress):
+            trainer.fit()
     seconds = time.perf_counter() - t0
     sae.cfg.metadata.kvnotes = {
         "task": task,
@@ -311,7 +323,7 @@ def load_sae(
     >>> load_sae("no-such-release", "layer_0")
     Traceback (most recent call last):
     ...
-    circuits.sae.UnknownSAEError: 'no-such-release' is neither a local directory nor a sae-lens ...
+    kvnotes.errors.UnknownSAEError: 'no-such-release' is neither a local directory nor a sae-lens ...
     """
     sl = _sae_lens()
     device = str(next(model.tl.parameters()).device) if model is not None else "cpu"

@@ -27,18 +27,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from circuits.heads import Head, all_heads, masks_for
+from kvnotes.analysis import Context, analysis, option
 from kvnotes.engine import run
+from kvnotes.hooks import hook_name
 from kvnotes.ops import Patch, decide, patch_batch, prefill, query_tokens
 from kvnotes.tasks import Task, load_task, sample
-from probes.causal import effect_estimate, split, top_notes
+from probes.causal import effect_estimate, split_by_effect, top_notes
 from probes.controls import random_slots
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Trial, each
+from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 VARIANTS = ("hypothesis", "random_circuit", "notes_only", "heads_only", "with_field")
 
@@ -69,22 +72,22 @@ def resamples(t: Trial, task: Task, n: int, *, seed: int) -> list:
 def _scrub_rows(
     t: Trial, prompt, rows: Sequence[tuple[Sequence[int], Sequence[Head]]]
 ) -> tuple[torch.Tensor, float]:
-    """Logit difference of each scrubbed row (slots kept from the new run, heads kept live),
-    and of the resampled prompt itself."""
+    """The trial's decision metric (logit difference by default) of each scrubbed row (slots kept
+    from the new run, heads kept live), and of the resampled prompt itself."""
     model = t.model
     res_nb = prefill(model, prompt)
-    names = [f"blocks.{l}.attn.hook_z" for l in range(model.n_layers)]
+    names = [hook_name(l, "attn.hook_z") for l in range(model.n_layers)]
     ids, pos = query_tokens(model, res_nb, prompt)
-    res = decide(model, res_nb, prompt, capture=names, vocab=t.pair.answers)
+    res = decide(model, res_nb, prompt, capture=names, vocab=t.vocab)
     z_res = [res.activations[n] for n in names]  # [1, query, head, d_head]
-    ld_res = float(res.last[0, 0] - res.last[0, 1])
+    ld_res = float(t.score(res.last)[0])
     nb = patch_batch(
         res_nb, t.new_nb, [Patch(positions=tuple(s)) if s else Patch(positions=()) for s, _ in rows]
     )
     live = masks_for(model, [h for _, h in rows])  # [B, layer, head]
 
     def make(l: int):
-        def hook(z, hook):
+        def hook(z, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
             return torch.where(live[:, l][:, None, :, None].to(z.device), z, z_res[l])
 
         return hook
@@ -96,9 +99,9 @@ def _scrub_rows(
         pos,
         write=False,
         hooks=[(n, make(l)) for l, n in enumerate(names)],
-        vocab=t.pair.answers,
+        vocab=t.vocab,
     )
-    return (out.last[:, 0].double() - out.last[:, 1].double()).cpu(), ld_res
+    return t.score(out.last).cpu(), ld_res
 
 
 def scrubbing(
@@ -120,11 +123,11 @@ def scrubbing(
     no slot kept), `with_field` (the hypothesis plus the field's slots).
     """
     task = load_task(task)
-    used, excluded = split(trials, min_effect)
+    used, excluded = split_by_effect(trials, min_effect)
     heads = [tuple(h) for h in heads]
     nums = {v: [] for v in VARIANTS}
     dens, notes_used, n_res = [], [], []
-    for i, t in enumerate(each(used, "scrubbing")):
+    for i, t in enumerate(with_progress(used, "scrubbing")):
         prompts = resamples(t, task, n_resamples, seed=seed + 7919 * (i + 1))
         if not prompts:
             excluded.append({"index": i, "reason": "no other prompt of the task has the same token layout"})
@@ -140,8 +143,8 @@ def scrubbing(
         sign = 1.0 if t.ld_new >= t.ld_old else -1.0
         num, den = [], []
         for p in prompts:
-            ld, ld_res = _scrub_rows(t, p, rows)
-            num.append(sign * (ld.numpy() - ld_res))
+            ld_scrubbed, ld_res = _scrub_rows(t, p, rows)
+            num.append(sign * (ld_scrubbed.numpy() - ld_res))
             den.append(sign * (t.ld_new - ld_res))
         per = np.mean(num, axis=0)
         dens.append(float(np.mean(den)))
@@ -163,20 +166,62 @@ def scrubbing(
     parts = {k: Estimate.of([x / scale for x in v]) for k, v in nums.items()}
     parts["effect"] = effect_estimate(used)
     parts["scrubbed_effect"] = Estimate.of(dens)  # logits: new run vs resampled prompts
-    return ProbeResult(
+    return Scrubbing.of(
         name="scrubbing",
         headline="hypothesis",
         parts=parts,
-        details={
-            "excluded": excluded,
-            "heads": [f"L{l}H{h}" for l, h in heads],
-            "n_notes": n_notes,
-            "note_tokens": notes_used,
-            "resamples_per_trial": n_res,
-            "draws": draws,
-            "normalisation": "each value is a trial's s·(ld_scrubbed - ld_resampled) over the mean "
-            "s·(ld_new - ld_resampled) of all trials (part scrubbed_effect)",
-            **({"undefined": undefined} if undefined else {}),
-        },
+        excluded=excluded,
+        heads=[f"L{l}H{h}" for l, h in heads],
+        n_notes=n_notes,
+        note_tokens=notes_used,
+        resamples_per_trial=n_res,
+        draws=draws,
+        normalisation="each value is a trial's s·(ld_scrubbed - ld_resampled) over the mean "
+        "s·(ld_new - ld_resampled) of all trials (part scrubbed_effect)",
+        undefined=undefined,
         description="keep the note slots and read heads from the new run, resample everything else",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scrubbing(ProbeResult):
+    """The effect preserved when only the hypothesis (top notes and read heads) keeps the new run's
+    values, against a random circuit of the same size and the hypothesis's halves."""
+
+    PARTS = (
+        "hypothesis",
+        "random_circuit",
+        "notes_only",
+        "heads_only",
+        "with_field",
+        "effect",
+        "scrubbed_effect",
+    )
+    heads: tuple[str, ...]
+    n_notes: int
+    note_tokens: tuple[tuple[str, ...], ...]
+    resamples_per_trial: tuple[int, ...]
+    draws: int
+    normalisation: str
+    undefined: str | None = None  # why the preserved share is undefined here (no effect to preserve)
+
+
+@dataclass(frozen=True)
+class ScrubbingConfig(Pairs):
+    k_max: int = option(12, "read heads in the hypothesis (the top of read_heads' ranking)")
+
+
+@analysis(
+    "scrubbing",
+    "circuits",
+    ScrubbingConfig,
+    Scrubbing,
+    needs=("read_heads",),
+    quick={"n": 6, "k_max": 8},
+    order=3,
+)
+def _scrubbing(ctx: Context, cfg: ScrubbingConfig) -> Scrubbing:
+    """Causal scrubbing: keep the note slots and read heads from the new run, resample everything else."""
+    ranking = ctx.results["read_heads"].tables.get("ranking", [])
+    heads = [(r["layer"], r["head"]) for r in ranking[: cfg.k_max]]
+    return scrubbing(shared_trials(ctx, cfg.n), ctx.task, heads, seed=ctx.seed, min_effect=ctx.min_effect)

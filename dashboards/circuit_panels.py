@@ -4,8 +4,10 @@ result objects."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
+from circuits.attribution import AttributionPatching
+from circuits.features import SAEFeatures
+from circuits.read_write import HeadCircuit
+from circuits.scrubbing import Scrubbing
 from dashboards.figures import (
     GREY,
     Panel,
@@ -19,7 +21,8 @@ from dashboards.figures import (
     visible,
 )
 from dashboards.probe_panels import est, n_note, say
-from probes.results import Curve, ProbeResult
+from dashboards.registry import for_type, panel
+from probes.results import Curve
 
 
 def _curve(c: Curve | None, name: str, **kw) -> dict:
@@ -28,35 +31,22 @@ def _curve(c: Curve | None, name: str, **kw) -> dict:
     return {"name": name, "x": list(c.x), "mean": c.means, "ci": [p.ci for p in c.points], **kw}
 
 
-def circuit_panels(analyses: Mapping[str, ProbeResult], key: str) -> list[Panel]:
-    out: list[Panel] = []
-    for side in ("read_heads", "write_heads"):
-        if side in analyses:
-            out += head_panels(analyses[side], f"{key}/{side}")
-    if "scrubbing" in analyses:
-        out.append(scrubbing_panel(analyses["scrubbing"], key))
-    if "attribution" in analyses:
-        out += attribution_panels(analyses["attribution"], key)
-    if "sae" in analyses:
-        out += sae_panels(analyses["sae"], key)
-    return out
-
-
-def head_panels(r: ProbeResult, key: str) -> list[Panel]:
+@panel("read_heads", "write_heads")
+def head_panels(r: HeadCircuit, key: str) -> list[Panel]:
+    key = f"{key}/{r.name}"
     read = r.name == "read_heads"
     where = "at the decision" if read else "at the note slots"
-    g = r.details.get("grouping", {})
+    g = r.grouping
     ranking = r.tables.get("ranking", [])
     if not ranking:
         return [
             Panel(
                 title=f"{'Read' if read else 'Write'} heads",
                 key=key,
-                reading=f"Not measured: {r.details.get('not_applicable', 'no usable pairs')}.",
+                reading=f"Not measured: {r.not_applicable or 'no usable pairs'}.",
             )
         ]
-    L = g.get("n_layers") or 1 + max(row["layer"] for row in ranking)
-    H = g.get("n_heads") or 1 + max(row["head"] for row in ranking)
+    L, H = g.n_layers, g.n_heads
     z: list[list[float | None]] = [[None] * H for _ in range(L)]
     for row in ranking:
         z[row["layer"]][row["head"]] = row["mean"]
@@ -79,7 +69,7 @@ def head_panels(r: ProbeResult, key: str) -> list[Panel]:
         paths = f", mostly via the {via} (path {fmt(top[f'path_{via}']['mean'])})"
     reading = (
         f"The strongest single head is {top['label']} ({fmt(top['mean'])}{paths}); "
-        f"{g.get('attention', '')} attention, {g.get('n_kv_heads', '?')} KV head(s) per layer."
+        f"{g.attention} attention, {g.n_kv_heads} KV head(s) per layer."
     )
     panels = [
         Panel(
@@ -92,17 +82,17 @@ def head_panels(r: ProbeResult, key: str) -> list[Panel]:
     ]
     curve = ci_curves(
         [
-            _curve(r.curves.get("topk_curve"), "top-k heads (cross-fitted ranking)"),
-            _curve(r.curves.get("random_curve"), "k random heads", color=GREY, dash="dash"),
+            _curve(r.curve("topk_curve"), "top-k heads (cross-fitted ranking)"),
+            _curve(r.curve("random_curve"), "k random heads", color=GREY, dash="dash"),
         ],
         title=f"Top-k vs random-k {'read' if read else 'write'} heads",
         x_title="k (heads patched)",
         y_title="recovery",
     )
-    k = r.details.get("headline_k")
+    k = r.headline_k
     reading = (
-        f"The top {k} heads recover {say(r.parts.get('top_k'))}, {k} random heads "
-        f"{say(r.parts.get('random_k'))}; all heads together {say(r.parts.get('all_heads'))}."
+        f"The top {k} heads recover {say(r.part('top_k'))}, {k} random heads "
+        f"{say(r.part('random_k'))}; all heads together {say(r.part('all_heads'))}."
     )
     panels.append(
         Panel(
@@ -115,8 +105,7 @@ def head_panels(r: ProbeResult, key: str) -> list[Panel]:
     )
     if read and "prefix_path" in r.parts:
         items = [
-            est(r.parts.get(f"{p}_path"), f"via the {p}")
-            for p in ("prefix", "field", "notes", "query", "self")
+            est(r.part(f"{p}_path"), f"via the {p}") for p in ("prefix", "field", "notes", "query", "self")
         ]
         fig = ci_bars(
             items, title=f"Where the top {k} read heads bring it from (path patching)", y_title="recovery"
@@ -127,15 +116,16 @@ def head_panels(r: ProbeResult, key: str) -> list[Panel]:
                 figure=fig,
                 note=n_note(r),
                 key=f"{key}/paths",
-                reading=f"Through the note slots {say(r.parts.get('notes_path'))}, straight from the "
-                f"field {say(r.parts.get('field_path'))}, from the prefix "
-                f"{say(r.parts.get('prefix_path'))}.",
+                reading=f"Through the note slots {say(r.part('notes_path'))}, straight from the "
+                f"field {say(r.part('field_path'))}, from the prefix "
+                f"{say(r.part('prefix_path'))}.",
             )
         )
     return panels
 
 
-def scrubbing_panel(r: ProbeResult, key: str) -> Panel:
+@panel("scrubbing")
+def scrubbing_panel(r: Scrubbing, key: str) -> list[Panel]:
     names = {
         "hypothesis": "hypothesis (top notes + read heads)",
         "random_circuit": "random circuit, same size",
@@ -143,27 +133,28 @@ def scrubbing_panel(r: ProbeResult, key: str) -> Panel:
         "heads_only": "heads only",
         "with_field": "hypothesis + field",
     }
-    items = [est(r.parts.get(k), v) for k, v in names.items() if k in r.parts]
+    items = [est(r.part(k), v) for k, v in names.items() if k in r.parts]
     fig = ci_bars(
         items,
         title="Causal scrubbing: what the hypothesis preserves",
         y_title="effect preserved",
         reference=1.0,
     )
-    undefined = r.details.get("undefined")
+    undefined = r.undefined
     reading = (
         f"Undefined here: {undefined}."
         if undefined
-        else f"Keeping only the hypothesis preserves {say(r.parts.get('hypothesis'))} of the effect, "
+        else f"Keeping only the hypothesis preserves {say(r.part('hypothesis'))} of the effect, "
         "a random "
-        f"circuit of the same size {say(r.parts.get('random_circuit'))}."
+        f"circuit of the same size {say(r.part('random_circuit'))}."
     )
-    return Panel(
-        title="Causal scrubbing", reading=reading, figure=fig, note=n_note(r), key=f"{key}/scrubbing"
-    )
+    return [
+        Panel(title="Causal scrubbing", reading=reading, figure=fig, note=n_note(r), key=f"{key}/scrubbing")
+    ]
 
 
-def attribution_panels(r: ProbeResult, key: str) -> list[Panel]:
+@panel("attribution")
+def attribution_panels(r: AttributionPatching, key: str) -> list[Panel]:
     rows = r.tables.get("heads", [])
     pts = [{"x": row["activation"], "y": row["attribution"], "label": row["label"]} for row in rows]
     fig = scatter(
@@ -174,9 +165,9 @@ def attribution_panels(r: ProbeResult, key: str) -> list[Panel]:
         y_title="attribution estimate (recovery)",
     )
     reading = (
-        f"Spearman's rho between the two head rankings is {say(r.parts.get('rank_correlation'))} "
-        f"(slots {say(r.parts.get('slot_rank_correlation'))}); attribution is "
-        f"{say(r.parts.get('speedup'))}× faster."
+        f"Spearman's rho between the two head rankings is {say(r.part('rank_correlation'))} "
+        f"(slots {say(r.part('slot_rank_correlation'))}); attribution is "
+        f"{say(r.part('speedup'))}× faster."
     )
     panels = [
         Panel(
@@ -187,12 +178,12 @@ def attribution_panels(r: ProbeResult, key: str) -> list[Panel]:
             key=f"{key}/attribution",
         )
     ]
-    slots = r.details.get("slots") or []
+    slots = r.slots
     if slots:
         s = slots[0]
-        labels = [slot_label(p, t) for p, t in zip(s["positions"], s["tokens"])]
+        labels = [slot_label(p, t) for p, t in zip(s.positions, s.tokens)]
         fig = heatmap(
-            [s["activation"], s["attribution"]],
+            [list(s.activation), list(s.attribution)],
             labels,
             ["activation", "attribution"],
             title="Per slot (pair 1): exact transplant vs gradient estimate",
@@ -214,57 +205,54 @@ def attribution_panels(r: ProbeResult, key: str) -> list[Panel]:
     return panels
 
 
-def sae_panels(r: ProbeResult, key: str) -> list[Panel]:
-    d = r.details
-    if d.get("not_applicable"):
-        return [
-            Panel(title="SAE features", reading=f"Not measured: {d['not_applicable']}.", key=f"{key}/sae")
-        ]
-    rows = d.get("top_features", [])
+@panel("sae")
+def sae_panels(r: SAEFeatures, key: str) -> list[Panel]:
+    if r.not_applicable:
+        return [Panel(title="SAE features", reading=f"Not measured: {r.not_applicable}.", key=f"{key}/sae")]
+    rows = r.top_features
     pts = [
         {
-            "x": row["score"],
-            "y": (row.get("recovery") or {}).get("mean"),
-            "label": f"feature {row['feature']} (AUC {row['auc']:.2f}, "
-            f"high for {row.get('high_for', '?')!r})",
+            "x": row.score,
+            "y": row.recovery.mean,
+            "label": f"feature {row.feature} (AUC {row.auc:.2f}, high for {row.high_for!r})",
         }
         for row in rows
-        if (row.get("recovery") or {}).get("mean") is not None
+        if row.recovery is not None and row.recovery.mean is not None
     ]
     fig = scatter(
         pts,
-        title=f"SAE at {d.get('hook_name', '?')}: does a feature that decodes the conclusion carry it?",
+        title=f"SAE at {r.hook_name}: does a feature that decodes the conclusion carry it?",
         x_title="held-out decoding AUC, max(AUC, 1 − AUC)",
         y_title="single-feature recovery",
     )
-    best = d.get("best_feature", {})
+    best = r.best_feature
     reading = (
-        f"{best.get('n_auc_ge_0.99', '?')} features decode the conclusion with AUC ≥ 0.99; the best "
-        f"({fmt(best.get('auc'))}) alone recovers {say(r.parts.get('single_feature_recovery'))}; the best "
-        f"causal one among the top 32 {say(r.parts.get('best_causal_feature'))}."
+        f"{best['n_auc_ge_0.99']} features decode the conclusion with AUC ≥ 0.99; the best "
+        f"({fmt(best['auc'])}) alone recovers {say(r.part('single_feature_recovery'))}; the best "
+        f"causal one among the top 32 {say(r.part('best_causal_feature'))}."
     )
     panels = [
         Panel(
             title="SAE: AUC vs causal recovery",
             reading=reading,
             figure=fig,
-            note=f"top {len(rows)} features by AUC; {d.get('dead_features', '?')} of {d.get('d_sae', '?')} "
+            note=f"top {len(rows)} features by AUC; {r.dead_features} of {r.d_sae} "
             "features never fire on held-out prompts; " + n_note(r),
             key=f"{key}/sae_scatter",
         )
     ]
     curve = ci_curves(
         [
-            _curve(r.curves.get("topk_curve"), "top-k along the conclusion (cross-fitted)"),
-            _curve(r.curves.get("auc_topk_curve"), "top-k by AUC", dash="dot"),
-            _curve(r.curves.get("random_curve"), "k random changed features", color=GREY, dash="dash"),
+            _curve(r.curve("topk_curve"), "top-k along the conclusion (cross-fitted)"),
+            _curve(r.curve("auc_topk_curve"), "top-k by AUC", dash="dot"),
+            _curve(r.curve("random_curve"), "k random changed features", color=GREY, dash="dash"),
         ],
         title="SAE features patched together",
         x_title="k (features)",
         y_title="recovery",
         log_x=True,
     )
-    tk = r.curves.get("topk_curve")
+    tk = r.curve("topk_curve")
     last = f"at k = {tk.x[-1]} {fmt(tk.points[-1].mean)}" if tk and tk.points else ""
     panels.append(
         Panel(
@@ -273,11 +261,11 @@ def sae_panels(r: ProbeResult, key: str) -> list[Panel]:
             key=f"{key}/sae_topk",
             note=n_note(r),
             reading=f"Features patched together recover {last}; all features with the error term "
-            f"{say(r.parts.get('all_features'))}.",
+            f"{say(r.part('all_features'))}.",
         )
     )
     scans = [
-        _curve(r.curves.get(f"scan_{s}"), f"whole residual at the {s}")
+        _curve(r.curve(f"scan_{s}"), f"whole residual at the {s}")
         for s in ("notes", "decision")
         if f"scan_{s}" in r.curves
     ]
@@ -288,39 +276,39 @@ def sae_panels(r: ProbeResult, key: str) -> list[Panel]:
             x_title="layer",
             y_title="recovery",
         )
-        loc = d.get("located", {})
+        loc = r.located
         panels.append(
             Panel(
                 title="Residual scan",
                 figure=fig,
                 key=f"{key}/scan",
                 note=n_note(r),
-                reading=f"The SAE was placed at the {loc.get('site', '?')}, layer {loc.get('layer', '?')} "
+                reading=f"The SAE was placed at the {loc.site}, layer {loc.layer} "
                 "(the rule is in report.json).",
             )
         )
     return panels
 
 
+@for_type("PromptAttribution")
 def prompt_attribution_panels(a, key: str = "attribution") -> list[Panel]:
     """A single prompt's attribution (`circuits.PromptAttribution`): coloured text and slot × layer."""
-    d = a.to_dict()
-    tokens, est_grid = d["tokens"], d["estimate"]
-    steps = (d.get("meta") or {}).get("steps", 1)
+    tokens, est_grid = a.tokens, a.estimate
+    steps = a.meta.get("steps", 1)  # meta: how it was run (older files lack "steps": one pass)
     totals = [sum(col) for col in zip(*est_grid)] if est_grid else []
-    exact = {row["position"]: row for row in d.get("exact", [])}
-    answers = " vs ".join(repr(x) for x in d.get("answers", []))
+    exact = {row["position"]: row for row in a.exact}
+    answers = " vs ".join(repr(x) for x in a.answers)
     text = token_text(
         tokens,
         totals,
         value_name="estimated effect (logits)",
-        positions=d["positions"],
-        marks=["exact" if p in exact else "" for p in d["positions"]],
+        positions=a.positions,
+        marks=["exact" if p in exact else "" for p in a.positions],
     )
     top = sorted(exact.values(), key=lambda row: -abs(row["total"]))[:3]
     reading = (
-        f"Logit difference {answers}: {fmt(d.get('ld'))}; source ({d.get('baseline', '?')}) "
-        f"{fmt(d.get('ld_source'))}. Largest exact effects: "
+        f"Logit difference {answers}: {fmt(a.ld)}; source ({a.baseline}) "
+        f"{fmt(a.ld_source)}. Largest exact effects: "
         + "; ".join(f"'{visible(row['token'])}' @{row['position']} {row['total']:+.3f}" for row in top)
         + "."
     )
@@ -335,7 +323,7 @@ def prompt_attribution_panels(a, key: str = "attribution") -> list[Panel]:
         )
     ]
     if est_grid:
-        labels = [slot_label(p, t) for p, t in zip(d["positions"], tokens)]
+        labels = [slot_label(p, t) for p, t in zip(a.positions, tokens)]
         fig = heatmap(
             est_grid,
             labels,
@@ -346,7 +334,7 @@ def prompt_attribution_panels(a, key: str = "attribution") -> list[Panel]:
             colorbar="logits",
             height=max(320, 22 * len(est_grid) + 140),
         )
-        rho = d.get("rank_correlation")
+        rho = a.rank_correlation
         panels.append(
             Panel(
                 title="Slot × layer",

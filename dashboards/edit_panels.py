@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 
 from dashboards.figures import GREEN, RED, Panel, ci_bars, ci_curves, fmt, plotly_text, style
 from dashboards.probe_panels import est, n_note, say, series
+from dashboards.registry import for_type, panel
 from probes.results import ProbeResult
 
 # --- edit and compose ---------------------------------------------------------------------------
@@ -22,14 +23,15 @@ METHOD_NAMES = {
 }
 
 
+@panel("edit_methods")
 def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
-    ks = r.details.get("ks", [])
+    ks = list(r.ks)
     sel = [f"selective_causal@{k}" for k in ks if f"selective_causal@{k}" in r.parts]
     best_sel = max(sel, key=lambda m: (r.parts[m].mean or -1e9, -int(m.split("@")[1])), default=None)
     names = [m for m in METHODS if m in r.parts] + ([best_sel] if best_sel else [])
     label = lambda m: METHOD_NAMES.get(m, m.replace("_", " "))  # noqa: E731
     items = [est(r.parts[m], label(m), group="recovery") for m in names]
-    items += [est(r.parts.get(f"{m}.agree"), label(m), group="same answer as full recompute") for m in names]
+    items += [est(r.part(f"{m}.agree"), label(m), group="same answer as full recompute") for m in names]
     fig = ci_bars(
         items, title="Editing methods side by side (one changed field)", y_title="fraction", reference=1.0
     )
@@ -39,8 +41,8 @@ def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
         if f"{m}.tokens" in r.parts and r.parts[f"{m}.tokens"].mean is not None
     )
     reading = (
-        f"The erratum recovers {say(r.parts.get('erratum'))}, field refresh {say(r.parts.get('refresh'))}, "
-        f"suffix recompute {say(r.parts.get('suffix'))}. Tokens computed: {cost}."
+        f"The erratum recovers {say(r.part('erratum'))}, field refresh {say(r.part('refresh'))}, "
+        f"suffix recompute {say(r.part('suffix'))}. Tokens computed: {cost}."
     )
     panels = [
         Panel(title="Editing methods", reading=reading, figure=fig, note=n_note(r), key=f"{key}/methods")
@@ -75,17 +77,18 @@ def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
     return panels
 
 
+@panel("seam_repair")
 def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
-    seams = r.details.get("seams", [])
+    seams = list(r.seams)
     curves = [
-        series(f"logit cosine, {name}", seams, [r.parts.get(f"{prefix}@{b}") for b in seams], dash=dash)
+        series(f"logit cosine, {name}", seams, [r.part(f"{prefix}@{b}") for b in seams], dash=dash)
         for prefix, name, dash in (
             ("cosine", "re-rotated", "solid"),
             ("norot_cosine", "not re-rotated", "dash"),
         )
     ]
     curves += [
-        series(name, seams, [r.parts.get(f"{prefix}@{b}") for b in seams], dash="dot")
+        series(name, seams, [r.part(f"{prefix}@{b}") for b in seams], dash="dot")
         for prefix, name in (
             ("agree", "same answer, re-rotated"),
             ("norot_agree", "same answer, not re-rotated"),
@@ -98,10 +101,10 @@ def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
         y_title="agreement with full recompute",
     )
     reading = (
-        f"With no repair the spliced chunk's logits have cosine {say(r.parts.get(f'cosine@{seams[0]}'), 4)} "
+        f"With no repair the spliced chunk's logits have cosine {say(r.part(f'cosine@{seams[0]}'), 4)} "
         f"to full recompute; recomputing {seams[-1]} seam tokens gives "
-        f"{say(r.parts.get(f'cosine@{seams[-1]}'), 4)}; without re-rotation "
-        f"{say(r.parts.get(f'norot_cosine@{seams[-1]}'), 4)}."
+        f"{say(r.part(f'cosine@{seams[-1]}'), 4)}; without re-rotation "
+        f"{say(r.part(f'norot_cosine@{seams[-1]}'), 4)}."
         if seams
         else "Not measured."
     )
@@ -116,10 +119,11 @@ def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
     ]
 
 
+@panel("agent_loop")
 def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
-    turns = list(range(1, int(r.details.get("turns", 0)) + 1))
-    es = [r.parts.get(f"cosine@{t}") for t in turns]
-    ag = [r.parts.get(f"agree@{t}") for t in turns]
+    turns = list(range(1, r.turns + 1))
+    es = [r.part(f"cosine@{t}") for t in turns]
+    ag = [r.part(f"agree@{t}") for t in turns]
     fig = ci_curves(
         [series("logit cosine to recompute", turns, es), series("same answer", turns, ag, dash="dot")],
         title="Agent loop: one erratum per turn vs recompute every turn",
@@ -127,9 +131,9 @@ def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
         y_title="agreement",
     )
     reading = (
-        f"After {len(turns)} errata the cache's logits have cosine {say(r.parts.get('cosine_last'), 4)} to a "
-        f"full recompute (worst turn {say(r.parts.get('cosine_min'), 4)}); the answer follows the latest "
-        f"erratum {say(r.parts.get('follows'))} of the time."
+        f"After {len(turns)} errata the cache's logits have cosine {say(r.part('cosine_last'), 4)} to a "
+        f"full recompute (worst turn {say(r.part('cosine_min'), 4)}); the answer follows the latest "
+        f"erratum {say(r.part('follows'))} of the time."
     )
     return [
         Panel(
@@ -142,9 +146,10 @@ def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
     ]
 
 
+@panel("memory_blocks")
 def memory_panels(r: ProbeResult, key: str) -> list[Panel]:
     items = [
-        est(r.parts.get(k), name)
+        est(r.part(k), name)
         for k, name in (
             ("split_agree", "split blocks: same answer"),
             ("colocated_agree", "colocated: same answer"),
@@ -161,7 +166,7 @@ def memory_panels(r: ProbeResult, key: str) -> list[Panel]:
     )
     reading = (
         f"With the two facts in separately compiled blocks the answer matches full recompute "
-        f"{say(r.parts.get('split_agree'))} of the time, against {say(r.parts.get('colocated_agree'))} "
+        f"{say(r.part('split_agree'))} of the time, against {say(r.part('colocated_agree'))} "
         "when they share a block."
     )
     return [
@@ -178,6 +183,7 @@ def memory_panels(r: ProbeResult, key: str) -> list[Panel]:
 # --- cost benches -------------------------------------------------------------------------------
 
 
+@panel("ttft")
 def ttft_panels(b, key: str) -> list[Panel]:
     pts = b.results
     if not pts:
@@ -216,6 +222,7 @@ def ttft_panels(b, key: str) -> list[Panel]:
     ]
 
 
+@panel("edit_cost")
 def edit_cost_panels(b, key: str) -> list[Panel]:
     pts = b.results
     if not pts:
@@ -251,6 +258,7 @@ def edit_cost_panels(b, key: str) -> list[Panel]:
 # --- the engine ---------------------------------------------------------------------------------
 
 
+@panel("patch_sweep")
 def sweep_panels(b, key: str) -> list[Panel]:
     xs = [p.tokens for p in b.results]
     fig = ci_curves(
@@ -270,6 +278,7 @@ def sweep_panels(b, key: str) -> list[Panel]:
     ]
 
 
+@for_type("VerifyReport")
 def verify_panels(v, key: str) -> list[Panel]:
     """The exactness invariants: each one's largest error against its tolerance (log scale)."""
     names = [plotly_text(r.name) for r in v.invariants]

@@ -19,6 +19,7 @@ from dashboards.figures import (
     token_text,
     visible,
 )
+from dashboards.registry import in_summary, panel, summary
 from probes.results import Estimate, ProbeResult
 
 
@@ -35,7 +36,7 @@ def say(e: Estimate | None, digits: int = 2) -> str:
 
 def n_note(r: ProbeResult, what: str = "pairs") -> str:
     n = r.estimate.n
-    excl = len(r.details.get("excluded", []))
+    excl = len(r.excluded)
     s = f"n = {n} {what}; bars and bands are bootstrap 95% CIs of the mean"
     return s + (
         f"; {excl} pair(s) excluded (decision moved too little, listed in report.json)" if excl else ""
@@ -52,49 +53,38 @@ def _above(a: Estimate | None, b: Estimate | None) -> bool:
 # --- probes -------------------------------------------------------------------------------------
 
 
-def probe_panels(probes: Mapping[str, ProbeResult], key: str) -> list[Panel]:
-    out: list[Panel] = []
-    if "note_map" in probes:
-        out += note_map_panels(probes["note_map"], key)
-    out.append(causal_summary(probes, key))
-    if "false_note_injection" in probes:
-        out.append(false_note_panel(probes["false_note_injection"], key))
-    return out
+panel("field_refresh", "notes_transplant", "knockout", "dissociation")(in_summary)
 
 
+@panel("note_map")
 def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
-    maps = r.details.get("maps") or []
+    maps = r.maps
     if not maps:
         return [
             Panel(
                 title="Note map",
-                reading="No pair moved its decision enough to map "
-                f"({len(r.details.get('excluded', []))} excluded).",
+                reading=f"No pair moved its decision enough to map ({len(r.excluded)} excluded).",
                 key=f"{key}/note_map_text",
             )
         ]
     m = maps[0]
-    tokens = m.get("prompt_tokens") or m["tokens"]
-    positions = list(range(len(tokens))) if "prompt_tokens" in m else m["positions"]
+    tokens = m.prompt_tokens or m.tokens
+    positions = list(range(len(tokens))) if m.prompt_tokens else m.positions
     values: list[float | None] = [None] * len(tokens)
     marks = [""] * len(tokens)
     index = {p: i for i, p in enumerate(positions)}
-    for p, v, role in zip(m["positions"], m["recovery"], m["role"]):
+    for p, v, role in zip(m.positions, m.recovery, m.role):
         if p in index:
             values[index[p]] = v
             marks[index[p]] = role
-    decision = m["positions"][0] + m["distance_to_decision"][0]
+    decision = m.positions[0] + m.distance_to_decision[0]
     if decision in index:
         marks[index[decision]] = "decision"
-    notes = [
-        (v, p, t)
-        for v, p, t, role in zip(m["recovery"], m["positions"], m["tokens"], m["role"])
-        if role == "note"
-    ]
+    notes = [(v, p, t) for v, p, t, role in zip(m.recovery, m.positions, m.tokens, m.role) if role == "note"]
     best = max(notes) if notes else None
-    share = r.parts.get("delimiter_share")
+    share = r.part("delimiter_share")
     reading = (
-        f"Pair 1 of {len(maps)}: the field's own slots recover {fmt(m['field_joint'])} of the decision; "
+        f"Pair 1 of {len(maps)}: the field's own slots recover {fmt(m.field_joint)} of the decision; "
         + (
             f"the best single note slot is '{visible(best[2])}' at position {best[1]} ({fmt(best[0])})"
             if best
@@ -115,8 +105,8 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
         "map (before the field). " + n_note(r),
         key=f"{key}/note_map_text",
     )
-    down = [(p, t) for p, t, role in zip(m["positions"], m["tokens"], m["role"]) if role == "note"]
-    grid = m.get("slot_layer") or []
+    down = [(p, t) for p, t, role in zip(m.positions, m.tokens, m.role) if role == "note"]
+    grid = m.slot_layer
     panels = [text]
     if grid and down:
         L = len(grid[0])
@@ -181,11 +171,12 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
     return panels
 
 
-def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> Panel:
+@summary("probes")
+def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> list[Panel]:
     def g(name: str, part: str | None = None) -> Estimate | None:
         if name not in probes:
             return None
-        return probes[name].parts.get(part) if part else probes[name].estimate
+        return probes[name].part(part) if part else probes[name].estimate
 
     items = [
         est(g("field_refresh", "recovery"), "field-only refresh", group="recovery"),
@@ -216,13 +207,16 @@ def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> Panel:
         items, title="Causal probes and controls", y_title="fraction of the decision", reference=1.0
     )
     any_r = next(iter(probes.values()))
-    return Panel(title="Causal probes", reading=reading, figure=fig, note=n_note(any_r), key=f"{key}/causal")
+    return [
+        Panel(title="Causal probes", reading=reading, figure=fig, note=n_note(any_r), key=f"{key}/causal")
+    ]
 
 
-def false_note_panel(r: ProbeResult, key: str) -> Panel:
-    ks = r.details.get("ks", [])
-    top = [r.parts.get(f"k{k}") for k in ks]
-    rnd = [r.parts.get(f"random_k{k}") for k in ks]
+@panel("false_note_injection")
+def false_note_panel(r: ProbeResult, key: str) -> list[Panel]:
+    ks = list(r.ks)
+    top = [r.part(f"k{k}") for k in ks]
+    rnd = [r.part(f"random_k{k}") for k in ks]
     curves = [
         series("top-k note slots", ks, top),
         series("k random downstream slots", ks, rnd, color=GREY, dash="dash"),
@@ -235,14 +229,14 @@ def false_note_panel(r: ProbeResult, key: str) -> Panel:
     )
     last = ks[-1] if ks else None
     reading = (
-        f"Injecting the top {last} note slots moves the decision {say(r.parts.get(f'k{last}'))} of the way "
-        f"to the injected conclusion, against {say(r.parts.get(f'random_k{last}'))} for {last} random slots."
+        f"Injecting the top {last} note slots moves the decision {say(r.part(f'k{last}'))} of the way "
+        f"to the injected conclusion, against {say(r.part(f'random_k{last}'))} for {last} random slots."
         if last is not None
         else "Not measured."
     )
-    return Panel(
-        title="False-note injection", reading=reading, figure=fig, note=n_note(r), key=f"{key}/inject"
-    )
+    return [
+        Panel(title="False-note injection", reading=reading, figure=fig, note=n_note(r), key=f"{key}/inject")
+    ]
 
 
 # --- regime -------------------------------------------------------------------------------------
@@ -259,12 +253,13 @@ def series(name: str, x: list, es: list[Estimate | None], **kw) -> dict:
     }
 
 
+@panel("regime")
 def regime_panels(r: ProbeResult, key: str) -> list[Panel]:
-    d = r.details.get("filler_tokens", [])
-    dist = r.details.get("distance", d)
-    fr = [r.parts.get(f"field_refresh@{x}") for x in d]
-    nt = [r.parts.get(f"notes_transplant@{x}") for x in d]
-    eff = [r.parts.get(f"effect@{x}") for x in d]
+    d = list(r.filler_tokens)
+    dist = list(r.distance)
+    fr = [r.part(f"field_refresh@{x}") for x in d]
+    nt = [r.part(f"notes_transplant@{x}") for x in d]
+    eff = [r.part(f"effect@{x}") for x in d]
     fig = ci_curves(
         [series("notes transplant", dist, nt), series("field-only refresh", dist, fr)],
         title="Regime: the field moved away from the decision",
@@ -286,7 +281,7 @@ def regime_panels(r: ProbeResult, key: str) -> list[Panel]:
                 f" From {dist[gone[0]]} tokens on, the field moves the decision by less than the "
                 f"minimum effect (mean {say(eff[gone[0]])} logits), so recovery is undefined there."
             )
-    skipped = r.details.get("skipped") or []
+    skipped = r.skipped
     n = max((e.n for e in eff if e is not None), default=0)
     note = (
         f"n = {n} pairs per distance (fewer where a pair's decision moves too little); bands are "

@@ -17,54 +17,25 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
-from dashboards.circuit_panels import circuit_panels, prompt_attribution_panels
-from dashboards.edit_panels import (
-    agent_panels,
-    edit_cost_panels,
-    edit_panels,
-    memory_panels,
-    seam_panels,
-    sweep_panels,
-    ttft_panels,
-    verify_panels,
-)
+import dashboards.circuit_panels  # noqa: F401  (each panel module registers its panels on import)
+import dashboards.edit_panels  # noqa: F401
 from dashboards.figures import Panel, ci_bars, esc
-from dashboards.probe_panels import est, n_note, probe_panels, regime_panels
+from dashboards.probe_panels import est, n_note
+from dashboards.registry import PANELS, SUMMARIES, TYPES
+from kvnotes.analysis import analyses, sections
 from probes.results import ProbeReport, ProbeResult
-
-SECTION_TITLES = {
-    "probes": "Causal probes and the note map",
-    "regime": "Regime",
-    "circuits": "Circuits",
-    "edit": "Editing",
-    "compose": "Composing",
-    "ttft": "Time to first token",
-    "edit_cost": "Cost of an edit",
-}
-SECTION_INTROS = {
-    "probes": "Where the decision reads its conclusion: the changed field's own slots, or the notes "
-    "downstream.",
-    "regime": "The same probes as filler pushes the field away from the decision.",
-    "circuits": "Which heads write the conclusion onto the notes and which read it at the decision; what a "
-    "scrubbed hypothesis keeps; how gradients rank it; which SAE features carry it.",
-    "edit": "One changed field: every way to update a stale cache, against full recompute.",
-    "compose": "A precompiled chunk spliced into a new context, the seam repaired; errata over many turns.",
-    "ttft": "Time to first token of a composed context against prefilling it all.",
-    "edit_cost": "Time to update a cache for one changed field, as the field moves through the prompt.",
-}
-
 
 # --- from results to panels ---------------------------------------------------------------------
 
 
 def panels(obj, key: str = "") -> list[Panel]:
-    """Every panel of a result object (a Report, a probe or circuit report, one ProbeResult, a
-    bench report, or a prompt attribution)."""
+    """Every panel of a result object: a Report, a section's report (ProbeReport, CircuitReport),
+    one analysis's result, or another kvnotes result with panels (verify, a prompt attribution).
+
+    `key` is the part's key ("order-cancel/probes", "model/ttft"); panel keys extend it."""
     kind = type(obj).__name__
     if kind == "Report":
         return [p for _, ps in report_sections(obj) for p in ps]
-    if kind == "CircuitReport":
-        return circuit_panels(obj.analyses, key or f"{obj.task}/circuits")
     if isinstance(obj, ProbeReport) and obj.meta.get("skipped"):
         return [
             Panel(
@@ -74,56 +45,39 @@ def panels(obj, key: str = "") -> list[Panel]:
             )
         ]
     if isinstance(obj, ProbeReport):
-        return probe_report_panels(obj.probes, key or obj.task)
+        return result_panels(obj.probes, key or obj.task)
     if isinstance(obj, ProbeResult):
-        return probe_report_panels({obj.name: obj}, key or obj.name)
-    if kind == "TTFTReport":
-        return ttft_panels(obj, key or "ttft")
-    if kind == "EditCostReport":
-        return edit_cost_panels(obj, key or "edit_cost")
-    if kind == "SweepReport":
-        return sweep_panels(obj, key or "patch_sweep")
-    if kind == "VerifyReport":
-        return verify_panels(obj, key or "verify")
-    if kind == "PromptAttribution":
-        return prompt_attribution_panels(obj, key or "attribution")
+        return result_panels({obj.name: obj}, key or obj.name)
+    for name, a in analyses().items():
+        if type(obj) is a.result and name in PANELS:
+            return PANELS[name](obj, key or name)
+    if kind in TYPES:
+        return TYPES[kind](obj, key or kind)
     raise TypeError(
         f"dashboards cannot render a {kind}; it renders kvnotes result objects "
-        "(Report, ProbeReport, CircuitReport, ProbeResult, bench reports, PromptAttribution)"
+        "(Report, ProbeReport, CircuitReport, an analysis's result, VerifyReport, PromptAttribution)"
     )
 
 
-PROBE_NAMES = (
-    "field_refresh",
-    "notes_transplant",
-    "note_map",
-    "knockout",
-    "dissociation",
-    "false_note_injection",
-)
-CIRCUIT_NAMES = ("read_heads", "write_heads", "scrubbing", "attribution", "sae")
-SINGLE = {
-    "regime": regime_panels,
-    "edit_methods": edit_panels,
-    "seam_repair": seam_panels,
-    "memory_blocks": memory_panels,
-    "agent_loop": agent_panels,
-}
+def result_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
+    """The panels of some analyses' results, section by section: each section's summary first,
+    then each result's own panels (the generic panel where it registered none).
 
-
-def probe_report_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
-    out: list[Panel] = []
-    probes = {k: v for k, v in results.items() if k in PROBE_NAMES}
-    if probes:
-        out += probe_panels(probes, f"{key}/probes")
-    circuits = {k: v for k, v in results.items() if k in CIRCUIT_NAMES}
-    if circuits:
-        out += circuit_panels(circuits, f"{key}/circuits")
+    `key` is a part key ("order-cancel/circuits") or a task; panels are keyed under
+    "<task>/<section>"."""
+    known = analyses()
+    task, _, last = key.rpartition("/")
+    task = task if last in sections() else key
+    groups: dict[str, dict[str, ProbeResult]] = {}
     for name, r in results.items():
-        if name in SINGLE:
-            out += SINGLE[name](r, f"{key}/{name}")
-        elif name not in PROBE_NAMES and name not in CIRCUIT_NAMES:
-            out.append(generic_panel(r, f"{key}/{name}"))
+        groups.setdefault(known[name].section if name in known else "other", {})[name] = r
+    out: list[Panel] = []
+    for section, rs in groups.items():
+        skey = f"{task}/{section}"
+        if section in SUMMARIES:
+            out += SUMMARIES[section](rs, skey)
+        for name, r in rs.items():
+            out += PANELS[name](r, skey) if name in PANELS else [generic_panel(r, f"{skey}/{name}")]
     return out
 
 
@@ -141,11 +95,27 @@ def generic_panel(r: ProbeResult, key: str) -> Panel:
 
 
 def report_sections(report) -> list[tuple[str, list[Panel]]]:
-    """(section key, panels) in page order: per task, each part; then the per-model benches."""
-    out = []
-    for key, part in report.parts.items():
-        out.append((key, panels(part.result, key.rsplit("/", 1)[0])))
-    return out
+    """(part key, panels) in page order: per task, each part; then the per-model benches."""
+    return [(key, panels(part.result, key)) for key, part in report.parts.items()]
+
+
+def section_title(key: str) -> str:
+    """A part's heading: its section's title (a model-level analysis's own), after the task."""
+    task, _, name = key.rpartition("/")
+    if task == "model":
+        a = analyses().get(name)
+        return (a.title or name) if a else name
+    sec = sections().get(name)
+    return f"{task} · {sec.title if sec else name}"
+
+
+def section_intro(key: str) -> str:
+    task, _, name = key.rpartition("/")
+    if task == "model":
+        a = analyses().get(name)
+        return a.help[:1].upper() + a.help[1:] + "." if a else ""
+    sec = sections().get(name)
+    return sec.intro if sec else ""
 
 
 # --- HTML ---------------------------------------------------------------------------------------
@@ -279,12 +249,6 @@ def render_page(
     )
 
 
-def _section_title(key: str) -> str:
-    task, _, section = key.rpartition("/")
-    name = SECTION_TITLES.get(section, section)
-    return name if task == "model" else f"{task} · {name}"
-
-
 def report_facts(report) -> list[tuple[str, str]]:
     m, c = report.meta, report.config
     info = m.get("model_info", {})
@@ -298,9 +262,8 @@ def report_facts(report) -> list[tuple[str, str]]:
         ("tasks", ", ".join(report.tasks)),
         (
             "sizes",
-            f"{c.preset}: n = {c.n} pairs, seed {c.seed}, regime n = {c.regime_n}, "
-            f"k ≤ {c.k_max} with {c.draws} random draws, SAE on {c.sae_train_pairs} pairs, "
-            f"min effect {c.min_effect} logits",
+            f"{c.preset}: seed {c.seed}, min effect {c.min_effect} logits; {c.sizes()}"
+            + (f"; left out: {', '.join(c.skip)}" if c.skip else ""),
         ),
         (
             "run",
@@ -313,11 +276,11 @@ def report_facts(report) -> list[tuple[str, str]]:
 
 
 def report_html(report) -> str:
-    sections = [
+    views = [
         {
-            "title": _section_title(k),
+            "title": section_title(k),
             "anchor": _anchor(k),
-            "intro": SECTION_INTROS.get(k.rsplit("/", 1)[1], ""),
+            "intro": section_intro(k),
             "rows": [[p] for p in ps],
         }
         for k, ps in report_sections(report)
@@ -328,7 +291,7 @@ def report_html(report) -> str:
     )
     return render_page(
         f"kvnotes report · {report.model}",
-        sections,
+        views,
         facts=report_facts(report),
         subtitle="Every figure shows its 95% bootstrap CI over prompt pairs (benchmarks: single "
         "timings). report.json beside this page holds every number.",
@@ -381,8 +344,13 @@ def compare_html(a, b) -> str:
         by_section.setdefault(section, []).append(
             [ia[k][1] if k in ia else None, ib[k][1] if k in ib else None]
         )
-    sections = [
-        {"title": SECTION_TITLES.get(s, s), "anchor": _anchor(s), "intro": "", "rows": rows}
+    views = [
+        {
+            "title": section_title(f"model/{s}") if s not in sections() else sections()[s].title,
+            "anchor": _anchor(s),
+            "intro": "",
+            "rows": rows,
+        }
         for s, rows in by_section.items()
     ]
     facts = [
@@ -391,7 +359,7 @@ def compare_html(a, b) -> str:
     ]
     return render_page(
         f"kvnotes · {a.model} vs {b.model}",
-        sections,
+        views,
         facts=facts,
         subtitle="Left and right: the same panels of two reports.",
     )

@@ -37,6 +37,7 @@ _EXPORTS = {
     "splice": "kvnotes.ops",
     "precompile": "kvnotes.ops",
     "logit_diff": "kvnotes.metrics",
+    "answer_logprob": "kvnotes.metrics",
     "recovery": "kvnotes.metrics",
     "logit_cosine": "kvnotes.metrics",
     "agreement": "kvnotes.metrics",

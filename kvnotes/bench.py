@@ -21,9 +21,11 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.analysis import MODEL, Context, Section, analysis, option, register_section
 from kvnotes.conformance import POLICY, QUERY, STATE, filled_pair
 from kvnotes.display import Displayable
 from kvnotes.engine import final_logits
+from kvnotes.hooks import hook_name
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
 from kvnotes.prompt import Prompt
@@ -81,28 +83,6 @@ def machine() -> str:
     )
 
 
-def versions(
-    packages: tuple[str, ...] = (
-        "kvnotes",
-        "torch",
-        "transformer-lens",
-        "transformers",
-        "sae-lens",
-        "plotly",
-    ),
-) -> dict[str, str | None]:
-    """Python's and each installed package's version (None where one is missing), for result metadata."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for pkg in packages:
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def sweep_prompts(model: KVModel, n_tokens: int) -> tuple[Prompt, Prompt]:
     """An aligned (old, new) pair of about `n_tokens` tokens, the field near the start."""
     return filled_pair(model, POLICY + STATE, QUERY, n_tokens)
@@ -122,10 +102,10 @@ def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[in
         v[0, :stop] = values[hook.layer()]
         return v
 
-    def grab(x, hook):
+    def grab(x, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
         saved["x"] = x[:, -1]
 
-    last = f"blocks.{model.n_layers - 1}.hook_resid_post"
+    last = hook_name(model.n_layers - 1, "hook_resid_post")
     hooks = [
         (lambda n: n.endswith("attn.hook_rot_k"), set_k),
         (lambda n: n.endswith("attn.hook_v"), set_v),
@@ -180,3 +160,18 @@ def patch_sweep_report(model: KVModel, lengths: list[int], **kwargs) -> SweepRep
     return SweepReport(
         model=model.name, machine=machine(), results=[patch_sweep(model, n, **kwargs) for n in lengths]
     )
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    tokens: tuple[int, ...] = option((256, 1024), "prompt lengths")
+    slots: int = option(64, "how many trailing slots to sweep")
+
+
+register_section(Section("bench", "Benchmarks", level=MODEL, command="bench", order=60))
+
+
+@analysis("patch_sweep", "bench", SweepConfig, SweepReport, in_report=False)
+def _run_patch_sweep(ctx: Context, cfg: SweepConfig) -> SweepReport:
+    """Per-slot transplant sweep: engine vs naive full forwards."""
+    return patch_sweep_report(ctx.model, list(cfg.tokens), n_slots=cfg.slots, progress=ctx.progress)

@@ -36,147 +36,171 @@ def cmd_verify(args) -> int:
     return 0 if report.passed else 1
 
 
-def cmd_bench_patch_sweep(args) -> int:
-    from kvnotes.bench import patch_sweep_report
-    from kvnotes.models import load_model
+# --- the analysis commands, generated from the registry (kvnotes.analysis) ------------------------
 
-    lengths = _ints(args.tokens)
-    report = patch_sweep_report(load_model(args.model), lengths, n_slots=args.slots)
+COMMAND_HELP = {
+    "probe": "causal probes of where a model keeps its conclusion, and the regime sweep",
+    "circuits": "head-level read/write circuits, causal scrubbing, attribution patching and SAE features "
+    "(docs/circuits.md)",
+    "edit": "one changed field: every editing method against full recompute",
+    "compose": "splice a precompiled chunk, repair the seam, compare to recompute",
+    "bench": "benchmarks: two ways side by side, with the ratio",
+}
+
+
+def _list_of(kind: type):
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {kind.__name__}s, got {text!r}"
+            ) from None
+
+    return parse
+
+
+def _add_options(parser: argparse.ArgumentParser, group: list) -> dict[str, str]:
+    """One option per config field of the analyses in `group` (fields of the same name share one
+    option, which sets each of them); returns option dest -> field name."""
+    import dataclasses
+    from typing import get_args, get_origin
+
+    from kvnotes.analysis import base_type, config_hints
+
+    seen: dict[str, list] = {}
+    for a in group:
+        for f in dataclasses.fields(a.config):
+            seen.setdefault(f.name, []).append((a, f))
+    dests = {}
+    for name, owners in seen.items():
+        a, f = owners[0]
+        hint = base_type(config_hints(a.config)[name])
+        flag = "--" + f.metadata.get("cli", name.replace("_", "-"))
+        defaults = {}
+        for owner, fo in owners:
+            shown = ",".join(map(str, fo.default)) if isinstance(fo.default, tuple) else str(fo.default)
+            defaults.setdefault(shown, []).append(owner.name)
+        shown = "; ".join(
+            v if len(defaults) == 1 else f"{v} for {', '.join(who)}" for v, who in defaults.items()
+        )
+        text = f.metadata.get("help", "") + ("" if shown == "None" else f" (default {shown})")
+        kw: dict = {"dest": f"opt_{name}", "default": None, "help": text, "metavar": name.upper()}
+        if hint is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif get_origin(hint) is tuple:
+            kw["type"] = _list_of(get_args(hint)[0])
+            kw["metavar"] = "LIST"
+        else:
+            kw["type"] = hint if hint in (int, float, str) else str
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            if "metavar" in f.metadata:
+                kw["metavar"] = f.metadata["metavar"]
+        parser.add_argument(flag, **kw)
+        dests[f"opt_{name}"] = name
+    return dests
+
+
+def add_analysis_commands(sub) -> None:
+    """`kvnotes probe|circuits|edit|compose` (task level) and `kvnotes bench <analysis>` (model level),
+    with every registered analysis and its options."""
+    from kvnotes.analysis import MIN_EFFECT, MODEL, for_command, sections
+
+    commands = {}
+    for sec in sections().values():
+        if sec.command:
+            commands.setdefault(sec.command, sec.level)
+    for command, level in commands.items():
+        group = for_command(command)
+        if level == MODEL:
+            b = sub.add_parser(command, help=COMMAND_HELP.get(command, f"{command} analyses"))
+            bsub = b.add_subparsers(dest="bench", required=True)
+            for a in group:
+                sp = bsub.add_parser(a.name.replace("_", "-"), help=a.help)
+                sp.add_argument("--model", default="gemma-3-270m")
+                dests = _add_options(sp, [a])
+                sp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+                sp.set_defaults(func=cmd_model_analysis, analysis=a.name, dests=dests)
+            continue
+        listing = "; ".join(f"{a.name}{'' if a.default else ' (when named)'}" for a in group)
+        p = sub.add_parser(
+            command,
+            help=COMMAND_HELP.get(command, f"{command} analyses"),
+            description=f"Analyses: {listing}.",
+            epilog="\n".join(f"  {a.name}: {a.help}" for a in group),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument(
+            "names",
+            nargs="?",
+            help=f"comma-separated analyses to run, or 'all' (default: all; "
+            f"of: {', '.join(a.name for a in group)})",
+        )
+        p.add_argument("--only", help="the same as NAMES")
+        p.add_argument(
+            "--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir"
+        )
+        p.add_argument(
+            "--task",
+            help="a built-in task name or a task.toml file (default: the model's own task "
+            "for an organism, else order-cancel)",
+        )
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument(
+            "--min-effect",
+            type=float,
+            default=MIN_EFFECT,
+            help=f"skip pairs whose decision moves less than this many logits (default {MIN_EFFECT})",
+        )
+        flags = {a.flag: a for a in group if a.flag}
+        for flag, a in flags.items():
+            p.add_argument(f"--{flag}", action="store_true", help=f"also run {a.name}: {a.help}")
+        dests = _add_options(p, group)
+        p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+        p.set_defaults(func=cmd_task_analyses, command_name=command, dests=dests, flags=list(flags))
+
+
+def _configs(names: list[str], args) -> dict:
+    from kvnotes.analysis import get
+
+    given = {
+        field: getattr(args, dest) for dest, field in args.dests.items() if getattr(args, dest) is not None
+    }
+    return {n: get(n).make_config(**given) for n in names}
+
+
+def cmd_task_analyses(args) -> int:
+    from kvnotes.analysis import choose
+    from kvnotes.models import load_model
+    from kvnotes.tasks import builtin_tasks, load_task
+    from probes.results import collect
+
+    names = choose(
+        args.command_name,
+        args.names or args.only,
+        flags=[f for f in args.flags if getattr(args, f.replace("-", "_"))],
+    )
+    configs = _configs(names, args)  # bad option values fail here, before the (slow) model load
+    task = load_task(args.task or (args.model if args.model in builtin_tasks() else "order-cancel"))
+    model = load_model(args.model)
+    report = collect(model, task, names, configs=configs, seed=args.seed, min_effect=args.min_effect)
     return _emit(report, args.json)
 
 
-def cmd_bench_ttft(args) -> int:
-    from kvnotes.models import load_model
-    from kvnotes.ttft import ttft
-
-    lengths = _ints(args.lengths)
-    report = ttft(load_model(args.model), lengths, seam=args.seam)
-    return _emit(report, args.json)
-
-
-def cmd_bench_edit_cost(args) -> int:
-    from kvnotes.models import load_model
-    from kvnotes.ttft import edit_cost
-
-    report = edit_cost(load_model(args.model), args.tokens)
-    return _emit(report, args.json)
-
-
-def cmd_edit(args) -> int:
+def cmd_model_analysis(args) -> int:
+    from kvnotes.analysis import Context, get
     from kvnotes.errors import KVNotesError
     from kvnotes.models import load_model
-    from kvnotes.tasks import builtin_tasks, load_task
-    from probes import make_trials
-    from probes.edit import ERRATUM, edit_methods
-    from probes.results import ProbeReport
 
-    if args.weights and args.n < 2:  # before the (slow) model load
+    a = get(args.analysis)
+    cfg = _configs([a.name], args)[a.name]
+    result = a.run(Context(model=load_model(args.model)), cfg)
+    if result is None:
         raise KVNotesError(
-            f"--weights needs --n 2 or more (contamination is read on another pair's "
-            f"prompt), got --n {args.n}"
+            f"{a.name} was sized to nothing; give it a size (kvnotes bench {a.name.replace('_', '-')} --help)"
         )
-    task = load_task(args.task or (args.model if args.model in builtin_tasks() else "order-cancel"))
-    model = load_model(args.model)
-    trials = make_trials(model, task, args.n, seed=args.seed)
-    results = {"edit_methods": edit_methods(trials, erratum=args.erratum or ERRATUM)}
-    if args.weights:
-        from probes.weights import drift_trials, weight_edit
-
-        other = drift_trials(model, task, args.n, seed=args.seed)  # another built-in task's decisions
-        results["weight_edit"] = weight_edit(
-            trials, layer=args.layer, other_trials=other, erratum=args.erratum or ERRATUM
-        )
-    if args.cot:
-        from probes.cot import cot_refresh
-
-        results["cot_refresh"] = cot_refresh(trials, max_tokens=args.cot_tokens)
-    report = ProbeReport(model=model.name, task=task.name, n=args.n, seed=args.seed, probes=results)
-    return _emit(report, args.json)
-
-
-def cmd_compose(args) -> int:
-    from kvnotes.models import load_model
-    from probes.compose import seam_repair
-    from probes.results import ProbeReport
-
-    model = load_model(args.model)
-    seams = _ints(args.seams)
-    offsets = _ints(args.offsets)
-    results = {
-        "seam_repair": seam_repair(model, args.task, n=args.n, seams=seams, offsets=offsets, seed=args.seed)
-    }
-    if args.memory:
-        from probes.memory import memory_blocks
-
-        results["memory_blocks"] = memory_blocks(model, n=2 * args.n, seed=args.seed)
-    if args.turns:
-        from probes.agent import agent_loop
-
-        results["agent_loop"] = agent_loop(
-            model, args.task, n=min(args.n, 2), turns=args.turns, seed=args.seed
-        )
-    report = ProbeReport(model=model.name, task=args.task, n=args.n, seed=args.seed, probes=results)
-    return _emit(report, args.json)
-
-
-def cmd_probe(args) -> int:
-    from kvnotes.models import load_model
-    from kvnotes.tasks import builtin_tasks, load_task
-    from probes import check_names, regime, run_probes
-    from probes.results import ProbeReport
-
-    if args.name != "regime":
-        names = check_names(args.name.split(","))  # before the (slow) model load
-    task_name = args.task or (args.model if args.model in builtin_tasks() else "order-cancel")
-    task = load_task(task_name)
-    model = load_model(args.model)
-    n = args.n or (4 if args.name == "regime" else 8)
-    if args.name == "regime":
-        distances = _ints(args.distances)
-        result = regime(model, task, n=n, distances=distances, seed=args.seed, min_effect=args.min_effect)
-        report = ProbeReport(
-            model=model.name,
-            task=task.name,
-            n=n,
-            seed=args.seed,
-            probes={"regime": result},
-            meta={"min_effect": args.min_effect},
-        )
-    else:
-        report = run_probes(model, task, names, n=n, seed=args.seed, min_effect=args.min_effect)
-    return _emit(report, args.json)
-
-
-def cmd_circuits(args) -> int:
-    from circuits import check_analyses, run_circuits
-    from kvnotes.models import load_model
-    from kvnotes.tasks import builtin_tasks, load_task
-
-    names = check_analyses(args.only.split(",") if args.only else ["all"])  # before the model load
-    task = load_task(args.task or (args.model if args.model in builtin_tasks() else "order-cancel"))
-    sae_cfg = sae = None
-    if "sae" in names:
-        from circuits.sae import SAEConfig
-
-        sae_cfg = SAEConfig(site=args.sae_site, layer=args.sae_layer, seed=args.seed)
-    model = load_model(args.model)
-    if args.sae:
-        from circuits.sae import load_sae
-
-        sae = load_sae(args.sae, args.sae_id, model=model)
-    report = run_circuits(
-        model,
-        task,
-        names,
-        n=args.n,
-        seed=args.seed,
-        k_max=args.k_max,
-        draws=args.draws,
-        sae_config=sae_cfg,
-        sae=sae,
-        min_effect=args.min_effect,
-    )
-    return _emit(report, args.json)
+    return _emit(result, args.json)
 
 
 def _read_text(path: str, what: str) -> str:
@@ -229,7 +253,8 @@ def cmd_report(args) -> int:
 
     tasks = args.task or [args.model if args.model in builtin_tasks() else "order-cancel"]
     tasks = [load_task(t) for t in tasks]  # before the (slow) model load: a bad task file fails now
-    sizes = {k: v for k, v in {"n": args.n, "seed": args.seed}.items() if v is not None}
+    skip = tuple(x for x in (args.skip or "").split(",") if x)
+    sizes = {k: v for k, v in {"n": args.n, "seed": args.seed, "skip": skip}.items() if v}
     cfg = ReportConfig.quick(**sizes) if args.quick else ReportConfig.full(**sizes)
     model = load_model(args.model)
     out = Path(args.out)
@@ -282,75 +307,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     v.set_defaults(func=cmd_verify)
 
-    pr = sub.add_parser("probe", help="causal probes of where a model keeps its conclusion")
-    pr.add_argument(
-        "name",
-        help="field_refresh, notes_transplant, note_map, knockout, dissociation, "
-        "false_note_injection, a comma-separated list, 'all', or 'regime'",
-    )
-    pr.add_argument("--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir")
-    pr.add_argument(
-        "--task",
-        help="a built-in task name or a task.toml file (default: the model's own "
-        "task for an organism, else order-cancel)",
-    )
-    pr.add_argument("--n", type=int, help="prompt pairs per probe (default 8; 4 for regime)")
-    pr.add_argument("--seed", type=int, default=0)
-    pr.add_argument(
-        "--min-effect",
-        type=float,
-        default=0.1,
-        help="skip pairs whose decision moves less than this many logits (default 0.1)",
-    )
-    pr.add_argument(
-        "--distances",
-        default="0,16,32,64,128,256,512,768",
-        help="regime only: filler lengths in tokens between the field and the query",
-    )
-    pr.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    pr.set_defaults(func=cmd_probe)
-
-    ci = sub.add_parser(
-        "circuits",
-        help="head-level read/write circuits, causal scrubbing, attribution "
-        "patching and SAE features (docs/circuits.md)",
-    )
-    ci.add_argument("--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir")
-    ci.add_argument(
-        "--task", help="a built-in task or a task.toml (default: the organism's own, else order-cancel)"
-    )
-    ci.add_argument("--n", type=int, default=8, help="prompt pairs (default 8)")
-    ci.add_argument(
-        "--only",
-        help="comma-separated subset of read_heads, write_heads, scrubbing, attribution, sae (default: all)",
-    )
-    ci.add_argument("--k-max", type=int, default=12, help="largest k of the top-k vs random-k head curves")
-    ci.add_argument("--draws", type=int, default=32, help="random head sets per k (the write side uses half)")
-    ci.add_argument(
-        "--sae",
-        metavar="DIR_OR_RELEASE",
-        help="use this sae-lens SAE (a local directory, or a pretrained release with --sae-id) "
-        "instead of training one",
-    )
-    ci.add_argument("--sae-id", help="with a pretrained release: the SAE's id in it")
-    ci.add_argument(
-        "--sae-site",
-        choices=("auto", "notes", "decision"),
-        default="auto",
-        help="where the SAE reads and features are patched: the note slots, the decision "
-        "token, or auto (the notes if their residual carries the decision, else the "
-        "decision; docs/circuits.md)",
-    )
-    ci.add_argument(
-        "--sae-layer",
-        type=int,
-        help="residual layer of a trained SAE (default: located by a whole-residual scan)",
-    )
-    ci.add_argument("--seed", type=int, default=0)
-    ci.add_argument("--min-effect", type=float, default=0.1)
-    ci.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    ci.set_defaults(func=cmd_circuits)
-
     at = sub.add_parser(
         "attribute",
         help="which slots of any prompt's notebook carry the decision at its "
@@ -388,52 +344,6 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--html", metavar="FILE", help="also write an HTML page of the results")
     at.set_defaults(func=cmd_attribute)
 
-    ed = sub.add_parser("edit", help="one changed field: every editing method against full recompute")
-    ed.add_argument("--model", required=True)
-    ed.add_argument(
-        "--task", help="a built-in task or a task.toml (default: the organism's own, else order-cancel)"
-    )
-    ed.add_argument("--n", type=int, default=8)
-    ed.add_argument("--seed", type=int, default=0)
-    ed.add_argument("--erratum", help="correction line; {field} and {value} are filled in")
-    ed.add_argument(
-        "--weights",
-        action="store_true",
-        help="also run the weight-edit baseline: a rank-one MLP edit per pair, with its "
-        "contamination, drift (on another built-in task) and cost (docs/edit-compose.md)",
-    )
-    ed.add_argument("--layer", type=int, help="--weights: the MLP layer edited (default: the middle one)")
-    ed.add_argument("--json", metavar="FILE")
-    ed.add_argument(
-        "--cot",
-        action="store_true",
-        help="also decode a greedy reasoning chain from the refreshed and a clean cache",
-    )
-    ed.add_argument("--cot-tokens", type=int, default=48, help="longest chain (tokens)")
-    ed.set_defaults(func=cmd_edit)
-
-    co = sub.add_parser("compose", help="splice a precompiled chunk, repair the seam, compare to recompute")
-    co.add_argument("--model", required=True)
-    co.add_argument("--task", default="order-cancel", help="its policy+shots block is the chunk")
-    co.add_argument("--n", type=int, default=4, help="prompts (each at every offset)")
-    co.add_argument("--seams", default="0,1,2,4,8,16", help="chunk tokens recomputed at the seam")
-    co.add_argument("--offsets", default="32,128", help="host context lengths before the chunk")
-    co.add_argument(
-        "--memory",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also the two-hop memory-blocks experiment (split vs colocated facts)",
-    )
-    co.add_argument(
-        "--turns",
-        type=int,
-        default=28,
-        help="agent loop: turns of field toggles, each an erratum (0 to skip)",
-    )
-    co.add_argument("--seed", type=int, default=0)
-    co.add_argument("--json", metavar="FILE")
-    co.set_defaults(func=cmd_compose)
-
     rp = sub.add_parser(
         "report",
         help="the per-model report: probes, circuits, edits, compose and cost "
@@ -453,7 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="recompute every part (default: reuse the parts DIR/parts holds for this model and these sizes)",
     )
-    rp.add_argument("--n", type=int, help="prompt pairs for probes, circuits and edits (default 8; 6 quick)")
+    rp.add_argument(
+        "--n",
+        type=int,
+        help="prompt pairs of every analysis (default: each analysis's own, "
+        "`kvnotes probe --help` and the like list them)",
+    )
+    rp.add_argument("--skip", metavar="NAMES", help="comma-separated analyses to leave out")
     rp.add_argument("--seed", type=int)
     rp.set_defaults(func=cmd_report)
 
@@ -483,29 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--open", action="store_true", help="also open the index in a web browser")
     da.set_defaults(func=cmd_dashboard)
 
-    b = sub.add_parser("bench", help="benchmarks: two ways side by side, with the ratio")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    ps = bsub.add_parser("patch-sweep", help="per-slot transplant sweep: engine vs naive full forwards")
-    ps.add_argument("--model", default="gemma-3-270m")
-    ps.add_argument("--tokens", default="256,1024", help="comma-separated prompt lengths")
-    ps.add_argument("--slots", type=int, default=64, help="how many trailing slots to sweep")
-    ps.add_argument("--json", metavar="FILE")
-    ps.set_defaults(func=cmd_bench_patch_sweep)
-    tt = bsub.add_parser("ttft", help="time to first token: spliced precompiled chunk vs full prefill")
-    tt.add_argument("--model", default="gemma-3-270m")
-    tt.add_argument("--lengths", default="512,1024,2048,4096,8192", help="comma-separated total lengths")
-    tt.add_argument("--seam", type=int, default=8, help="chunk tokens recomputed in context at the seam")
-    tt.add_argument("--json", metavar="FILE")
-    tt.set_defaults(func=cmd_bench_ttft)
-    ec = bsub.add_parser(
-        "edit-cost",
-        help="one changed field: erratum vs suffix recompute vs full prefill, "
-        "as the field moves through the prompt",
-    )
-    ec.add_argument("--model", default="gemma-3-270m")
-    ec.add_argument("--tokens", type=int, default=2048, help="prompt length")
-    ec.add_argument("--json", metavar="FILE")
-    ec.set_defaults(func=cmd_bench_edit_cost)
+    add_analysis_commands(sub)
+
     return p
 
 

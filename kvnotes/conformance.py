@@ -1,4 +1,4 @@
-"""`verify(model)`: the eight invariants of DESIGN.md, measured on this model.
+"""`verify(model)`: the eight invariants of docs/engine.md ("Exactness"), measured on this model.
 
 A user who brings a new architecture runs this first (`kvnotes verify --model DIR`): if all
 eight pass, patching, editing and splicing on that model are exact against full recompute.
@@ -217,8 +217,12 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
 
 DESCRIPTIONS = {
     "decide_equals_full_forward": "decide on a prefilled notebook = logits of one full forward",
-    "prefix_then_suffix_equals_prefill": "prefill(prefix) then run(suffix) = prefill(prefix+suffix), every slot",
-    "suffix_recompute_equals_prefill": "suffix recompute from the edited field = prefill of the edited prompt",
+    "prefix_then_suffix_equals_prefill": (
+        "prefill(prefix) then run(suffix) = prefill(prefix+suffix), every slot"
+    ),
+    "suffix_recompute_equals_prefill": (
+        "suffix recompute from the edited field = prefill of the edited prompt"
+    ),
     "kv_deviation_before_field_is_zero": "every slot before the edited field has exactly zero KV deviation",
     "patch_all_reproduces_source": "patching every slot and layer from a source reproduces its decision",
     "rerotation_equals_offset_prefill": "re-rotating an isolated chunk 0 -> q = prefilling it at offset q",

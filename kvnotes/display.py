@@ -10,11 +10,7 @@ from __future__ import annotations
 from functools import cache
 from importlib.metadata import entry_points
 
-from kvnotes.errors import KVNotesError
-
-
-class NoRendererError(KVNotesError):
-    """No package that renders kvnotes results is installed."""
+from kvnotes.errors import NoRendererError
 
 
 @cache

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from kvnotes import rope
-from kvnotes.errors import OutOfRange
+from kvnotes.errors import BadArgument, DeviceMismatch, OutOfRange, ShapeMismatch
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Tensor
@@ -96,7 +96,7 @@ def run(
     captured: dict[str, Tensor] = {}
     capture_hooks = [(name, _saver(captured)) for name in capture]
     with model.tl.hooks(fwd_hooks=list(hooks) + capture_hooks):
-        fresh_k, fresh_v, resid = _forward(model, notebook, tok, pos, batch)
+        fresh_k, fresh_v, resid = _forward(model, notebook, tok, pos)
         logits = final_logits(model, resid[:, read_idx], cols) if read else resid.new_zeros(batch, 0, width)
     out = Readout(logits=logits, positions=read, activations=captured)
     return (_write(notebook, tok, pos, fresh_k, fresh_v) if write else notebook), out
@@ -105,21 +105,26 @@ def run(
 def _check_inputs(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor) -> None:
     device = model.tl.embed.W_E.device
     if nb.keys and nb.keys[0].device != device:
-        raise ValueError(
+        raise DeviceMismatch(
             f"the notebook is on {nb.keys[0].device} but {model.name} is on {device}; "
             f"move it with notebook.to({str(device)!r})"
         )
     if tok.ndim != 2 or tok.shape[1] != pos.shape[0]:
-        raise ValueError(f"{tok.shape[-1]} tokens but {pos.shape[0]} positions; give one position per token")
+        raise ShapeMismatch(
+            f"{tok.shape[-1]} tokens but {pos.shape[0]} positions; give one position per token"
+        )
     if tok.shape[0] not in (1, nb.batch) and nb.batch != 1:
-        raise ValueError(f"token batch {tok.shape[0]} does not match notebook batch {nb.batch}")
+        raise ShapeMismatch(
+            f"token batch {tok.shape[0]} does not match notebook batch {nb.batch}; give "
+            f"tokens of batch 1 or {nb.batch}, or run one notebook row at a time (nb[i])"
+        )
     if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= model.n_ctx):
         raise OutOfRange(
             f"positions must lie in 0..{model.n_ctx - 1} for {model.name}; "
             f"got {int(pos.min())}..{int(pos.max())}"
         )
     if pos.unique().numel() != pos.numel():
-        raise ValueError("each computed token needs its own position; positions repeat")
+        raise BadArgument("positions repeat; give each computed token its own position")
     vocab = model.cfg.d_vocab
     if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= vocab):
         raise OutOfRange(f"token ids must lie in 0..{vocab - 1}; got {int(tok.min())}..{int(tok.max())}")
@@ -153,7 +158,7 @@ def _masks(model: KVModel, nb: Notebook, pos: Tensor) -> dict[int | None, Tensor
     return masks
 
 
-def _forward(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor, batch: int):
+def _forward(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor):
     tl, cfg = model.tl, model.cfg
     device = nb.keys[0].device
     masks = {w: m.to(device) for w, m in _masks(model, nb, pos).items()}

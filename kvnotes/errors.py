@@ -35,6 +35,10 @@ class CorruptNotebook(KVNotesError):
     """A saved notebook that cannot be read back faithfully."""
 
 
+class NotebookNotFound(KVNotesError, FileNotFoundError):
+    """A notebook path with no file at it."""
+
+
 class UnsupportedArchitecture(KVNotesError):
     """A model whose attention the notebook engine cannot represent exactly."""
 
@@ -45,3 +49,65 @@ class MissingDependency(KVNotesError):
 
 class OrganismNotConverged(KVNotesError):
     """A model organism whose training did not reach its accuracy and margin from any seed tried."""
+
+
+class BadArgument(KVNotesError):
+    """An option or argument value that kvnotes cannot use (an empty list, a count below 1, ...)."""
+
+
+class BadArgumentType(KVNotesError, TypeError):
+    """An argument of a kind the call cannot take (raw text where a Prompt is needed, ...)."""
+
+
+class ShapeMismatch(KVNotesError):
+    """Notebooks, tokens or positions whose counts or batch sizes do not line up."""
+
+
+class DeviceMismatch(KVNotesError):
+    """A notebook whose tensors are on another device than the model."""
+
+
+class TemplateError(KVNotesError):
+    """A prompt template whose fields or [[spans]] are malformed."""
+
+
+class UnknownField(KVNotesError, KeyError):
+    """A field or span name that the template, prompt or notebook does not have."""
+
+    __str__ = BaseException.__str__  # the message as written, not KeyError's quoted repr
+
+
+class UnsupportedTokenizer(KVNotesError, TypeError):
+    """A model whose tokenizer gives no character offsets (not a fast tokenizer)."""
+
+
+class NoRendererError(KVNotesError):
+    """No package that renders kvnotes results is installed."""
+
+
+class UnknownSAEError(KVNotesError):
+    """An SAE source that is neither a local sae-lens directory nor a loadable pretrained release."""
+
+
+class SAEMismatch(KVNotesError):
+    """An SAE that does not fit the model or the analysis (another width, hook or layer)."""
+
+
+class PromptAttributionError(KVNotesError):
+    """A prompt, counterfactual or answer pair that `attribute_prompt` cannot attribute."""
+
+
+class ResultSchemaError(KVNotesError):
+    """Saved result data whose keys or types do not match the result class that reads it."""
+
+
+class ReportFileError(KVNotesError):
+    """A report.json (or a saved part) that kvnotes cannot read."""
+
+
+class UnknownAnalysisError(KVNotesError):
+    """An analysis or section name that the registry does not have."""
+
+
+class BadOption(KVNotesError):
+    """An analysis option (a config field) that does not exist or has a value it cannot take."""

@@ -1,26 +1,87 @@
-"""Readouts: logit difference, recovery, logit cosine, decision agreement, KV deviation."""
+"""Readouts: the decision metric (logit difference, answer log-probability), recovery, rank
+correlation, logit cosine, decision agreement, KV deviation."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from kvnotes.errors import BadArgument
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Tensor
 
+Metric = Callable[[Tensor, tuple[int, int]], Tensor]
+"""A decision metric: `(logits [..., d_vocab], answers) -> float64 [...]`, the decision read
+from the logits of one token position for an answer pair (token ids, or columns of `logits`)."""
 
-def logit_diff(logits: Float[Tensor, "*b d_vocab"], a: int, b: int) -> Float[Tensor, "*b"]:
-    """logit[a] - logit[b]: the decision's margin between answer tokens a and b."""
-    return logits[..., a] - logits[..., b]
+
+def logit_diff(
+    logits: Float[Tensor, "*b d_vocab"], a: int | tuple[int, int], b: int | None = None
+) -> Float[Tensor, "*b"]:
+    """logit[a] - logit[b] in float64: the decision's margin between answer tokens a and b.
+
+    The default `Metric`: `logit_diff(logits, (a, b))`; `logit_diff(logits, a, b)` is the same.
+    Both logits are cast before subtracting, so the difference of float32 or bfloat16 logits is
+    not rounded back to their precision (every figure reads the same, exact, margin).
+    """
+    if b is None:
+        a, b = a
+    return logits[..., a].double() - logits[..., b].double()
 
 
-def recovery(patched: Tensor, old: Tensor, new: Tensor) -> Tensor:
-    """(patched - old) / (new - old): 0 = unchanged from old, 1 = fully the new decision."""
+def answer_logprob(logits: Float[Tensor, "*b d_vocab"], answers: tuple[int, int]) -> Float[Tensor, "*b"]:
+    """log p(answers[0]) over the whole vocabulary, in float64: a `Metric` that, unlike the logit
+    difference, also moves when probability shifts to tokens outside the answer pair."""
+    return torch.log_softmax(logits.double(), dim=-1)[..., answers[0]]
+
+
+def answer_columns(metric: Metric, answers: Sequence[int]) -> tuple[tuple[int, int] | None, tuple[int, int]]:
+    """What a decision must unembed for `metric`, and where the answers are in it:
+    `(vocab, columns)` for `decide(..., vocab=vocab)` then `metric(logits, columns)`.
+
+    The logit difference reads only the two answers' logits, so only those are computed
+    (`vocab=answers`, read as columns (0, 1)); any other metric gets the whole vocabulary.
+    """
+    a, b = (int(x) for x in answers)
+    if metric is logit_diff:
+        return (a, b), (0, 1)
+    return None, (a, b)
+
+
+def recovery(
+    patched: Tensor | float,
+    old: Tensor | float,
+    new: Tensor | float,
+    *,
+    undefined: Literal["raise", "nan"] = "raise",
+) -> Float[Tensor, "*b"]:
+    """(patched - old) / (new - old) in float64: 0 = unchanged from old, 1 = fully the new decision.
+
+    Where |new - old| < 1e-9 recovery is undefined: `undefined="raise"` raises ValueError,
+    `undefined="nan"` gives NaN there (for callers that drop undefined values, not prompts).
+    """
+    if undefined not in ("raise", "nan"):
+        raise BadArgument(f"undefined must be 'raise' or 'nan', got {undefined!r}")
     patched, old, new = (torch.as_tensor(x, dtype=torch.float64) for x in (patched, old, new))
     denom = new - old
-    if (denom.abs() < 1e-9).any():
+    flat = denom.abs() < 1e-9
+    if undefined == "raise" and flat.any():
         raise ValueError("recovery is undefined: the old and new metrics are equal for some prompt")
-    return (patched - old) / denom
+    out = (patched - old) / denom
+    return torch.where(flat, math.nan, out) if undefined == "nan" else out
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of `a` and `b`; None when either is constant (rho is undefined)."""
+    if len(set(a)) < 2 or len(set(b)) < 2:
+        return None
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
 
 
 def logit_cosine(a: Float[Tensor, "*b d_vocab"], b: Float[Tensor, "*b d_vocab"]) -> Float[Tensor, "*b"]:

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from kvnotes.errors import CorruptNotebook, FingerprintMismatch, OutOfRange
+from kvnotes.errors import (
+    CorruptNotebook,
+    FingerprintMismatch,
+    NotebookNotFound,
+    OutOfRange,
+    ShapeMismatch,
+    UnknownField,
+)
 from kvnotes.types import Int, Tensor
 
 FORMAT = "kvnotes.notebook"
@@ -84,7 +91,7 @@ class Notebook:
     def span(self, name: str) -> range:
         """The positions of named span `name` as a range."""
         if name not in self.spans:
-            raise KeyError(f"no span {name!r} in this notebook; it has {sorted(self.spans)}")
+            raise UnknownField(f"no span {name!r} in this notebook; it has {sorted(self.spans)}")
         start, end = self.spans[name]
         return range(start, end)
 
@@ -164,7 +171,10 @@ class Notebook:
         if self.batch == batch:
             return self
         if self.batch != 1:
-            raise ValueError(f"cannot expand a batch of {self.batch} to {batch}")
+            raise ShapeMismatch(
+                f"cannot expand a batch of {self.batch} to {batch}; only a batch-1 notebook "
+                "expands (index one with nb[i])"
+            )
         return replace(
             self,
             keys=tuple(k.expand(batch, -1, -1, -1) for k in self.keys),
@@ -195,7 +205,10 @@ class Notebook:
         for nb in notebooks[1:]:
             first.check_compatible(nb)
             if not torch.equal(nb.positions, first.positions):
-                raise ValueError("can only stack notebooks whose slots hold the same positions")
+                raise ShapeMismatch(
+                    "can only stack notebooks whose slots hold the same positions; "
+                    "select the same positions in each first (nb.select(...))"
+                )
         return replace(
             first,
             keys=tuple(torch.cat(ks, 0) for ks in zip(*(nb.keys for nb in notebooks))),
@@ -235,7 +248,7 @@ class Notebook:
 
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"no notebook at {path}")
+            raise NotebookNotFound(f"no notebook at {path}; check the path, or write one with Notebook.save")
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}

@@ -1,4 +1,4 @@
-"""Every notebook operation, built from `run` plus tensor surgery (see DESIGN.md's table)."""
+"""Every notebook operation, built from `run` plus tensor surgery (see the table in docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from kvnotes import rope
 from kvnotes.engine import Hook, Readout, run
-from kvnotes.errors import OutOfRange
+from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.prompt import Prompt
@@ -33,7 +33,10 @@ def _stop(prompt: PromptLike, upto: int | str | None, n: int) -> int:
         return prompt.spans[DECISION][0] if isinstance(prompt, Prompt) and DECISION in prompt.spans else n
     if isinstance(upto, str):
         if not isinstance(prompt, Prompt):
-            raise TypeError(f"upto={upto!r} names a span, which needs a Prompt, not raw text or ids")
+            raise BadArgumentType(
+                f"upto={upto!r} names a span, which needs a Prompt, not raw text or ids; "
+                "render the prompt from a Template, or pass upto as a token index"
+            )
         return prompt.span(upto).start
     if not 0 <= upto <= n:
         raise OutOfRange(f"upto={upto} is outside the prompt's 0..{n} tokens")
@@ -90,7 +93,7 @@ def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple
     start = notebook.next_position
     if isinstance(query, Prompt):
         if DECISION in notebook.spans:
-            raise ValueError(
+            raise BadArgument(
                 "this notebook already holds the decision span; prefill without `upto` (it stops "
                 "before the decision) or pass the query tokens explicitly"
             )
@@ -142,7 +145,7 @@ class Patch:
 
     def __post_init__(self):
         if not (self.keys or self.values):
-            raise ValueError("a Patch must copy keys, values or both")
+            raise BadArgument("a Patch must copy keys, values or both; leave keys=True or values=True")
         for name in ("positions", "layers", "heads"):
             v = getattr(self, name)
             if v is not None:
@@ -189,7 +192,10 @@ def patch(dst: Notebook, src: Notebook, spec: Patch = Patch()) -> Notebook:
 def patch_batch(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Notebook:
     """N patched copies of batch-1 `dst` stacked along batch, one per spec, in one vectorised op."""
     if dst.batch != 1 or src.batch != 1:
-        raise ValueError("patch_batch takes batch-1 notebooks (index one with nb[i])")
+        raise ShapeMismatch(
+            f"patch_batch takes batch-1 notebooks, got batches {dst.batch} and {src.batch}; "
+            "index one with nb[i]"
+        )
     src = _aligned_source(dst, src)
     n_kv, n = dst.keys[0].shape[1], len(specs)
     masks = torch.stack([_mask(s, dst, n_kv) for s in specs])  # [N, layer, kv_head, slot]
@@ -303,9 +309,12 @@ def rerotate(model: KVModel, notebook: Notebook, positions: Sequence[int] | Tens
     else:
         new = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
     if new.shape != notebook.positions.shape:
-        raise ValueError(f"{new.numel()} new positions for {notebook.n_slots} slots")
+        raise ShapeMismatch(
+            f"{new.numel()} new positions for {notebook.n_slots} slots; give one position "
+            "per slot, or an int to shift them all"
+        )
     if new.unique().numel() != new.numel():
-        raise ValueError("new positions repeat; each slot needs its own position")
+        raise BadArgument("new positions repeat; give each slot its own position")
     keys = tuple(
         rope.rerotate(model.tl.blocks[l].attn, k, notebook.positions, new)
         for l, k in enumerate(notebook.keys)

@@ -16,7 +16,7 @@ import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvnotes.errors import TokenCountChanged
+from kvnotes.errors import TemplateError, TokenCountChanged, UnknownField, UnsupportedTokenizer
 
 _TOKEN_RE = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}|\[\[([A-Za-z_][A-Za-z0-9_]*):\s?|\]\]")
 
@@ -67,10 +67,12 @@ class Template:
             elif m.group(1):
                 name = m.group(1)
                 if name not in values:
-                    raise KeyError(f"template field {name!r} has no value; pass {name}=...")
+                    raise UnknownField(f"template field {name!r} has no value; pass {name}=...")
                 val = str(values[name])
                 if name in spans:
-                    raise ValueError(f"field {name!r} appears twice; spans must be unique")
+                    raise TemplateError(
+                        f"field {name!r} appears twice; spans must be unique, so rename one of them"
+                    )
                 spans[name] = (length, length + len(val))
                 out.append(val)
                 length += len(val)
@@ -78,13 +80,18 @@ class Template:
                 stack.append((m.group(2), length))
             else:  # "]]"
                 if not stack:
-                    raise ValueError(f"unmatched ']]' at character {m.start()} of the template")
+                    raise TemplateError(
+                        f"unmatched ']]' at character {m.start()} of the template; remove "
+                        "it or open a span before it with [[name: ..."
+                    )
                 name, start = stack.pop()
                 if name in spans:
-                    raise ValueError(f"span {name!r} appears twice; spans must be unique")
+                    raise TemplateError(
+                        f"span {name!r} appears twice; spans must be unique, so rename one of them"
+                    )
                 spans[name] = (start, length)
         if stack:
-            raise ValueError(f"span [[{stack[-1][0]}: ...]] is never closed with ']]'")
+            raise TemplateError(f"span [[{stack[-1][0]}: ...]] is never closed with ']]'")
         out.append(self.text[last:])
         return "".join(out), spans
 
@@ -97,7 +104,7 @@ class Template:
         vals = {**self.defaults, **values}
         unknown = set(values) - set(self.fields)
         if unknown:
-            raise KeyError(f"unknown field(s) {sorted(unknown)}; this template has {list(self.fields)}")
+            raise UnknownField(f"unknown field(s) {sorted(unknown)}; this template has {list(self.fields)}")
         text, char_spans = self._parse(vals)
         ids, offsets = _tokenize(model, text)
         spans = {name: _token_range(offsets, cs, ce, name, text) for name, (cs, ce) in char_spans.items()}
@@ -129,7 +136,7 @@ class Prompt:
 
     def span(self, name: str) -> range:
         if name not in self.spans:
-            raise KeyError(f"no span {name!r}; this prompt has {sorted(self.spans)}")
+            raise UnknownField(f"no span {name!r}; this prompt has {sorted(self.spans)}")
         return range(*self.spans[name])
 
     def with_values(self, model, **values: str) -> Prompt:
@@ -159,17 +166,18 @@ class Prompt:
         """Positions in `[start, end)` whose token is only punctuation and/or whitespace."""
         end = len(self.ids) if end is None else end
         strs = model.token_strings(self.ids[start:end])
-        return [start + i for i, s in enumerate(strs) if s and _is_delimiter(s)]
+        return [start + i for i, s in enumerate(strs) if s and is_delimiter(s)]
 
 
-def _is_delimiter(s: str) -> bool:
+def is_delimiter(s: str) -> bool:
+    """Whether token text `s` is only punctuation and/or whitespace (true of the empty string)."""
     return all(c.isspace() or unicodedata.category(c).startswith("P") for c in s)
 
 
 def _tokenize(model, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     tok = model.tokenizer
     if not getattr(tok, "is_fast", False):
-        raise TypeError(
+        raise UnsupportedTokenizer(
             f"{model.name}'s tokenizer is not a fast tokenizer, so character offsets are "
             "unavailable; load the model with a `tokenizers`-backed tokenizer"
         )
@@ -187,5 +195,8 @@ def _token_range(offsets, cs: int, ce: int, name: str, text: str) -> tuple[int, 
             nxt = [i for i, (a, b) in enumerate(offsets) if b > a and a >= cs]
             i = nxt[0] if nxt else len(offsets)
             return (i, i)
-        raise ValueError(f"span {name!r} ({text[cs:ce]!r}) maps to no token")
+        raise TemplateError(
+            f"span {name!r} ({text[cs:ce]!r}) maps to no token; give it text that "
+            "tokenizes to at least one token"
+        )
     return (hit[0], hit[-1] + 1)

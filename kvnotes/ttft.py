@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.analysis import Context, analysis, option
 from kvnotes.bench import BenchReport, machine
 from kvnotes.conformance import FILLER
 from kvnotes.engine import run
@@ -233,3 +234,35 @@ def edit_cost(
             )
         )
     return EditCostReport(model=model.name, machine=machine(), results=points)
+
+
+QUICK_LENGTHS = (256, 512, 1024, 2048)  # the quick report's lengths
+
+
+@dataclass(frozen=True)
+class TTFTConfig:
+    lengths: tuple[int, ...] = option((512, 1024, 2048, 4096, 8192), "total lengths (tokens)")
+    seam: int = option(8, "chunk tokens recomputed in context at the seam")
+
+
+@dataclass(frozen=True)
+class EditCostConfig:
+    tokens: int = option(2048, "prompt length")
+
+
+@analysis(
+    "ttft", "bench", TTFTConfig, TTFTReport, quick={"lengths": QUICK_LENGTHS}, title="Time to first token"
+)
+def _ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
+    """Time to first token: spliced precompiled chunk vs full prefill."""
+    lengths = [n for n in cfg.lengths if n <= ctx.model.n_ctx] if ctx.fit_context else list(cfg.lengths)
+    return ttft(ctx.model, lengths, seam=cfg.seam, progress=ctx.progress) if lengths else None
+
+
+@analysis(
+    "edit_cost", "bench", EditCostConfig, EditCostReport, quick={"tokens": 1024}, title="Cost of an edit"
+)
+def _edit_cost(ctx: Context, cfg: EditCostConfig) -> EditCostReport | None:
+    """One changed field: erratum vs suffix recompute vs full prefill, with the field at several places."""
+    tokens = min(cfg.tokens, ctx.model.n_ctx) if ctx.fit_context else cfg.tokens
+    return edit_cost(ctx.model, tokens, progress=ctx.progress) if tokens else None

@@ -1,50 +1,66 @@
 """The causal probes and controls of kvnotes, over gated-decision tasks.
 
-from kvnotes import load_model
-from probes import make_trials, field_refresh, run_probes
-model = load_model("gemma-3-270m")
-trials = make_trials(model, "order-cancel", n=8)
-field_refresh(trials).estimate          # recovery: mean, 95% CI, per-prompt values
-run_probes(model, "order-cancel", n=8)   # all six, as one ProbeReport
+    from kvnotes import load_model
+    from probes import make_trials, field_refresh, run_probes
+    model = load_model("gemma-3-270m")
+    trials = make_trials(model, "order-cancel", n=8)
+    field_refresh(trials).estimate          # recovery: mean, 95% CI, per-prompt values
+    run_probes(model, "order-cancel", n=8)   # all six, as one ProbeReport
+
+Each probe is declared in the analysis registry (`kvnotes.analysis`) beside its code; the
+`probe`, `edit` and `compose` commands and the report run them from there.
 """
 
 from __future__ import annotations
 
-import platform
-import sys
-import time
 from collections.abc import Sequence
 
-from kvnotes.errors import KVNotesError
+from kvnotes.analysis import MIN_EFFECT, Section, UnknownAnalysisError, choose, for_command, register_section
 from kvnotes.models.model import KVModel
-from kvnotes.tasks import RULE, Task, load_task
-from probes.agent import agent_loop
-from probes.causal import field_refresh, note_map, notes_transplant
-from probes.compose import seam_repair
-from probes.controls import dissociation, false_note_injection, knockout
-from probes.cot import cot_refresh
-from probes.edit import edit_methods
-from probes.memory import memory_blocks
-from probes.regime import regime
-from probes.results import Estimate, ProbeReport, ProbeResult
-from probes.trials import MIN_EFFECT, Trial, make_trials
-from probes.weights import weight_edit
+from kvnotes.tasks import Task
+from probes.results import ProbeReport, ProbeResult, collect
 
-PROBES = ("field_refresh", "notes_transplant", "note_map", "knockout", "dissociation", "false_note_injection")
+register_section(
+    Section(
+        "probes",
+        "Causal probes and the note map",
+        order=10,
+        command="probe",
+        container=ProbeReport,
+        intro="Where the decision reads its conclusion: the changed "
+        "field's own slots, or the notes downstream.",
+    )
+)
+register_section(
+    Section(
+        "regime",
+        "Regime",
+        order=20,
+        command="probe",
+        container=ProbeReport,
+        intro="The same probes as filler pushes the field away from the decision.",
+    )
+)
 
+from probes.agent import agent_loop  # noqa: E402  (each module registers its analyses on import)
+from probes.causal import field_refresh, note_map, notes_transplant  # noqa: E402
+from probes.compose import seam_repair  # noqa: E402
+from probes.controls import dissociation, false_note_injection, knockout  # noqa: E402
+from probes.cot import cot_refresh  # noqa: E402
+from probes.edit import edit_methods  # noqa: E402
+from probes.memory import memory_blocks  # noqa: E402
+from probes.regime import regime  # noqa: E402
+from probes.results import Estimate  # noqa: E402
+from probes.trials import Trial, make_trials  # noqa: E402
+from probes.weights import weight_edit  # noqa: E402
 
-class UnknownProbeError(KVNotesError):
-    """A probe name that kvnotes does not have."""
+PROBES = tuple(a.name for a in for_command("probe") if a.default)
+UnknownProbeError = UnknownAnalysisError
 
 
 def check_names(names: Sequence[str]) -> list[str]:
-    names = list(PROBES) if list(names) == ["all"] else list(names)
-    bad = [n for n in names if n not in PROBES]
-    if bad:
-        raise UnknownProbeError(
-            f"unknown probe(s) {bad}: the probes are {list(PROBES)}, 'all', or 'regime' (its own sweep)"
-        )
-    return names
+    """The probes `names` asks for ("all": the six probes and controls; "regime" is its own sweep)."""
+    return choose("probe", names)
 
 
 def run_probes(
@@ -65,46 +81,15 @@ def run_probes(
     >>> report.probes["field_refresh"].parts["deviation_before_field"].values
     (0.0, 0.0)
     """
-    names = check_names(names)
-    task = load_task(task)
-    t0 = time.perf_counter()
-    gate = [n_ for n_ in names if n_ != "dissociation"]
-    trials = make_trials(model, task, n, seed=seed, progress=progress) if gate else []
-    timings, results = {}, {}
-    for name in names:
-        s = time.perf_counter()
-        if name == "dissociation":
-            if task.rule is None:
-                results[name] = _not_applicable(name, f"task {task.name!r} has no [rule] to flip")
-                continue
-            rule_trials = make_trials(model, task, n, seed=seed, kind=RULE, progress=progress)
-            results[name] = dissociation(rule_trials, min_effect=min_effect)
-        else:
-            fn = {
-                "field_refresh": field_refresh,
-                "notes_transplant": notes_transplant,
-                "note_map": note_map,
-                "knockout": knockout,
-                "false_note_injection": false_note_injection,
-            }[name]
-            results[name] = fn(trials, min_effect=min_effect)
-        timings[name] = round(time.perf_counter() - s, 2)
-        if progress:
-            print(f"probe {name}: done in {timings[name]:.1f} s", file=sys.stderr, flush=True)
-    meta = {
-        "min_effect": min_effect,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "timings": timings,
-        "machine": f"{platform.machine()}",
-        "task_source": task.source,
-        "prompt_tokens": [len(t.pair.old) for t in trials],
-    }
-    return ProbeReport(model=model.name, task=task.name, n=n, seed=seed, probes=results, meta=meta)
-
-
-def _not_applicable(name: str, why: str) -> ProbeResult:
-    return ProbeResult(
-        name=name, headline="notes", parts={"notes": Estimate.of([])}, details={"not_applicable": why}
+    return collect(
+        model,
+        task,
+        check_names(names),
+        n=n,
+        seed=seed,
+        min_effect=min_effect,
+        progress=progress,
+        container=ProbeReport,
     )
 
 

@@ -9,8 +9,11 @@ compared with recompute-every-turn: a fresh full prefill of exactly the same tex
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tqdm.auto import tqdm
 
+from kvnotes.analysis import Context, Options, analysis, option
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
 from kvnotes.metrics import logit_cosine
@@ -83,10 +86,38 @@ def agent_loop(
     order = ["cosine_last", "cosine_min", "follows"] + [
         f"{k}@{t}" for k in ("cosine", "agree") for t in range(1, turns + 1)
     ]
-    return ProbeResult(
+    return AgentLoop.of(
         name="agent_loop",
         headline="cosine_last",
         parts={k: Estimate.of(acc[k]) for k in order},
-        details={"turns": turns, "seam": seam, "erratum": erratum},
+        turns=turns,
+        seam=seam,
+        erratum=erratum,
         description="spliced policy, one erratum per turn as the field toggles, vs recompute every turn",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentLoop(ProbeResult):
+    """Per turn t: logit `cosine@t` and answer `agree@t` against recomputing every turn."""
+
+    PARTS = ("cosine_last", "cosine_min", "follows")
+    PART_PATTERNS = (r"(cosine|agree)@\d+",)
+    turns: int
+    seam: int
+    erratum: str
+
+
+@dataclass(frozen=True)
+class AgentConfig(Options):
+    prompts: int = option(2, "agent-loop prompts", least=1)
+    turns: int = option(28, "turns of field toggles, each an erratum (0 to skip)")
+    seam: int = option(4, "chunk tokens recomputed at the seam")
+
+
+@analysis("agent_loop", "compose", AgentConfig, AgentLoop, quick={"turns": 6}, order=3)
+def _agent(ctx: Context, cfg: AgentConfig) -> AgentLoop | None:
+    """A spliced policy kept current by one erratum per turn, against recomputing every turn."""
+    if not cfg.turns:
+        return None
+    return agent_loop(ctx.model, ctx.task, n=cfg.prompts, turns=cfg.turns, seam=cfg.seam, **ctx.common)

@@ -8,17 +8,17 @@ the others are listed under `details["excluded"]` with their effect, never silen
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from scipy.stats import spearmanr
-
-from kvnotes.metrics import kv_deviation
+from kvnotes.analysis import Context, analysis, option
+from kvnotes.metrics import kv_deviation, spearman
 from kvnotes.ops import Patch, refresh
-from kvnotes.prompt import _is_delimiter
+from kvnotes.prompt import is_delimiter
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Trial, each
+from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 
-def split(trials: Sequence[Trial], min_effect: float) -> tuple[list[Trial], list[dict]]:
+def split_by_effect(trials: Sequence[Trial], min_effect: float) -> tuple[list[Trial], list[dict]]:
     """The trials usable for recovery, and a record of the excluded ones."""
     used = [t for t in trials if t.usable(min_effect)]
     excluded = [
@@ -41,9 +41,9 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
     old and new notebooks over all slots before the field (0 exactly: they never saw it); and
     `effect`, the decision's move from old to new in logits.
     """
-    used, excluded = split(trials, min_effect)
+    used, excluded = split_by_effect(trials, min_effect)
     rec = []
-    for t in each(used, "field_refresh"):
+    for t in with_progress(used, "field_refresh"):
         nb = refresh(t.model, t.old_nb, t.pair.new, t.pair.changed)
         rec.append(float(t.recovery(t.ld(nb))[0]))
     dev = []
@@ -52,7 +52,7 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
         d = kv_deviation(t.old_nb, t.new_nb)[0]  # [layer, slot], slot order = positions order
         pos = t.old_nb.positions
         dev.append(float(d[:, pos < before].max()) if bool((pos < before).any()) else 0.0)
-    return ProbeResult(
+    return FieldRefresh.of(
         name="field_refresh",
         headline="recovery",
         parts={
@@ -60,7 +60,8 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
             "deviation_before_field": Estimate.of(dev),
             "effect": effect_estimate(trials),
         },
-        details={"excluded": excluded, "deviation_exactly_zero": all(d == 0.0 for d in dev)},
+        excluded=excluded,
+        deviation_exactly_zero=all(d == 0.0 for d in dev),
         description="recompute only the field's K/V with the new value; reuse every other slot stale",
     )
 
@@ -68,20 +69,21 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
 def notes_transplant(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
     """Transplant the downstream slots (after the field, before the decision) from the new
     notebook into the old: K and V (headline `kv`), K only, V only."""
-    used, excluded = split(trials, min_effect)
+    used, excluded = split_by_effect(trials, min_effect)
     parts: dict[str, list[float]] = {"kv": [], "k_only": [], "v_only": []}
-    for t in each(used, "notes_transplant"):
+    for t in with_progress(used, "notes_transplant"):
         pos = tuple(t.pair.downstream())
         r = t.sweep(
             [Patch(positions=pos), Patch(positions=pos, values=False), Patch(positions=pos, keys=False)]
         )
         for name, v in zip(parts, r.tolist()):
             parts[name].append(v)
-    return ProbeResult(
+    return NotesTransplant.of(
         name="notes_transplant",
         headline="kv",
         parts={k: Estimate.of(v) for k, v in parts.items()},
-        details={"excluded": excluded, "n_slots": [len(t.pair.downstream()) for t in trials]},
+        excluded=excluded,
+        n_slots=[len(t.pair.downstream()) for t in trials],
         description="transplant every slot after the field and before the decision from the new run",
     )
 
@@ -123,7 +125,7 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
         "recovery": per_slot,
         "field_joint": field_joint,
         "deviation": dev_slot[idx].tolist(),
-        "delimiter": [bool(s) and _is_delimiter(s) for s in strings],
+        "delimiter": [bool(s) and is_delimiter(s) for s in strings],
         "distance_to_decision": [decision - p for p in slots],
         "per_layer": per_layer,
         "layer_windows": [list(w) for w in windows],
@@ -166,43 +168,120 @@ def note_map(
     KV deviation and causal effect over downstream slots: the CacheBlend diagnostic),
     `layer_{l}` and `layers_{a}-{b}` (all downstream slots at those layers).
     """
-    used, excluded = split(trials, min_effect)
+    used, excluded = split_by_effect(trials, min_effect)
     L = used[0].model.n_layers if used else 0
     layer_window = max(1, min(layer_window, L or 1))
-    top, fld, share, rho = [], [], [], []
+    top, field_slots, share, rho = [], [], [], []
     per_layer: list[list[float]] = [[] for _ in range(L)]
     per_window: list[list[float]] = [[] for _ in range(max(L - layer_window + 1, 0))]
     maps = []
-    for t in each(used, "note_map"):
+    for t in with_progress(used, "note_map"):
         m = single_slot_map(t, layer_window)
         maps.append(m)
         notes = [i for i, role in enumerate(m["role"]) if role == "note"]
         rec = [m["recovery"][i] for i in notes]
-        fld.append(m["field_joint"])
+        field_slots.append(m["field_joint"])
         if rec:
             top.append(max(rec))
             pos_total = sum(max(r, 0.0) for r in rec)
             if pos_total > 1e-3:  # below this there is no effect to share out
                 share.append(sum(max(m["recovery"][i], 0.0) for i in notes if m["delimiter"][i]) / pos_total)
             dev = [m["deviation"][i] for i in notes]
-            if len(set(dev)) > 1 and len(set(rec)) > 1:
-                rho.append(float(spearmanr(dev, rec).statistic))
+            r = spearman(dev, rec)
+            if r is not None:
+                rho.append(r)
         for l, v in enumerate(m["per_layer"]):
             per_layer[l].append(v)
         for w, v in enumerate(m["per_window"]):
             per_window[w].append(v)
     parts = {
         "top_slot": Estimate.of(top),
-        "field_slots": Estimate.of(fld),
+        "field_slots": Estimate.of(field_slots),
         "delimiter_share": Estimate.of(share),
         "deviation_effect_spearman": Estimate.of(rho),
     }
     parts.update({f"layer_{l}": Estimate.of(v) for l, v in enumerate(per_layer)})
     parts.update({f"layers_{w}-{w + layer_window - 1}": Estimate.of(v) for w, v in enumerate(per_window)})
-    return ProbeResult(
+    return NoteMap.of(
         name="note_map",
         headline="top_slot",
         parts=parts,
-        details={"excluded": excluded, "maps": maps, "layer_window": layer_window},
+        excluded=excluded,
+        maps=maps,
+        layer_window=layer_window,
         description="transplant one slot (or one layer, or a window of layers) at a time from the new run",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldRefresh(ProbeResult):
+    """`recovery` (headline), `deviation_before_field` (KV deviation of the slots before the field:
+    0 by causality) and `effect` (the field's move of the decision, logits)."""
+
+    PARTS = ("recovery", "deviation_before_field", "effect")
+    deviation_exactly_zero: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotesTransplant(ProbeResult):
+    """Every downstream slot from the new run: both K and V (`kv`, headline), or one of them."""
+
+    PARTS = ("kv", "k_only", "v_only")
+    n_slots: tuple[int, ...]  # downstream slots per pair
+
+
+@dataclass(frozen=True)
+class SlotMap:
+    """One pair's note map: per slot (the field's, then the notes), its transplant recovery and
+    more; per layer and window of layers, all notes transplanted there; per note slot × layer."""
+
+    positions: tuple[int, ...]
+    tokens: tuple[str, ...]
+    prompt_tokens: tuple[str, ...]
+    role: tuple[str, ...]  # "field" or "note"
+    recovery: tuple[float, ...]
+    field_joint: float
+    deviation: tuple[float, ...]
+    delimiter: tuple[bool, ...]
+    distance_to_decision: tuple[int, ...]
+    per_layer: tuple[float, ...]
+    layer_windows: tuple[tuple[int, ...], ...]
+    per_window: tuple[float, ...]
+    slot_layer: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoteMap(ProbeResult):
+    """Single-slot, single-layer and slot × layer transplants (see `note_map`)."""
+
+    PARTS = ("top_slot", "field_slots", "delimiter_share", "deviation_effect_spearman")
+    PART_PATTERNS = (r"layer_\d+", r"layers_\d+-\d+")
+    maps: tuple[SlotMap, ...]
+    layer_window: int
+
+
+@dataclass(frozen=True)
+class NoteMapConfig(Pairs):
+    layer_window: int = option(3, "consecutive layers per window of the per-window transplant")
+
+
+def _trials(ctx: Context, cfg: Pairs) -> list[Trial]:
+    return shared_trials(ctx, cfg.n)
+
+
+@analysis("field_refresh", "probes", Pairs, FieldRefresh, quick={"n": 6}, order=1)
+def _run_field_refresh(ctx: Context, cfg: Pairs) -> FieldRefresh:
+    """Recompute only the field's slots: how much of the new decision comes back."""
+    return field_refresh(_trials(ctx, cfg), min_effect=ctx.min_effect)
+
+
+@analysis("notes_transplant", "probes", Pairs, NotesTransplant, quick={"n": 6}, order=2)
+def _run_notes_transplant(ctx: Context, cfg: Pairs) -> NotesTransplant:
+    """Transplant every note slot from the new run (K+V, K only, V only)."""
+    return notes_transplant(_trials(ctx, cfg), min_effect=ctx.min_effect)
+
+
+@analysis("note_map", "probes", NoteMapConfig, NoteMap, quick={"n": 6}, order=3)
+def _run_note_map(ctx: Context, cfg: NoteMapConfig) -> NoteMap:
+    """Single-slot and per-layer transplants over the prompt."""
+    return note_map(_trials(ctx, cfg), min_effect=ctx.min_effect, layer_window=cfg.layer_window)

@@ -11,11 +11,12 @@ composed text. The ablation skips re-rotation: the chunk's keys keep their old p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
 
+from kvnotes.analysis import Context, Options, Section, analysis, option, register_section
 from kvnotes.engine import run
 from kvnotes.errors import TaskError
 from kvnotes.metrics import logit_cosine
@@ -95,10 +96,54 @@ def seam_repair(
                     if rot:
                         acc.setdefault(f"top1@{b}", []).append(float(out.argmax() == ref.argmax()))
     order = [f"{k}@{b}" for k in ("cosine", "agree", "top1", "norot_cosine", "norot_agree") for b in seams]
-    return ProbeResult(
+    return SeamRepair.of(
         name="seam_repair",
         headline=f"cosine@{seams[-1]}",
         parts={k: Estimate.of(acc[k]) for k in order},
-        details={"seams": seams, "offsets": list(offsets), "chunk_tokens": chunk_sizes},
+        seams=seams,
+        offsets=offsets,
+        chunk_tokens=chunk_sizes,
         description="precompiled policy chunk spliced after a host context, first b tokens recomputed",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeamRepair(ProbeResult):
+    """Per seam b (chunk tokens recomputed): logit `cosine@b`, answer `agree@b` and `top1@b` against
+    prefilling in context, and the same without RoPE re-rotation (`norot_*`)."""
+
+    PART_PATTERNS = (r"(cosine|agree|top1|norot_cosine|norot_agree)@\d+",)
+    seams: tuple[int, ...]
+    offsets: tuple[int, ...]  # host context lengths before the chunk
+    chunk_tokens: tuple[int, ...]  # per prompt
+
+
+@dataclass(frozen=True)
+class SeamConfig(Options):
+    n: int = option(4, "prompts (each at every offset)", least=1)
+    seams: tuple[int, ...] = option(SEAMS, "chunk tokens recomputed at the seam")
+    offsets: tuple[int, ...] = option(OFFSETS, "host context lengths before the chunk")
+
+
+register_section(
+    Section(
+        "compose",
+        "Composing",
+        order=50,
+        command="compose",
+        intro=("A precompiled chunk spliced into a new context, the seam repaired; errata over many turns."),
+    )
+)
+
+
+@analysis(
+    "seam_repair",
+    "compose",
+    SeamConfig,
+    SeamRepair,
+    quick={"n": 2, "seams": (0, 2, 8), "offsets": (32,)},
+    order=1,
+)
+def _run_seam_repair(ctx: Context, cfg: SeamConfig) -> SeamRepair:
+    """Splice a precompiled chunk after a host context, repair the seam, compare to prefill."""
+    return seam_repair(ctx.model, ctx.task, n=cfg.n, seams=cfg.seams, offsets=cfg.offsets, **ctx.common)

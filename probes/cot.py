@@ -12,12 +12,15 @@ if recomputation moves into the chain, the edited chain is the longer one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from kvnotes.analysis import Context, analysis, option
 from kvnotes.engine import run
+from kvnotes.metrics import recovery
 from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, prefill, refresh
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Trial, each
+from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 CUE = "reasoning:"
 
@@ -41,8 +44,8 @@ def chain(t: Trial, nb: Notebook, *, cue: str, max_tokens: int) -> tuple[Noteboo
 def _decision_ld(t: Trial, nb: Notebook) -> float:
     d = t.pair.new
     query = list(d.ids[d.span("decision").start :])
-    out = decide(t.model, nb, [*t.model.encode("\n", bos=False), *query], vocab=t.pair.answers).last
-    return float(out[0, 0] - out[0, 1])
+    out = decide(t.model, nb, [*t.model.encode("\n", bos=False), *query], vocab=t.vocab).last
+    return float(t.score(out)[0])
 
 
 def cot_refresh(
@@ -54,7 +57,7 @@ def cot_refresh(
     (logits between the stale and clean chains' decisions)."""
     acc: dict[str, list[float]] = {}
     examples = []
-    for t in each(trials, "chain of thought"):
+    for t in with_progress(trials, "chain of thought"):
         m = t.model
         edited = refresh(m, t.old_nb, t.pair.new, t.pair.changed)
         runs = {}
@@ -64,7 +67,7 @@ def cot_refresh(
         s, e, c = runs["stale"][0], runs["edited"][0], runs["clean"][0]
         acc.setdefault("chain_effect", []).append(c - s)
         if abs(c - s) >= min_effect:
-            acc.setdefault("recovery", []).append((e - s) / (c - s))
+            acc.setdefault("recovery", []).append(float(recovery(e, s, c)))
         acc.setdefault("no_cot_recovery", []).append(float(t.recovery(t.ld(edited))))
         acc.setdefault("edited_tokens", []).append(float(len(runs["edited"][1])))
         acc.setdefault("clean_tokens", []).append(float(len(runs["clean"][1])))
@@ -72,10 +75,33 @@ def cot_refresh(
         if len(examples) < 2:
             examples.append({k: m.tokenizer.decode(v[1]) for k, v in runs.items()})
     order = ["recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain", "chain_effect"]
-    return ProbeResult(
+    return CotRefresh.of(
         name="cot_refresh",
         headline="recovery",
         parts={k: Estimate.of(acc.get(k, [])) for k in order},
-        details={"cue": cue, "max_tokens": max_tokens, "examples": examples},
+        cue=cue,
+        max_tokens=max_tokens,
+        examples=examples,
         description="in-place field refresh, then a greedy reasoning chain, vs a clean prefill's chain",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CotRefresh(ProbeResult):
+    """A greedy reasoning chain after an in-place refresh, against a clean prefill's chain."""
+
+    PARTS = ("recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain", "chain_effect")
+    cue: str
+    max_tokens: int
+    examples: tuple[dict[str, str], ...]  # decoded chains (stale, edited, clean) of the first pairs
+
+
+@dataclass(frozen=True)
+class CotConfig(Pairs):
+    cot_tokens: int = option(48, "longest reasoning chain (tokens)")
+
+
+@analysis("cot_refresh", "edit", CotConfig, CotRefresh, default=False, in_report=False, flag="cot", order=3)
+def _run_cot_refresh(ctx: Context, cfg: CotConfig) -> CotRefresh:
+    """Decode a greedy reasoning chain from the refreshed and a clean cache."""
+    return cot_refresh(shared_trials(ctx, cfg.n), max_tokens=cfg.cot_tokens, min_effect=ctx.min_effect)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from kvnotes.analysis import Context, Section, analysis, option, register_section
 from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, refresh
-from kvnotes.tasks import Task
 from probes.causal import single_slot_map
 from probes.results import Estimate, ProbeResult
-from probes.trials import Trial, each
+from probes.trials import Pairs, Trial, shared_trials, with_progress
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 ERRATUM = "\n[STATE UPDATE] {field} → {value}; overrides any earlier value and conclusion.\n"
@@ -44,7 +45,7 @@ def hoisted_text(t: Trial) -> str:
 
 
 def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float, int, float]]:
-    """method -> (ld, tokens computed, seconds) for one trial."""
+    """method -> (logit difference, tokens computed, seconds) for one trial."""
     m, new = t.model, t.pair.new
     field = list(t.pair.field_span)
     down = t.pair.downstream()
@@ -52,8 +53,8 @@ def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float,
 
     def timed(name, fn, n_tokens):
         s = time.perf_counter()
-        ld = fn()
-        out[name] = (ld, n_tokens, time.perf_counter() - s)
+        logit_diff = fn()
+        out[name] = (logit_diff, n_tokens, time.perf_counter() - s)
 
     def read(nb):
         return float(t.ld(nb)[0])
@@ -92,32 +93,63 @@ def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float,
     hoisted = m.encode(hoisted_text(t))
 
     def hoist():
-        out = decide(m, prefill(m, hoisted[:-n_dec]), hoisted[-n_dec:], vocab=t.pair.answers).last
-        return float(out[0, 0] - out[0, 1])
+        out = decide(m, prefill(m, hoisted[:-n_dec]), hoisted[-n_dec:], vocab=t.vocab).last
+        return float(t.score(out)[0])
 
     timed("hoist", hoist, len(hoisted))
     timed("full", lambda: read(prefill(m, new)), len(new))
     return out
 
 
-def edit_methods(
-    trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM, task: Task | None = None
-) -> ProbeResult:
+def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM) -> ProbeResult:
     """Every editing method on every pair: parts `{method}` (recovery), `{method}.agree` (same
     answer as full recompute), `{method}.tokens` and `{method}.seconds`. Headline: erratum."""
     acc: dict[str, list[float]] = {}
-    for t in each(trials, "edit methods"):
+    for t in with_progress(trials, "edit methods"):
         res = methods(t, ks, erratum)
         ref_choice = t.ld_new > 0
-        for name, (ld, n_tok, sec) in res.items():
-            acc.setdefault(name, []).append(float(t.recovery(ld)))
-            acc.setdefault(f"{name}.agree", []).append(float((ld > 0) == ref_choice))
+        for name, (logit_diff, n_tok, sec) in res.items():
+            acc.setdefault(name, []).append(float(t.recovery(logit_diff)))
+            acc.setdefault(f"{name}.agree", []).append(float((logit_diff > 0) == ref_choice))
             acc.setdefault(f"{name}.tokens", []).append(float(n_tok))
             acc.setdefault(f"{name}.seconds", []).append(sec)
-    return ProbeResult(
+    return EditMethods.of(
         name="edit_methods",
         headline="erratum",
         parts={k: Estimate.of(v) for k, v in acc.items()},
-        details={"erratum": erratum, "ks": list(ks)},
+        erratum=erratum,
+        ks=ks,
         description="one changed field: every way to bring the stale notebook up to date",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EditMethods(ProbeResult):
+    """Per method m: recovery (`m`), same answer as full recompute (`m.agree`), tokens recomputed
+    (`m.tokens`) and wall time (`m.seconds`)."""
+
+    PART_PATTERNS = (r"[a-z_]+(@\d+)?(\.(agree|tokens|seconds))?",)
+    erratum: str
+    ks: tuple[int, ...]  # slot budgets of the selective methods
+
+
+@dataclass(frozen=True)
+class EditConfig(Pairs):
+    erratum: str = option(ERRATUM, "correction line; {field} and {value} are filled in")
+
+
+register_section(
+    Section(
+        "edit",
+        "Editing",
+        order=40,
+        command="edit",
+        intro=("One changed field: every way to update a stale cache, against full recompute."),
+    )
+)
+
+
+@analysis("edit_methods", "edit", EditConfig, EditMethods, quick={"n": 6}, order=1)
+def _run_edit_methods(ctx: Context, cfg: EditConfig) -> EditMethods:
+    """One changed field: every editing method against full recompute."""
+    return edit_methods(shared_trials(ctx, cfg.n), erratum=cfg.erratum)

@@ -16,7 +16,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from kvnotes.errors import OutOfRange
+from kvnotes.errors import BadArgument, OutOfRange
+from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
 from kvnotes.ops import Patch, decide, decide_patched, prefill
 from kvnotes.prompt import Prompt
@@ -102,7 +103,7 @@ class PatchSession:
             return tuple(range(n))
         ls = tuple(sorted({int(l) for l in layers}))
         if not ls:
-            raise ValueError("layers is empty; pass None for all layers or a range such as range(0, 4)")
+            raise BadArgument("layers is empty; pass None for all layers or a range such as range(0, 4)")
         if ls[0] < 0 or ls[-1] >= n:
             raise OutOfRange(f"layers {ls[0]}..{ls[-1]} out of range: the model has {n} layers (0..{n - 1})")
         return ls
@@ -130,14 +131,13 @@ class PatchSession:
         pos = self.check_positions(positions)
         layers = self.layer_range(layers)
         if not pos or not (keys or values):
-            ld = self.ld_old  # nothing transplanted: the old notebook as it is
+            ld_patched = self.ld_old  # nothing transplanted: the old notebook as it is
         else:
             spec = Patch(positions=pos, layers=layers, keys=keys, values=values)
-            ld = self._ld(
+            ld_patched = self._ld(
                 decide_patched(self.model, self.nb_old, self.nb_new, [spec], self.new, vocab=self.answers)[0]
             )
-        d = self.ld_new - self.ld_old
-        rec = (ld - self.ld_old) / d if abs(d) > 1e-9 else math.nan
+        rec = float(recovery(ld_patched, self.ld_old, self.ld_new, undefined="nan"))
         return PatchState(
             positions=pos,
             layers=layers,
@@ -145,13 +145,13 @@ class PatchSession:
             values=bool(values),
             ld_old=self.ld_old,
             ld_new=self.ld_new,
-            ld_patched=ld,
+            ld_patched=ld_patched,
             recovery=rec,
         )
 
     @staticmethod
     def _ld(logits) -> float:
-        return float(logits[0].double() - logits[1].double())
+        return float(logit_diff(logits, (0, 1)))
 
     def __repr__(self) -> str:
         return (

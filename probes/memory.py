@@ -10,9 +10,11 @@ prefill of the same text: answer agreement and logit cosine.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from kvnotes.analysis import Context, Options, analysis, option
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
@@ -53,18 +55,42 @@ def memory_blocks(
         acc.setdefault("reference_correct", []).append(float(int(ref[answers].argmax()) == correct))
         both, block_a, block_b = _block(model, a + b), _block(model, a), _block(model, b)
         colocated = splice(model, prefill(model, host), both, seam=min(seam, both.n_slots))
-        split = splice(model, prefill(model, host), block_a, seam=min(seam, block_a.n_slots))
-        split = splice(model, split, block_b, seam=min(seam, block_b.n_slots))
-        for name, nb in (("colocated", colocated), ("split", split)):
+        separate = splice(model, prefill(model, host), block_a, seam=min(seam, block_a.n_slots))
+        separate = splice(model, separate, block_b, seam=min(seam, block_b.n_slots))
+        for name, nb in (("colocated", colocated), ("split", separate)):
             out = decide(model, nb, q).last[0]
             same = out[answers].argmax() == ref[answers].argmax()
             acc.setdefault(f"{name}_agree", []).append(float(same))
             acc.setdefault(f"{name}_cosine", []).append(float(logit_cosine(out, ref)))
     order = ["split_agree", "colocated_agree", "split_cosine", "colocated_cosine", "reference_correct"]
-    return ProbeResult(
+    return MemoryBlocks.of(
         name="memory_blocks",
         headline="split_agree",
         parts={k: Estimate.of(acc[k]) for k in order},
-        details={"people": people, "seam": seam},
+        people=people,
+        seam=seam,
         description="two-hop question over facts precompiled together vs in separate blocks",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBlocks(ProbeResult):
+    """Answer agreement and logit cosine with the facts in separate blocks (`split_*`) or in one
+    (`colocated_*`), against prefilling them in context; `reference_correct`: that prefill's accuracy."""
+
+    PARTS = ("split_agree", "colocated_agree", "split_cosine", "colocated_cosine", "reference_correct")
+    people: int
+    seam: int
+
+
+@dataclass(frozen=True)
+class MemoryConfig(Options):
+    questions: int = option(8, "memory-blocks questions", least=1)
+    people: int = option(4, "people per memory (each with an order number and a status)")
+    seam: int = option(2, "block tokens recomputed in context at each seam")
+
+
+@analysis("memory_blocks", "compose", MemoryConfig, MemoryBlocks, quick={"questions": 4}, order=2)
+def _run_memory_blocks(ctx: Context, cfg: MemoryConfig) -> MemoryBlocks:
+    """Two-hop questions over facts precompiled together vs in separate blocks."""
+    return memory_blocks(ctx.model, n=cfg.questions, people=cfg.people, seam=cfg.seam, **ctx.common)

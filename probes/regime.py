@@ -9,15 +9,17 @@ and transplant ≈ 0; the notes regime as the reverse.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from kvnotes.analysis import Context, analysis, option
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task, TaskError, load_task
 from probes.causal import field_refresh, notes_transplant
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, make_trials
+from probes.trials import MIN_EFFECT, Pairs, make_trials
 
 DISTANCES = (0, 16, 32, 64, 128, 256, 512, 768)
 
@@ -87,16 +89,40 @@ def regime(
             f"{model.n_ctx} tokens; pass shorter distances"
         )
     last = measured[-1]
-    return ProbeResult(
+    return Regime.of(
         name="regime",
         headline=f"notes_transplant@{last}",
         parts=parts,
-        details={
-            "filler_tokens": measured,
-            "distance": distance,
-            "skipped": skipped,
-            "window": model.max_window,
-            "n_layers": model.n_layers,
-        },
+        filler_tokens=measured,
+        distance=distance,
+        skipped=skipped,
+        window=model.max_window,
+        n_layers=model.n_layers,
         description="field-only refresh vs notes transplant as filler separates the field from the decision",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Regime(ProbeResult):
+    """Per filler length d: `field_refresh@d`, `notes_transplant@d` and the field's `effect@d`."""
+
+    PART_PATTERNS = (r"(field_refresh|notes_transplant|effect)@\d+",)
+    filler_tokens: tuple[int, ...]  # filler lengths measured
+    distance: tuple[int, ...]  # tokens from the field to the decision at each
+    skipped: tuple[dict, ...]  # lengths beyond the model's context, with the reason
+    window: int | None  # the model's sliding window (None: global attention only)
+    n_layers: int
+
+
+@dataclass(frozen=True)
+class RegimeConfig(Pairs):
+    n: int = option(4, "prompt pairs at each distance")
+    distances: tuple[int, ...] = option(DISTANCES, "filler lengths in tokens between the field and the query")
+
+
+@analysis("regime", "regime", RegimeConfig, Regime, quick={"n": 3, "distances": (0, 64, 256)}, default=False)
+def _run_regime(ctx: Context, cfg: RegimeConfig) -> Regime:
+    """Field-only refresh vs notes transplant as filler moves the field away from the decision."""
+    return regime(
+        ctx.model, ctx.task, n=cfg.n, distances=cfg.distances, min_effect=ctx.min_effect, **ctx.common
     )

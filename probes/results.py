@@ -7,13 +7,21 @@ under its own name in the same shape, so `{"mean", "ci", "values"}` reads the sa
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
 import math
+import re
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
+from kvnotes.analysis import MIN_EFFECT
 from kvnotes.display import Displayable
+from kvnotes.errors import ResultSchemaError
 
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
@@ -130,19 +138,127 @@ class Curve:
         )
 
 
-@dataclass(frozen=True)
+def encode(value: Any) -> Any:
+    """A result field as JSON-safe data: Estimates and Curves by their `to_dict`, dataclasses by
+    field, tuples as lists, mapping keys as strings, numpy scalars as Python numbers."""
+    if isinstance(value, Estimate | Curve):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def decode(hint: Any, data: Any, where: str = "result") -> Any:
+    """`data` (as `encode` wrote it) read back as the annotated type `hint`; wrong shapes raise
+    ResultSchemaError naming `where`."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return data
+    if origin in (Union, types.UnionType):
+        if data is None and type(None) in args:
+            return None
+        arm = next(a for a in args if a is not type(None))
+        return decode(arm, data, where)
+    if hint in (Estimate, Curve):
+        _expect(isinstance(data, Mapping), where, "a mapping", data)
+        try:
+            return hint.from_dict(data)
+        except (KeyError, TypeError) as e:
+            raise ResultSchemaError(f"{where}: not a {hint.__name__} ({type(e).__name__}: {e})") from e
+    if dataclasses.is_dataclass(hint):
+        _expect(isinstance(data, Mapping), where, "a mapping", data)
+        return _decode_fields(hint, data, where)
+    if origin is tuple:
+        _expect(isinstance(data, list | tuple), where, "a list", data)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
+        _expect(len(data) == len(args), where, f"{len(args)} items", data)
+        return tuple(decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+    if origin in (list, Sequence, collections.abc.Sequence):
+        _expect(isinstance(data, list | tuple), where, "a list", data)
+        return [decode(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin in (dict, Mapping, collections.abc.Mapping):
+        _expect(isinstance(data, Mapping), where, "a mapping", data)
+        key, val = args or (Any, Any)
+        return {(int(k) if key is int else k): decode(val, v, f"{where}.{k}") for k, v in data.items()}
+    if hint is float:
+        _expect(isinstance(data, int | float) and not isinstance(data, bool), where, "a number", data)
+        return float(data)
+    if hint in (int, str, bool):
+        ok = isinstance(data, hint) and (hint is bool or not isinstance(data, bool))
+        _expect(ok, where, f"a {hint.__name__}", data)
+        return data
+    return data
+
+
+def _expect(ok: bool, where: str, what: str, data: Any) -> None:
+    if not ok:
+        raise ResultSchemaError(f"{where} should be {what}, got {type(data).__name__} {str(data)[:60]!r}")
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _decode_fields(cls: type, data: Mapping, where: str) -> Any:
+    hints = _hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ResultSchemaError(
+            f"{where}: unknown key(s) {unknown} for {cls.__name__}; it has {sorted(known)}"
+        )
+    missing = [
+        n
+        for n, f in known.items()
+        if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ResultSchemaError(f"{where}: {cls.__name__} needs key(s) {missing}, which are missing")
+    return cls(**{n: decode(hints[n], v, f"{where}.{n}") for n, v in data.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProbeResult(Displayable):
-    """One probe's figures: named `parts` (each an Estimate over prompts), with `headline` the
-    part whose mean is the probe's `mean`. `details` holds JSON-safe extras (per-prompt maps,
-    token strings, excluded prompts) for reports and dashboards."""
+    """One analysis's figures. The statistics are named `parts` (each an Estimate over prompt
+    pairs; `headline` names the one whose mean is the result's `mean`), `curves` and `tables` of
+    rows. Everything else an analysis reports is a typed field of its own subclass, declared next
+    to the function that computes it (`FieldRefresh`, `ReadHeads`, ...).
+
+    A subclass declares the parts, curves and tables it writes: `PARTS` (always present),
+    `PART_PATTERNS` (regular expressions for families such as `layer_3`), `CURVES` and `TABLES`.
+    Construction checks them, so a producer cannot write a name that its panel does not read,
+    and `part(name)` refuses a name the class does not declare. `to_dict`/`from_dict` round-trip
+    exactly; in JSON the headline's `mean`/`ci`/`values` sit at the top level, each part, curve
+    and table under its own name, and the typed fields under `details`.
+    """
+
+    PARTS: ClassVar[tuple[str, ...]] = ()
+    PART_PATTERNS: ClassVar[tuple[str, ...]] = ()
+    CURVES: ClassVar[tuple[str, ...]] = ()
+    CURVE_PATTERNS: ClassVar[tuple[str, ...]] = ()
+    TABLES: ClassVar[tuple[str, ...]] = ()
+    OPEN: ClassVar[bool] = False  # True: any part, curve and table names (the generic result)
 
     name: str
     headline: str
     parts: Mapping[str, Estimate]
-    details: Mapping = field(default_factory=dict)
-    description: str = ""
     curves: Mapping[str, Curve] = field(default_factory=dict)
     tables: Mapping[str, list] = field(default_factory=dict)
+    description: str = ""
+    excluded: tuple[Mapping, ...] = ()  # pairs left out, each with its index and the reason
+    not_applicable: str | None = None  # why this analysis could not run here (then parts are empty)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.__repr__ = ProbeResult.__repr__  # a subclass's dataclass keeps the one-line repr
 
     def __post_init__(self):
         if self.headline not in self.parts:
@@ -153,6 +269,65 @@ class ProbeResult(Displayable):
             raise ValueError(
                 f"part, curve and table names must be distinct and not reserved: {sorted(clash)}"
             )
+        self._check_names()
+        for f in self.detail_fields():
+            object.__setattr__(self, f, decode(_hints(type(self))[f], encode(getattr(self, f)), f))
+
+    def _check_names(self) -> None:
+        if self.OPEN:
+            return
+        cls = type(self).__name__
+        kinds = (
+            ("part", self.parts, self.PARTS, self.PART_PATTERNS),
+            ("curve", self.curves, self.CURVES, self.CURVE_PATTERNS),
+            ("table", self.tables, self.TABLES, ()),
+        )
+        for kind, have, declared, patterns in kinds:
+            extra = [n for n in have if n not in declared and not any(re.fullmatch(p, n) for p in patterns)]
+            if extra:
+                raise TypeError(
+                    f"{cls} does not declare the {kind}(s) {extra}: add them to its "
+                    f"{kind.upper()}S (or a pattern) so its panel can read them"
+                )
+            missing = [] if self.not_applicable else [n for n in declared if n not in have]
+            if missing:
+                raise TypeError(f"{cls} needs the {kind}(s) {missing}, which the producer did not write")
+
+    @classmethod
+    def of(cls, **fields_) -> ProbeResult:
+        """Construct from plain values (lists, dicts, numpy numbers), each turned into its field's
+        declared type first: what producers call."""
+        hints = _hints(cls)
+        return cls(
+            **{
+                k: decode(hints[k], encode(v), k) if k in _TYPED_CORE or k not in _CORE else v
+                for k, v in fields_.items()
+            }
+        )
+
+    @classmethod
+    def detail_fields(cls) -> list[str]:
+        """The typed fields beyond the statistics (saved under `details` in JSON)."""
+        return [f.name for f in dataclasses.fields(cls) if f.name not in _CORE]
+
+    def declares(self, part: str) -> bool:
+        return self.OPEN or part in self.PARTS or any(re.fullmatch(p, part) for p in self.PART_PATTERNS)
+
+    def part(self, name: str) -> Estimate:
+        """The part `name` (an empty Estimate when the analysis could not run or the part is a
+        family member not measured); a name the class does not declare is a TypeError."""
+        if not self.declares(name):
+            raise TypeError(
+                f"{type(self).__name__} has no part {name!r}; it declares "
+                f"{list(self.PARTS) + list(self.PART_PATTERNS)}"
+            )
+        return self.parts.get(name) or Estimate.of([])
+
+    def curve(self, name: str) -> Curve | None:
+        """The curve `name`, or None where it was not measured; an undeclared name is a TypeError."""
+        if not (self.OPEN or name in self.CURVES or any(re.fullmatch(p, name) for p in self.CURVE_PATTERNS)):
+            raise TypeError(f"{type(self).__name__} has no curve {name!r}; it declares {list(self.CURVES)}")
+        return self.curves.get(name)
 
     @property
     def estimate(self) -> Estimate:
@@ -172,28 +347,46 @@ class ProbeResult(Displayable):
             "description": self.description,
             **{k: v.to_dict() for k, v in self.parts.items()},
             **{k: v.to_dict() for k, v in self.curves.items()},
-            **{k: list(v) for k, v in self.tables.items()},
-            "details": dict(self.details),
+            **{k: encode(v) for k, v in self.tables.items()},
+            "details": {f: encode(getattr(self, f)) for f in self.detail_fields()},
         }
 
     @classmethod
     def from_dict(cls, name: str, d: Mapping) -> ProbeResult:
+        """Read back what `to_dict` wrote, as the result class of analysis `name` (when called on
+        ProbeResult itself) or as this class."""
+        if cls is ProbeResult:
+            from kvnotes.analysis import UnknownAnalysisError, result_type
+
+            try:
+                cls = result_type(name)
+            except UnknownAnalysisError as e:
+                raise ResultSchemaError(f"{e}: this kvnotes cannot read its saved result") from e
+        _expect(isinstance(d, Mapping) and "headline" in d, name, "a result with a headline", d)
         rest = {k: v for k, v in d.items() if k not in _RESERVED}
-        parts = {k: Estimate.from_dict(v) for k, v in rest.items() if isinstance(v, Mapping) and "x" not in v}
-        curves = {k: Curve.from_dict(v) for k, v in rest.items() if isinstance(v, Mapping) and "x" in v}
-        tables = {k: list(v) for k, v in rest.items() if isinstance(v, list)}
-        return cls(
-            name=name,
-            headline=d["headline"],
-            parts=parts,
-            details=d.get("details", {}),
-            description=d.get("description", ""),
-            curves=curves,
-            tables=tables,
-        )
+        details = d.get("details", {})
+        _expect(isinstance(details, Mapping), f"{name}.details", "a mapping", details)
+        core = {
+            "name": name,
+            "headline": d["headline"],
+            "description": d.get("description", ""),
+            "parts": {k: v for k, v in rest.items() if isinstance(v, Mapping) and "x" not in v},
+            "curves": {k: v for k, v in rest.items() if isinstance(v, Mapping) and "x" in v},
+            "tables": {k: v for k, v in rest.items() if isinstance(v, list)},
+        }
+        clash = sorted(set(core) & set(details))
+        _expect(not clash, f"{name}.details", f"free of the keys {clash}", details)
+        try:
+            return _decode_fields(cls, {**core, **details}, name)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ResultSchemaError):
+                raise
+            raise ResultSchemaError(f"{name}: {e}") from e
 
     def __repr__(self) -> str:
-        return f"ProbeResult({self.name}: {self.headline} {self.estimate}; parts {list(self.parts)})"
+        return (
+            f"{type(self).__name__}({self.name}: {self.headline} {self.estimate}; parts {list(self.parts)})"
+        )
 
     def rows(self) -> list[tuple[str, str]]:
         return [
@@ -201,7 +394,16 @@ class ProbeResult(Displayable):
         ] + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()]
 
 
+@dataclass(frozen=True, kw_only=True)
+class GenericResult(ProbeResult):
+    """A result with any part, curve and table names and no typed fields (quick experiments)."""
+
+    OPEN: ClassVar[bool] = True
+
+
 _RESERVED = {"mean", "ci", "values", "headline", "description", "details"}
+_CORE = {"name", "headline", "parts", "curves", "tables", "description"}
+_TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts and curves hold objects)
 
 
 @dataclass(frozen=True)
@@ -247,3 +449,49 @@ class ProbeReport(Displayable):
         lines = [head, "-" * len(head)]
         lines += [f"{a:<{width}}  {b}" for a, b in rows]
         return "\n".join(lines)
+
+
+def collect(
+    model,
+    task,
+    names: Sequence[str],
+    *,
+    n: int | None = None,
+    overrides: Mapping | None = None,
+    configs: Mapping | None = None,
+    preset: str = "full",
+    seed: int = 0,
+    min_effect: float = MIN_EFFECT,
+    progress: bool = True,
+    memo: Mapping | None = None,
+    container: type | None = None,
+) -> ProbeReport:
+    """Run task-level analyses `names` on one model and task, sharing prompt pairs among them, and
+    collect them in their section's report class (`ProbeReport`, `CircuitReport`).
+
+    Each analysis's config is `configs[name]`, else its `preset` with `overrides` (and `n`) for the
+    fields it has; `memo` seeds the run's shared memo (a loaded SAE, say)."""
+    from kvnotes.analysis import Context, get, run, sections
+    from kvnotes.tasks import load_task
+
+    task = load_task(task)
+    over = {**(overrides or {}), **({"n": n} if n is not None else {})}
+    cfgs = {k: (configs or {}).get(k) or get(k).make_config(preset, **over) for k in names}
+    ctx = Context(
+        model=model, task=task, seed=seed, min_effect=min_effect, progress=progress, memo=dict(memo or {})
+    )
+    results, meta = run(ctx, names, cfgs)
+    if container is None:
+        secs = sections()
+        container = next(
+            (secs[get(k).section].container for k in names if secs[get(k).section].container), ProbeReport
+        )
+    sizes = [c.n for c in cfgs.values() if hasattr(c, "n")]
+    return container(
+        model=model.name,
+        task=task.name,
+        n=n if n is not None else (sizes[0] if sizes else 0),
+        seed=seed,
+        probes=results,
+        meta=meta,
+    )

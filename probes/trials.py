@@ -10,24 +10,39 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from tqdm.auto import tqdm
 
+from kvnotes.analysis import MIN_EFFECT, Context, Options, option
 from kvnotes.engine import Hook
+from kvnotes.metrics import Metric, answer_columns, logit_diff, recovery
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.ops import Patch, decide, decide_patched, prefill
+from kvnotes.ops import Patch, PromptLike, decide, decide_patched, prefill
 from kvnotes.tasks import GATE, Pair, Task, load_task, sample
 from kvnotes.types import Float, Tensor
 
-MIN_EFFECT = 0.1  # logits: below this the two prompts barely differ, and recovery is noise
+
+@dataclass(frozen=True)
+class Pairs(Options):
+    """The options of an analysis that takes only its number of prompt pairs."""
+
+    n: int = option(8, "prompt pairs", least=1)
+
+
+def shared_trials(ctx: Context, n: int, *, kind: str = GATE) -> list[Trial]:
+    """`n` prefilled pairs of the context's task, made once per run and shared by its analyses."""
+    return ctx.shared(
+        ("trials", n, kind),
+        lambda: make_trials(ctx.model, ctx.task, n, seed=ctx.seed, kind=kind, progress=ctx.progress),
+    )
 
 
 @dataclass(frozen=True, eq=False)
 class Trial:
-    """One pair prefilled: `old_nb`/`new_nb` and the answer logit difference of each.
+    """One pair prefilled: `old_nb`/`new_nb` and the decision metric of each.
 
-    `ld` is logit[answers[0]] - logit[answers[1]] at the decision; recovery of a patched run is
+    `ld` is `metric` at the decision, by default the logit difference
+    logit[answers[0]] - logit[answers[1]]; recovery of a patched run is
     (ld - ld_old) / (ld_new - ld_old).
     """
 
@@ -39,6 +54,16 @@ class Trial:
     ld_new: float
     cache: dict = field(default_factory=dict, repr=False)  # per-pair results shared across probes
     progress: bool = field(default=True, repr=False)  # made with progress=False: probes iterate quietly
+    metric: Metric = field(default=logit_diff, repr=False)  # what `ld`, `ld_old` and `ld_new` read
+
+    @property
+    def vocab(self) -> tuple[int, int] | None:
+        """The token ids a decision must unembed for `metric` (`decide(..., vocab=t.vocab)`)."""
+        return answer_columns(self.metric, self.pair.answers)[0]
+
+    def score(self, logits: Float[Tensor, "*b vocab"]) -> Float[Tensor, "*b"]:
+        """`metric` of decision logits computed with `vocab=self.vocab`, in float64."""
+        return self.metric(logits, answer_columns(self.metric, self.pair.answers)[1])
 
     @property
     def effect(self) -> float:
@@ -51,13 +76,14 @@ class Trial:
         return abs(self.ld_new - self.ld_old) >= min_effect
 
     def ld(self, nb: Notebook, hooks: Sequence[Hook] = ()) -> Float[Tensor, " batch"]:
-        """Decision logit difference for each batch element of `nb`."""
-        out = decide(self.model, nb, self.pair.new, hooks=hooks, vocab=self.pair.answers).last
-        return (out[:, 0] - out[:, 1]).double()
+        """The decision metric (logit difference by default) for each batch element of `nb`."""
+        return read_decision(
+            self.model, nb, self.pair.new, self.pair.answers, metric=self.metric, hooks=hooks
+        )
 
     def recovery(self, ld: Tensor | float) -> Tensor:
-        ld = torch.as_tensor(ld, dtype=torch.float64)
-        return (ld - self.ld_old) / (self.ld_new - self.ld_old)
+        """`recovery` of `ld` between this pair's old and new decisions (NaN where they are equal)."""
+        return recovery(ld, self.ld_old, self.ld_new, undefined="nan")
 
     def sweep(
         self,
@@ -71,19 +97,33 @@ class Trial:
         src = self.new_nb if src is None else src
         dst = self.old_nb if dst is None else dst
         out = decide_patched(
-            self.model, dst, src, list(specs), self.pair.new, batch_size=batch_size, vocab=self.pair.answers
+            self.model, dst, src, list(specs), self.pair.new, batch_size=batch_size, vocab=self.vocab
         )
-        return self.recovery(out[:, 0].double() - out[:, 1].double())
+        return self.recovery(self.score(out))
 
     def token_strings(self, positions: Sequence[int]) -> list[str]:
         return self.model.token_strings([self.pair.new.ids[p] for p in positions])
 
 
-def each(trials: Sequence[Trial], desc: str):
+def with_progress(trials: Sequence[Trial], desc: str):
     """Iterate `trials` with a progress bar on a terminal (silent when output is not a TTY, or when
     the trials were made with `progress=False`)."""
     quiet = bool(trials) and not trials[0].progress
     return tqdm(trials, desc=desc, unit="pair", disable=True if quiet else None, leave=False)
+
+
+def read_decision(
+    model: KVModel,
+    nb: Notebook,
+    prompt: PromptLike,
+    answers: Sequence[int],
+    *,
+    metric: Metric = logit_diff,
+    hooks: Sequence[Hook] = (),
+) -> Float[Tensor, " batch"]:
+    """`metric` of the decision `prompt` reads after `nb` between `answers`, per batch element."""
+    vocab, columns = answer_columns(metric, answers)
+    return metric(decide(model, nb, prompt, hooks=hooks, vocab=vocab).last, columns)
 
 
 def make_trials(
@@ -95,8 +135,10 @@ def make_trials(
     kind: str = GATE,
     filler: str = "",
     progress: bool = True,
+    metric: Metric = logit_diff,
 ) -> list[Trial]:
-    """Sample `n` aligned pairs of `task` and prefill both prompts of each.
+    """Sample `n` aligned pairs of `task` and prefill both prompts of each; `metric` is the
+    decision readout every probe reads from the trials (default: the logit difference).
 
     >>> from kvnotes import load_model
     >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
@@ -114,10 +156,10 @@ def make_trials(
     out = []
     for pair in tqdm(pairs, desc=f"prefill {task.name} ({kind})", disable=not progress, unit="pair"):
         old_nb, new_nb = prefill(model, pair.old), prefill(model, pair.new)
-        lds = []
-        for nb, prompt in ((old_nb, pair.old), (new_nb, pair.new)):
-            o = decide(model, nb, prompt, vocab=pair.answers).last[0]
-            lds.append(float(o[0] - o[1]))
+        lds = [
+            float(read_decision(model, nb, prompt, pair.answers, metric=metric)[0])
+            for nb, prompt in ((old_nb, pair.old), (new_nb, pair.new))
+        ]
         out.append(
             Trial(
                 model=model,
@@ -127,6 +169,7 @@ def make_trials(
                 ld_old=lds[0],
                 ld_new=lds[1],
                 progress=progress,
+                metric=metric,
             )
         )
     return out

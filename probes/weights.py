@@ -39,17 +39,28 @@ from dataclasses import dataclass
 
 import torch
 
+from kvnotes.analysis import Context, analysis, option
 from kvnotes.errors import KVNotesError, OutOfRange
+from kvnotes.hooks import hook_name
+from kvnotes.metrics import Metric, logit_diff, recovery
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import append, decide, prefill
 from kvnotes.prompt import Prompt
 from kvnotes.tasks import Task, load_task
 from kvnotes.types import Float, Tensor
-from probes.causal import split
+from probes.causal import split_by_effect
 from probes.edit import ERRATUM
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Trial, each, make_trials
+from probes.trials import (
+    MIN_EFFECT,
+    Pairs,
+    Trial,
+    make_trials,
+    read_decision,
+    shared_trials,
+    with_progress,
+)
 
 # Drift is read on another task's decisions: unrelated to the edited one, same tokenizer.
 DRIFT_TASKS = {
@@ -145,8 +156,8 @@ def match_decision(
     reading the target is counted in the edit's cost.
     """
     m, pair = trial.model, trial.pair
-    post, out = f"blocks.{layer}.mlp.hook_post", f"blocks.{layer}.hook_mlp_out"
-    goal = _ld(m, pair.new, pair.answers, trial.new_nb if new_nb is None else new_nb)
+    post, out = hook_name(layer, "mlp.hook_post"), hook_name(layer, "hook_mlp_out")
+    goal = _ld(m, pair.new, pair.answers, trial.new_nb if new_nb is None else new_nb, metric=trial.metric)
     acts = decide(m, trial.old_nb, pair.old, capture=[post, out], vocab=pair.answers).activations
     key, y_old = acts[post][0, -1], acts[out][0, -1]
     tol = 1e-3 * abs(goal - trial.ld_old) + 1e-5
@@ -154,10 +165,10 @@ def match_decision(
     def gap_and_grad(u: Tensor) -> tuple[float, Tensor]:
         u = u.clone().requires_grad_(True)
         hooks = edit_hooks(m, layer, key, u)
-        logits = decide(m, trial.old_nb, pair.old, hooks=hooks, vocab=pair.answers).last
-        ld = logits[0, 0] - logits[0, 1]
-        (g,) = torch.autograd.grad(ld, u)
-        return goal - ld.item(), g
+        logits = decide(m, trial.old_nb, pair.old, hooks=hooks, vocab=trial.vocab).last
+        score = trial.score(logits)[0]
+        (g,) = torch.autograd.grad(score, u)
+        return goal - score.item(), g
 
     u = torch.zeros_like(y_old)
     gap, g = gap_and_grad(u)
@@ -184,9 +195,9 @@ def match_residual(trial: Trial, layer: int, *, new_nb: Notebook | None = None) 
     """
     m, pair = trial.model, trial.pair
     post, out, resid = (
-        f"blocks.{layer}.mlp.hook_post",
-        f"blocks.{layer}.hook_mlp_out",
-        f"blocks.{layer}.hook_resid_post",
+        hook_name(layer, "mlp.hook_post"),
+        hook_name(layer, "hook_mlp_out"),
+        hook_name(layer, "hook_resid_post"),
     )
     old = decide(m, trial.old_nb, pair.old, capture=[post, out, resid], vocab=pair.answers).activations
     new = decide(
@@ -205,16 +216,16 @@ def edit_hooks(model: KVModel, layer: int, key: Tensor, u: Tensor) -> list:
     Differentiable in `u`; on decision tokens read against an unedited notebook it is the edit."""
     store: dict[str, Tensor] = {}
 
-    def save(h, hook):
+    def save(h, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
         store["h"] = h
         return h
 
-    def edited(y, hook):
+    def edited(_unedited, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
         h = store["h"]
         coef = (h @ key) / (key @ key)
         return _contribution(model, layer, _mlp_out(model, layer, h) + coef[..., None] * u)
 
-    return [(f"blocks.{layer}.mlp.hook_post", save), (f"blocks.{layer}.hook_mlp_out", edited)]
+    return [(hook_name(layer, "mlp.hook_post"), save), (hook_name(layer, "hook_mlp_out"), edited)]
 
 
 def _mlp_out(model: KVModel, layer: int, h: Tensor) -> Tensor:
@@ -253,10 +264,16 @@ def pre_norm_value(model: KVModel, layer: int, x_old: Tensor, target: Tensor) ->
     return s * torch.sqrt(rho2)
 
 
-def _ld(model: KVModel, prompt: Prompt, answers: Sequence[int], nb: Notebook | None = None) -> float:
+def _ld(
+    model: KVModel,
+    prompt: Prompt,
+    answers: Sequence[int],
+    nb: Notebook | None = None,
+    *,
+    metric: Metric = logit_diff,
+) -> float:
     nb = prefill(model, prompt) if nb is None else nb
-    out = decide(model, nb, prompt, vocab=answers).last[0]
-    return float(out[0] - out[1])
+    return float(read_decision(model, nb, prompt, answers, metric=metric)[0])
 
 
 def concurrent(trials: Sequence[Trial], i: int) -> tuple[int, Prompt, float, float]:
@@ -316,7 +333,7 @@ def weight_edit(
     >>> from kvnotes import load_model
     >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
     >>> r = weight_edit(trials, layer=1, min_effect=0.0)
-    >>> r.headline, r.details["layer"], r.details["target"], r["target.agree"].mean
+    >>> r.headline, r.layer, r.target, r["target.agree"].mean
     ('contamination', 1, 'match_decision', 1.0)
     """
     if len(trials) < 2:
@@ -326,56 +343,40 @@ def weight_edit(
         )
     model = trials[0].model
     layer = check_layer(model, layer)
-    out_name = f"blocks.{layer}.hook_mlp_out"
-    used, excluded = split(trials, min_effect)
-    acc: dict[str, list] = {
-        k: []
-        for k in (
-            "target",
-            "target.agree",
-            "target.stale_cache",
-            "contamination",
-            "contamination.flips",
-            "drift",
-            "drift.dld",
-            "seconds",
-            "reprefill_seconds",
-            "erratum",
-            "erratum_seconds",
-            "update_error",
-        )
-    }
+    out_name = hook_name(layer, "hook_mlp_out")
+    used, excluded = split_by_effect(trials, min_effect)
+    acc: dict[str, list] = {k: [] for k in WeightEdit.PARTS}
     per_pair = []
     other = list(other_trials or [])
     index = {id(t): i for i, t in enumerate(trials)}
-    for t in each(used, "weight edit"):
+    for t in with_progress(used, "weight edit"):
         m, pair, i = t.model, t.pair, index[id(t)]
         j, c, ld_c, ld_alt = concurrent(trials, i)
         s = time.perf_counter()
         edit = target(t, layer, new_nb=prefill(m, pair.new))
         with applied(m, edit):
             acc["seconds"].append(time.perf_counter() - s)
-            stale = decide(m, t.old_nb, pair.old, capture=[out_name], vocab=pair.answers)
+            stale = decide(m, t.old_nb, pair.old, capture=[out_name], vocab=t.vocab)
             s = time.perf_counter()
-            ld = _ld(m, pair.old, pair.answers)
+            ld_edited = _ld(m, pair.old, pair.answers, metric=t.metric)
             acc["reprefill_seconds"].append(time.perf_counter() - s)
-            ld_c_edit = _ld(m, c, trials[j].pair.answers)
-            drift = [(_ld(m, o.pair.old, o.pair.answers), o.ld_old) for o in other]
-            drift += [(_ld(m, o.pair.new, o.pair.answers), o.ld_new) for o in other]
+            ld_c_edit = _ld(m, c, trials[j].pair.answers, metric=trials[j].metric)
+            drift = [(_ld(m, o.pair.old, o.pair.answers, metric=o.metric), o.ld_old) for o in other]
+            drift += [(_ld(m, o.pair.new, o.pair.answers, metric=o.metric), o.ld_new) for o in other]
         s = time.perf_counter()
         text = erratum.format(field=pair.changed, value=pair.new.values[pair.changed])
-        ld_err = _ld(m, pair.new, pair.answers, append(m, t.old_nb, text))
+        ld_err = _ld(m, pair.new, pair.answers, append(m, t.old_nb, text), metric=t.metric)
         acc["erratum_seconds"].append(time.perf_counter() - s)
 
         wanted = float((edit.target - edit.old).norm())
         achieved = stale.activations[out_name][0, -1]
         acc["update_error"].append(float((achieved - edit.target).norm()) / wanted if wanted else None)
-        acc["target"].append(float(t.recovery(ld)))
-        acc["target.agree"].append(float((ld > 0) == (t.ld_new > 0)))
-        acc["target.stale_cache"].append(float(t.recovery(float(stale.last[0, 0] - stale.last[0, 1]))))
+        acc["target"].append(float(t.recovery(ld_edited)))
+        acc["target.agree"].append(float((ld_edited > 0) == (t.ld_new > 0)))
+        acc["target.stale_cache"].append(float(t.recovery(t.score(stale.last)[0])))
         acc["erratum"].append(float(t.recovery(ld_err)))
         acc["contamination"].append(
-            (ld_c_edit - ld_c) / (ld_alt - ld_c) if abs(ld_alt - ld_c) >= min_effect else None
+            float(recovery(ld_c_edit, ld_c, ld_alt)) if abs(ld_alt - ld_c) >= min_effect else None
         )
         acc["contamination.flips"].append(
             float((ld_c_edit > 0) == (ld_alt > 0)) if (ld_c > 0) != (ld_alt > 0) else None
@@ -388,7 +389,7 @@ def weight_edit(
                 "index": i,
                 "concurrent": j,
                 "concurrent_text": c.text,
-                "ld_edited": ld,
+                "ld_edited": ld_edited,
                 "ld_concurrent": ld_c,
                 "ld_concurrent_edited": ld_c_edit,
                 "ld_concurrent_new_value": ld_alt,
@@ -396,21 +397,19 @@ def weight_edit(
                 "update_norm": float(edit.delta(m).norm() / m.tl.blocks[layer].mlp.W_out.norm()),
             }
         )
-    return ProbeResult(
+    return WeightEdit.of(
         name="weight_edit",
         headline="contamination",
         parts={k: Estimate.of([x for x in v if x is not None]) for k, v in acc.items()},
-        details={
-            "layer": layer,
-            "n_layers": model.n_layers,
-            "target": target.__name__,
-            "covariance": "identity (covariance-free ROME)",
-            "excluded": excluded,
-            "pairs": per_pair,
-            "drift_task": other[0].pair.task if other else None,
-            "drift_decisions": 2 * len(other),
-            "erratum": erratum,
-        },
+        layer=layer,
+        n_layers=model.n_layers,
+        target=target.__name__,
+        covariance="identity (covariance-free ROME)",
+        excluded=excluded,
+        pairs=per_pair,
+        drift_task=other[0].pair.task if other else None,
+        drift_decisions=2 * len(other),
+        erratum=erratum,
         description="a rank-one MLP weight edit per pair: target recovery, contamination of a concurrent "
         "request, drift of other decisions, and its cost beside the erratum",
     )
@@ -434,3 +433,54 @@ def drift_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0) -> 
             return make_trials(model, other, n, seed=seed, progress=False)
     except KVNotesError:
         return make_trials(model, task, n, seed=seed + 1, progress=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightEdit(ProbeResult):
+    """A rank-one MLP edit per pair: its `target` recovery, `contamination` of a concurrent request,
+    `drift` of other decisions and its cost (`seconds`, ...) beside the `erratum` (see `weight_edit`)."""
+
+    PARTS = (
+        "target",
+        "target.agree",
+        "target.stale_cache",
+        "contamination",
+        "contamination.flips",
+        "drift",
+        "drift.dld",
+        "seconds",
+        "reprefill_seconds",
+        "erratum",
+        "erratum_seconds",
+        "update_error",
+    )
+    layer: int
+    n_layers: int
+    target: str  # how the edit was aimed: match_decision or match_residual
+    covariance: str
+    pairs: tuple[dict, ...]  # per pair: the concurrent request and every logit difference read
+    drift_task: str | None
+    drift_decisions: int
+    erratum: str
+
+
+@dataclass(frozen=True)
+class WeightConfig(Pairs):
+    n: int = option(8, "prompt pairs (contamination is read on another pair's prompt)", least=2)
+    layer: int | None = option(None, "the MLP layer edited (default: the middle one)")
+    erratum: str = option(ERRATUM, "correction line; {field} and {value} are filled in")
+
+
+@analysis(
+    "weight_edit", "edit", WeightConfig, WeightEdit, default=False, in_report=False, flag="weights", order=2
+)
+def _weight_edit(ctx: Context, cfg: WeightConfig) -> WeightEdit:
+    """The weight-edit baseline: a rank-one MLP edit per pair, its contamination, drift and cost."""
+    other = drift_trials(ctx.model, ctx.task, cfg.n, seed=ctx.seed)  # another built-in task's decisions
+    return weight_edit(
+        shared_trials(ctx, cfg.n),
+        layer=cfg.layer,
+        other_trials=other,
+        erratum=cfg.erratum,
+        min_effect=ctx.min_effect,
+    )

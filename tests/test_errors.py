@@ -1,4 +1,4 @@
-"""Errors name the thing that was wrong and the way out (STYLE.md point 10)."""
+"""Errors name the thing that was wrong and the way out, and are kvnotes' own types."""
 
 from __future__ import annotations
 
@@ -8,17 +8,24 @@ import torch
 from kvnotes import errors
 from kvnotes.engine import run
 from kvnotes.errors import (
+    BadArgument,
+    BadArgumentType,
+    DeviceMismatch,
     FingerprintMismatch,
     KVNotesError,
+    NotebookNotFound,
     OutOfRange,
+    ShapeMismatch,
+    TemplateError,
     TokenCountChanged,
+    UnknownField,
     UnknownModelError,
 )
 from kvnotes.metrics import kv_deviation
 from kvnotes.models import load_model
 from kvnotes.models.tiny import TINY_CONFIGS
 from kvnotes.notebook import Notebook
-from kvnotes.ops import Patch, decide, patch, prefill, rerotate, splice
+from kvnotes.ops import Patch, decide, patch, patch_batch, prefill, rerotate, splice
 from kvnotes.prompt import Template
 from tests.helpers import get_model
 
@@ -43,6 +50,7 @@ def two(gcase):
     return gcase, llama, prefill(llama, gcase.ids[: gcase.stop])
 
 
+# Every entry takes (case, llama, llama_notebook), the arguments the test passes; most use only some.
 MIXES = {
     "patch": lambda c, llama, nb_l: patch(c.nb_old, nb_l, Patch()),
     "patch-reversed": lambda c, llama, nb_l: patch(nb_l, c.nb_old, Patch()),
@@ -215,5 +223,53 @@ def test_notebook_on_another_device_than_the_model_is_refused(gemma3):
     nb = prefill(gemma3, gemma3.encode("order_status: pending."))
     elsewhere = nb.to("meta")
     assert elsewhere.keys[0].device.type == "meta" and elsewhere.positions.device.type == "cpu"
-    with pytest.raises(ValueError, match=r"notebook is on meta .* notebook.to\('cpu'\)"):
+    with pytest.raises(DeviceMismatch, match=r"notebook is on meta .* notebook.to\('cpu'\)"):
         decide(gemma3, elsewhere, gemma3.encode(" A:", bos=False))
+
+
+# --- the project's own types ---------------------------------------------------------------------
+def test_every_error_class_has_a_one_line_docstring():
+    classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+    for c in classes:
+        assert c.__doc__ and "\n" not in c.__doc__.strip(), c.__name__
+
+
+def test_run_input_errors_are_kvnotes_types(gcase):
+    model, nb = gcase.model, gcase.nb_old
+    with pytest.raises(ShapeMismatch, match="3 tokens but 2 positions; give one position per token"):
+        run(model, nb, [5, 6, 7], [80, 81])
+    with pytest.raises(BadArgument, match="positions repeat; give each computed token its own position"):
+        run(model, nb, [5, 6], [80, 80])
+    with pytest.raises(ShapeMismatch, match=r"batch 3 .* notebook batch 2; give tokens of batch 1 or 2"):
+        run(model, nb.expand(2), torch.tensor([[5]] * 3))
+
+
+def test_ops_input_errors_are_kvnotes_types(gcase):
+    model, nb = gcase.model, gcase.nb_old
+    with pytest.raises(BadArgumentType, match="pass upto as a token index") as info:
+        prefill(model, gcase.ids, upto="decision")
+    assert isinstance(info.value, TypeError)  # still a TypeError for callers that catch one
+    with pytest.raises(BadArgument, match="leave keys=True or values=True"):
+        Patch(keys=False, values=False)
+    with pytest.raises(ShapeMismatch, match=r"batches 2 and 1; index one with nb\[i\]"):
+        patch_batch(nb.expand(2), gcase.nb_new, [Patch()])
+    with pytest.raises(ShapeMismatch, match="give one position per slot, or an int to shift them all"):
+        rerotate(model, nb.truncate(3), [4, 5])
+    with pytest.raises(BadArgument, match="give each slot its own position"):
+        rerotate(model, nb.truncate(3), [4, 4, 5])
+    whole = prefill(model, gcase.old, upto=len(gcase.old))  # holds the decision span too
+    with pytest.raises(BadArgument, match="prefill without `upto`"):
+        decide(model, whole, gcase.old)
+
+
+def test_template_and_notebook_errors_are_kvnotes_types(gemma3, tmp_path):
+    with pytest.raises(TemplateError, match="rename one of them"):
+        Template("{x} and {x}")
+    with pytest.raises(TemplateError, match=r"remove it or open a span before it"):
+        Template("stray ]] here")
+    with pytest.raises(UnknownField, match=r"^unknown field\(s\) \['nope'\]; this template has") as info:
+        Template("status: {order_status}.").render(gemma3, order_status="x", nope="y")
+    assert isinstance(info.value, KeyError)  # still a KeyError for callers that catch one
+    with pytest.raises(NotebookNotFound, match="write one with Notebook.save") as missing:
+        Notebook.load(tmp_path / "absent.safetensors")
+    assert isinstance(missing.value, FileNotFoundError)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from kvnotes.engine import run
+from kvnotes.errors import BadArgument
+from kvnotes.hooks import SITES, hook_name
 from kvnotes.ops import decide, prefill
 from tests.helpers import WINDOW, assert_close, full_logits, make_case
 
@@ -129,3 +131,15 @@ def test_capture_does_not_change_logits(case):
     a = decide(case.model, case.nb_old, case.old, capture=["blocks.1.hook_resid_post"]).last
     assert torch.equal(a, decide(case.model, case.nb_old, case.old).last)
     assert_close(a[0], full_logits(case.model, case.ids)[-1], what="decision with capture")
+
+
+def test_hook_name_gives_transformer_lens_names(model):
+    last = model.n_layers - 1
+    for site in SITES:
+        assert hook_name(last, site) == f"blocks.{last}.{site}"
+        assert hook_name(last, site) in model.tl.hook_dict, site
+    with pytest.raises(BadArgument) as e:
+        hook_name(0, "attn.hook_zz")
+    assert "attn.hook_zz" in str(e.value) and all(site in str(e.value) for site in SITES)
+    with pytest.raises(BadArgument):
+        hook_name(-1, "attn.hook_z")

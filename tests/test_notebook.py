@@ -40,6 +40,7 @@ def _unchanged(nb: Notebook, snap: list[torch.Tensor]) -> bool:
 
 
 # --- immutability --------------------------------------------------------------------------------
+# Every entry takes (case, notebook, tmp_path), the arguments the test passes; most use only some.
 OPS = {
     "run-append": lambda c, nb, tmp: run(c.model, nb, [5, 6], [nb.next_position, nb.next_position + 1]),
     "run-replace": lambda c, nb, tmp: run(c.model, nb, c.ids[3:6], [3, 4, 5]),

@@ -1,4 +1,4 @@
-"""Conformance suite: the eight invariants of DESIGN.md, checked directly on every tiny model
+"""Conformance suite: the eight invariants of docs/engine.md, checked directly on every tiny model
 against TransformerLens's own full forward (and against prefill of the edited prompt)."""
 
 from __future__ import annotations

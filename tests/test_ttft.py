@@ -33,7 +33,7 @@ def test_composed_context_with_a_full_seam_equals_full_prefill(model):
     assert_close(composed, full, what="seam over the whole chunk = full recompute")
 
 
-def test_ttft_report_round_trips_with_exponents(tmp_path):
+def test_ttft_report_round_trips_with_exponents():
     report = ttft(get_model("tiny-llama"), [128, 256], progress=False)
     assert [p.tokens for p in report.results] == [128, 256]
     assert report.exponent_full is not None and report.exponent_composed is not None

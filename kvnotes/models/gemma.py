@@ -73,9 +73,10 @@ def _check_tokenizer(tokenizer) -> None:
     """`KVModel.encode` prepends `bos_token_id`; Gemma needs BOS id 2 first."""
     ids = tokenizer("hi")["input_ids"]
     if tokenizer.bos_token_id != BOS_ID or ids[:1] != [BOS_ID]:
-        raise RuntimeError(
+        raise MissingDependency(
             f"the Gemma 3 270M tokenizer should add BOS id {BOS_ID} first; it has bos_token_id="
-            f"{tokenizer.bos_token_id} and encodes 'hi' as {ids}"
+            f"{tokenizer.bos_token_id} and encodes 'hi' as {ids} (gguf before 0.19 can build it so): "
+            "pip install -U 'gguf>=0.19'"
         )
 
 

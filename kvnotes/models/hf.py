@@ -114,9 +114,10 @@ def hooked_from_state_dict(
     buffers = {n for n, _ in tl.named_buffers()}
     missing = [k for k in missing if k not in buffers]
     if missing or unexpected:
-        raise RuntimeError(
+        raise UnsupportedArchitecture(
             f"converted weights do not fit the TransformerLens model for {cfg.get('model_name')}: "
-            f"missing {missing[:6]}, unexpected {unexpected[:6]}"
+            f"missing {missing[:6]}, unexpected {unexpected[:6]}; this checkpoint has weights its "
+            "config does not declare (or lacks some it does), so kvnotes cannot load it exactly"
         )
     return tl
 

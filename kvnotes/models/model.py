@@ -11,7 +11,7 @@ from transformer_lens import HookedTransformer
 from transformer_lens.components.mlps.gated_mlp import GatedMLP
 from transformers import PreTrainedTokenizerBase
 
-from kvnotes.errors import UnsupportedArchitecture
+from kvnotes.errors import BadArgument, UnsupportedArchitecture
 
 # Config fields that decide what a notebook's K/V mean; they enter the fingerprint.
 _FINGERPRINT_FIELDS = (
@@ -131,7 +131,7 @@ class KVModel:
         """The single token id of an answer string such as `" yes"`; errors if it is not one token."""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) != 1:
-            raise ValueError(
+            raise BadArgument(
                 f"answer {text!r} is {len(ids)} tokens under {self.name}'s tokenizer; "
                 "pick an answer string that is a single token (often with a leading space)"
             )

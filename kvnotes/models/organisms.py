@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvnotes.errors import BadArgument, TaskError
 from kvnotes.models.cache import publish
 from kvnotes.models.model import KVModel
 from kvnotes.models.tiny import tiny_tokenizer
@@ -96,8 +97,8 @@ class OrganismConfig:
     min_margin: float = 2.0  # logits: the right answer ahead of the other one on every held-out prompt
 
     def __post_init__(self):
-        def bad(what: str, fix: str) -> ValueError:
-            return ValueError(f"organism config {self.name!r}: {what}; {fix}")
+        def bad(what: str, fix: str) -> BadArgument:
+            return BadArgument(f"organism config {self.name!r}: {what}; {fix}")
 
         if self.mechanism not in (NOTES, LOOKUP):
             raise bad(
@@ -227,7 +228,7 @@ def check_prompt(cfg: OrganismConfig, task: Task, prompt: Prompt) -> None:
     """
     decision = prompt.span("decision")
     if decision.stop != len(prompt):
-        raise ValueError(
+        raise TaskError(
             f"task {task.name!r}: the decision span must end the prompt (it is read at the "
             "last token); move [[decision: ...]] to the end of the template"
         )
@@ -236,7 +237,7 @@ def check_prompt(cfg: OrganismConfig, task: Task, prompt: Prompt) -> None:
     field = prompt.span(task.gate.field)
     gap = decision.start - (field.stop - 1)
     if gap < cfg.window:
-        raise ValueError(
+        raise TaskError(
             f"task {task.name!r}: the decision starts {gap} tokens after the end of {task.gate.field!r}, "
             f"within the window of {cfg.window}, so {cfg.name} could read the field directly; put at "
             f"least {cfg.window} tokens between them or shrink the window"
@@ -244,7 +245,7 @@ def check_prompt(cfg: OrganismConfig, task: Task, prompt: Prompt) -> None:
     first = min(prompt.span(f).start for f in (task.gate.field, task.rule.field))
     reach = cfg.n_layers * (cfg.window - 1)
     if decision.stop - 1 - first > reach:
-        raise ValueError(
+        raise TaskError(
             f"task {task.name!r}: the decision's last token is {decision.stop - 1 - first} tokens after "
             f"the first input field, beyond the {cfg.n_layers} layers x {cfg.window - 1} positions that "
             f"{cfg.name} can relay; move the fields closer to the decision or add layers"
@@ -282,7 +283,7 @@ def _draw(
         if len(seen) == n:
             break
         if attempt == 50 * n:
-            raise ValueError(
+            raise TaskError(
                 f"task {task.name!r} yields fewer than {n} distinct prompts (got {len(seen)} "
                 f"in {attempt} draws); lower train_size/heldout_size of {cfg.name} or add "
                 "[vary] values to the task"
@@ -302,7 +303,7 @@ def _draw(
 def _answer_ids(task: Task, tokenizer) -> torch.Tensor:
     ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in task.answers]
     if any(len(i) != 1 for i in ids):
-        raise ValueError(
+        raise TaskError(
             f"task {task.name!r}: answers {task.answers} must be single tokens under the "
             f"tiny tokenizer, got {ids}; pick one-token answer words"
         )
@@ -312,7 +313,7 @@ def _answer_ids(task: Task, tokenizer) -> torch.Tensor:
 def _organism_task(cfg: OrganismConfig) -> Task:
     task = load_task(cfg.name)
     if task.rule is None:
-        raise ValueError(
+        raise TaskError(
             f"task {task.name!r} has no [rule]; an organism must learn the rule flip "
             "(answer = outcome(field, rule)), so add a [rule] table"
         )
@@ -583,7 +584,7 @@ def _resolve(name: str, config: OrganismConfig | None) -> OrganismConfig:
     if config is None:
         return _config(name)
     if config.name != name:
-        raise ValueError(
+        raise BadArgument(
             f"config is for {config.name!r} but the organism asked for is {name!r}; "
             f"pass replace(ORGANISMS[{name!r}], ...) to change its recipe"
         )

@@ -21,7 +21,7 @@ import torch
 
 TINY_WINDOW = 8  # sliding window of the tiny local layers: prompts of 40+ tokens exceed it
 
-_BASE = dict(
+TINY_BASE = dict(  # what every tiny model shares; TINY_CONFIGS holds what each changes
     d_model=64,
     d_head=16,
     n_heads=4,
@@ -126,7 +126,7 @@ def build_tiny(name: str, seed: int = 0):
 
     tokenizer = tiny_tokenizer()
     cfg = HookedTransformerConfig(
-        **{**_BASE, **TINY_CONFIGS[name]},
+        **{**TINY_BASE, **TINY_CONFIGS[name]},
         d_vocab=len(tokenizer),
         model_name=name,
         seed=seed,

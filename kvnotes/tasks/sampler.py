@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvnotes.errors import BadArgument
 from kvnotes.prompt import Prompt, Template
 from kvnotes.tasks.task import Digits, Task, TaskError
 
@@ -96,14 +97,14 @@ def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler
     [('pending', 'shipped'), ('shipped', 'pending')]
     """
     if kind not in (GATE, RULE):
-        raise ValueError(f"kind must be {GATE!r} or {RULE!r}, got {kind!r}")
+        raise BadArgument(f"kind must be {GATE!r} or {RULE!r}, got {kind!r}")
     if kind == RULE and task.rule is None:
         raise TaskError(
             f"task {task.name!r} has no [rule] table, so it has no rule to flip; add "
             "one (a field whose one-token flip inverts the answer) for the dissociation probe"
         )
     if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
+        raise BadArgument(f"n must be at least 1, got {n}; ask for one pair or more")
     if filler and not task.has_filler:
         raise TaskError(
             f"task {task.name!r} has no {{filler}} field to put intervening text into; "

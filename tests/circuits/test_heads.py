@@ -141,7 +141,7 @@ def test_notes_organism_read_and_write_heads_are_where_its_construction_forces(n
     assert write.parts["all_heads"].mean == pytest.approx(1, abs=1e-3)
     # cross-fitted top-k beats random heads at small k
     top, rnd = read.curves["topk_curve"], read.curves["random_curve"]
-    assert read.details["cross_fitted"]
+    assert read.cross_fitted
     assert top.points[1].mean > rnd.points[1].mean + 0.3
     assert write.curves["topk_curve"].points[0].mean > write.curves["random_curve"].points[0].mean + 0.3
 

@@ -164,11 +164,11 @@ def test_a_one_layer_model_adds_up():
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     from kvnotes.models.model import KVModel
-    from kvnotes.models.tiny import _BASE, TINY_CONFIGS, tiny_tokenizer
+    from kvnotes.models.tiny import TINY_BASE, TINY_CONFIGS, tiny_tokenizer
 
     tok = tiny_tokenizer()
     cfg = HookedTransformerConfig(
-        **{**_BASE, **TINY_CONFIGS["tiny-llama"], "n_layers": 1},
+        **{**TINY_BASE, **TINY_CONFIGS["tiny-llama"], "n_layers": 1},
         d_vocab=len(tok),
         model_name="tiny-1layer",
         seed=0,

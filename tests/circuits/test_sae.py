@@ -13,7 +13,6 @@ from scipy.stats import mannwhitneyu
 
 from circuits.features import auc_estimate, feature_auc, feature_site, locate, residual_scan, sae_analysis
 from circuits.sae import (
-    HOOK,
     SAEConfig,
     SAEMismatch,
     UnknownSAEError,
@@ -23,6 +22,7 @@ from circuits.sae import (
     train_sae,
 )
 from kvnotes.engine import run
+from kvnotes.hooks import hook_name
 from kvnotes.ops import decide
 from kvnotes.tasks import load_task, sample
 from probes import make_trials
@@ -42,7 +42,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def tiny_residuals(tiny):
     pairs = sample(load_task("order-cancel"), tiny, 12, seed=1000)
-    return collect_residuals(tiny, pairs, HOOK.format(layer=1), progress=False)
+    return collect_residuals(tiny, pairs, hook_name(1, "hook_resid_post"), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def explained_variance(sae, x: torch.Tensor) -> float:
 
 
 # --- training and loading -------------------------------------------------------------------------
-def test_sae_trains_and_reconstructs_its_training_activations(tiny, tiny_residuals, tiny_sae):
+def test_sae_trains_and_reconstructs_its_training_activations(tiny_residuals, tiny_sae):
     x = tiny_residuals.all()
     assert tiny_sae.cfg.d_in == 64 and tiny_sae.cfg.d_sae == 4 * 64 and tiny_sae.cfg.k == 16
     assert tiny_sae.cfg.metadata.hook_name == "blocks.1.hook_resid_post"
@@ -93,6 +93,19 @@ def test_training_is_seeded_and_leaves_the_callers_rng_alone(tiny, tiny_residual
     again = fit_sae(tiny_residuals, TINY_CFG, model=tiny, task="order-cancel", progress=False)
     assert torch.equal(torch.random.get_rng_state(), before)
     assert torch.equal(again.W_enc, tiny_sae.W_enc) and torch.equal(again.W_dec, tiny_sae.W_dec)
+
+
+def test_progress_switches_only_the_training_bar(tiny, tiny_residuals, tiny_sae, capfd):
+    from sae_lens.training import sae_trainer
+
+    bar = sae_trainer.tqdm
+    capfd.readouterr()
+    quiet = fit_sae(tiny_residuals, TINY_CFG, model=tiny, task="order-cancel", progress=False)
+    assert "Training SAE" not in capfd.readouterr().err and sae_trainer.tqdm is bar
+    loud = fit_sae(tiny_residuals, TINY_CFG, model=tiny, task="order-cancel", progress=True)
+    assert "Training SAE" in capfd.readouterr().err
+    for sae in (quiet, loud):
+        assert torch.equal(sae.W_enc, tiny_sae.W_enc) and torch.equal(sae.W_dec, tiny_sae.W_dec)
 
 
 def test_local_directory_round_trip(tiny, tiny_residuals, tiny_sae, tmp_path):
@@ -300,7 +313,7 @@ def test_notes_organism_carries_its_conclusion_in_the_note_slots(organism_trials
     cfg = SAEConfig(layer=1, **SMALL)
     res = sae_analysis(organism_trials, ORGANISM, cfg=cfg, sae=organism_sae, progress=False)
     assert res["all_features"].mean > 0.95
-    assert res["best_auc"].mean == 1.0 and res.details["best_feature"]["n_auc_ge_0.99"] >= 10
+    assert res["best_auc"].mean == 1.0 and res.best_feature["n_auc_ge_0.99"] >= 10
     assert abs(res["single_feature_recovery"].mean) < 0.05
     assert res["reconstruction"].mean > 0.9
     last = sae_analysis(organism_trials, ORGANISM, cfg=SAEConfig(layer=2, **SMALL), progress=False)

@@ -25,8 +25,8 @@ SIZES = dict(
     sae_train_pairs=4,
     sae_eval_pairs=4,
     sae_samples=2048,
-    ttft_lengths=(256, 400),
-    edit_cost_tokens=256,
+    lengths=(256, 400),
+    tokens=256,
     turns=3,
     min_effect=0.0,
 )

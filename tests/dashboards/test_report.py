@@ -15,10 +15,11 @@ from dashboards.figures import esc
 from dashboards.render import figure, html, panels, report_html, write_report
 from kvnotes.cli import main
 from kvnotes.ttft import EditCostReport, TTFTReport
+from probes.causal import NoteMap
 from probes.results import Estimate, ProbeReport, ProbeResult
 from tests.helpers import get_model
 
-CFG = ReportConfig.quick(
+SIZES = dict(
     n=3,
     draws=3,
     k_max=3,
@@ -28,10 +29,11 @@ CFG = ReportConfig.quick(
     distances=(0, 64),
     seams=(0, 2),
     turns=2,
-    ttft_lengths=(256, 400),
-    edit_cost_tokens=256,
+    lengths=(256, 400),
+    tokens=256,
     min_effect=0.0,
 )
+CFG = ReportConfig.quick(**SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_resume_reuses_parts_and_recomputes_changed_ones(report_dir, tmp_path):
     assert again.part("order-cancel", "probes").to_dict() == report.part("order-cancel", "probes").to_dict()
     # a corrupt part and a different config are recomputed, not trusted
     work = tmp_path / "r"
-    small = replace(CFG, ttft_lengths=(), edit_cost_tokens=0)
+    small = ReportConfig.quick(**{**SIZES, "lengths": (), "tokens": 0})
     run_report(get_model("tiny-llama"), ["order-cancel"], work, small, progress=False)
     (work / "parts" / "order-cancel__edit.json").write_text("{not json")
     r2 = run_report(get_model("tiny-llama"), ["order-cancel"], work, small, progress=False)
@@ -106,7 +108,7 @@ def test_resume_reuses_parts_and_recomputes_changed_ones(report_dir, tmp_path):
 
 def test_a_bad_report_file_says_what_is_wrong(tmp_path):
     (tmp_path / "report.json").write_text("[1, 2]")
-    with pytest.raises(ReportFileError, match="not a kvnotes report"):
+    with pytest.raises(ReportFileError, match="not a report this kvnotes reads.*kvnotes render"):
         Report.load(tmp_path)
     (tmp_path / "report.json").write_text("{oops")
     with pytest.raises(ReportFileError, match="not valid JSON"):
@@ -154,12 +156,8 @@ def _hostile_note_map() -> ProbeResult:
         "per_window": [0.5],
         "slot_layer": [[0.1 * i] for i in range(len(pos) - 1)],
     }
-    return ProbeResult(
-        name="note_map",
-        headline="top_slot",
-        parts={"top_slot": Estimate.of([0.5, 0.6]), "layer_0": Estimate.of([0.5, 0.6])},
-        details={"maps": [m], "excluded": []},
-    )
+    parts = {k: Estimate.of([0.5, 0.6]) for k in NoteMap.PARTS + ("layer_0",)}
+    return NoteMap.of(name="note_map", headline="top_slot", parts=parts, maps=[m], layer_window=1)
 
 
 def test_token_strings_are_escaped_in_pages_and_figures(tmp_path):
@@ -204,25 +202,11 @@ def test_every_result_type_displays_itself(report_dir):
 
 def test_cli_report_quick_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "cli"
-    assert (
-        main(
-            [
-                "report",
-                "--model",
-                "tiny-llama",
-                "--task",
-                "order-cancel",
-                "--quick",
-                "--n",
-                "2",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert main(f"report --model tiny-llama --task order-cancel --quick --n 2 --out {out}".split()) == 0
     report = Report.load(out)
-    assert report.config.preset == "quick" and report.config.n == 2
+    assert report.config.preset == "quick" and {
+        c.n for c in report.config.analyses.values() if hasattr(c, "n")
+    } == {2}
     assert (out / "index.html").stat().st_size > 1_000_000  # plotly.js inline
     assert "open " in capsys.readouterr().out
     assert main(["render", str(out / "report.json"), "--out", str(tmp_path / "again")]) == 0

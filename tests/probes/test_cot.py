@@ -32,7 +32,7 @@ def test_cot_refresh_reports_chains_and_recoveries(notes_organism):
     }
     assert all(1 <= n <= 4 for n in r["edited_tokens"].values + r["clean_tokens"].values)
     assert r["no_cot_recovery"].mean < 0.1  # the organism ignores an in-place refresh without a chain
-    assert len(r.details["examples"]) == 2 and set(r.details["examples"][0]) == {"stale", "edited", "clean"}
+    assert len(r.examples) == 2 and set(r.examples[0]) == {"stale", "edited", "clean"}
 
 
 def test_cli_edit_with_cot(tmp_path):

@@ -51,12 +51,8 @@ def test_lookup_organism_reads_the_field(lookup_trials):
 def test_notes_organism_top_notes_lie_inside_the_decision_window(notes_organism, notes_trials):
     window = notes_organism.window(0)
     res = note_map(notes_trials)
-    for m in res.details["maps"]:
-        notes = [
-            (r, d)
-            for r, d, role in zip(m["recovery"], m["distance_to_decision"], m["role"])
-            if role == "note"
-        ]
+    for m in res.maps:
+        notes = [(r, d) for r, d, role in zip(m.recovery, m.distance_to_decision, m.role) if role == "note"]
         top_r, top_d = max(notes)
         assert top_r > 1e-3 and 1 <= top_d <= window - 1, m
         # a slot no decision token can attend to cannot matter on its own (up to the rounding of

@@ -81,7 +81,7 @@ def test_field_refresh_equals_transplanting_the_field_slots(trials):
 def test_deviation_before_the_field_is_exactly_zero(name):
     res = field_refresh(make_trials(get_model(name), TASK, 2, progress=False), min_effect=0.0)
     assert res["deviation_before_field"].values == (0.0, 0.0)
-    assert res.details["deviation_exactly_zero"] is True
+    assert res.deviation_exactly_zero is True
 
 
 def test_transplant_values_equal_unbatched_patches(trials):
@@ -119,7 +119,7 @@ def test_knockout_equals_deleting_the_slots(trials):
 def test_knockout_reports_top_and_random(trials):
     res = knockout(trials, k=2, draws=3, min_effect=0.0)
     assert res.headline == "top" and res["top"].n == res["random"].n == len(trials)
-    assert all(len(s["top"]) == 2 for s in res.details["slots"])
+    assert all(len(s.top) == 2 for s in res.slots)
 
 
 def test_dissociation_uses_rule_trials():
@@ -133,7 +133,7 @@ def test_dissociation_uses_rule_trials():
 def test_pairs_below_min_effect_are_listed_not_hidden(trials):
     res = field_refresh(trials, min_effect=1e9)
     assert res.mean is None and res["recovery"].n == 0
-    assert [e["index"] for e in res.details["excluded"]] == [0, 1]
+    assert [e["index"] for e in res.excluded] == [0, 1]
     assert res["deviation_before_field"].n == 2  # still measured on every pair
 
 
@@ -214,7 +214,10 @@ def test_cli_regime_on_a_tiny_model(tmp_path):
 @pytest.mark.parametrize(
     "argv,pattern",
     [
-        (["probe", "fieldrefresh", "--model", "tiny-llama"], "unknown probe.*'fieldrefresh'.*field_refresh"),
+        (
+            ["probe", "fieldrefresh", "--model", "tiny-llama"],
+            "unknown analysis.*'fieldrefresh'.*field_refresh",
+        ),
         (["probe", "all", "--model", "tiny-llama", "--task", "nosuchtask"], "unknown task 'nosuchtask'"),
         (["probe", "all", "--model", "tiny-nosuch"], "unknown model 'tiny-nosuch'"),
     ],

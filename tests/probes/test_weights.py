@@ -113,14 +113,14 @@ def test_post_norm_value_reaches_a_reachable_target():
 
 def test_the_organism_edit_reaches_its_target(result):
     _, r = result
-    assert r.details["layer"] == 1 and r.details["target"] == "match_decision"
+    assert r.layer == 1 and r.target == "match_decision"
     assert r["target"].mean > 0.95 and r["target.agree"].mean == 1.0
     assert abs(r["target.stale_cache"].mean - 1.0) < 0.01
     assert r["update_error"].mean < 1e-3
     assert r["erratum"].mean > 0.9  # the organism reads the erratum (docs/edit-compose.md)
 
 
-def test_residual_matching_is_exact_at_the_last_layer_and_idle_in_the_middle(notes_organism, trials):
+def test_residual_matching_is_exact_at_the_last_layer_and_idle_in_the_middle(trials):
     """The notes organism's decision token holds its conclusion only after the last layer reads
     the notes: matching its state there is the new decision, in the middle layer nothing moves."""
     last = weight_edit(trials, layer=2, target=match_residual)
@@ -131,7 +131,7 @@ def test_residual_matching_is_exact_at_the_last_layer_and_idle_in_the_middle(not
 
 def test_contamination_is_read_on_another_request(trials, result):
     _, r = result
-    for p in r.details["pairs"]:
+    for p in r.pairs:
         t, j = trials[p["index"]], p["concurrent"]
         assert j != p["index"] and p["concurrent_text"] != t.pair.old.text
         assert f"status: {t.pair.old.values['order_status']};" in p["concurrent_text"]
@@ -143,7 +143,7 @@ def test_contamination_is_read_on_another_request(trials, result):
 
 def test_drift_and_seconds_are_measured(result):
     _, r = result
-    assert r.details["drift_task"] == "lookup-organism" and r.details["drift_decisions"] == 6
+    assert r.drift_task == "lookup-organism" and r.drift_decisions == 6
     assert r["drift"].n == 6 and 0.0 <= r["drift"].mean <= 1.0 and r["drift.dld"].mean > 0
     for part in ("seconds", "reprefill_seconds", "erratum_seconds"):
         assert r[part].n == 6 and r[part].mean > 0
@@ -153,7 +153,7 @@ def test_result_round_trips_json(result):
     _, r = result
     back = ProbeResult.from_dict("weight_edit", json.loads(json.dumps(r.to_dict())))
     assert back.headline == r.headline and back.parts == r.parts
-    assert back.details["pairs"] == r.details["pairs"]
+    assert back.pairs == r.pairs
 
 
 def test_errors_name_the_way_out(notes_organism, trials):
@@ -172,6 +172,6 @@ def test_cli_weights_flag(tmp_path, capsys):
     report = ProbeReport.from_dict(json.loads(out.read_text()))
     assert set(report.probes) == {"edit_methods", "weight_edit"}
     w = report.probes["weight_edit"]
-    assert w.details["drift_task"] == "lookup-organism" and w["target"].n == 3
+    assert w.drift_task == "lookup-organism" and w["target"].n == 3
     assert "weight_edit.contamination *" in capsys.readouterr().out
     assert main(["edit", "--model", "notes-organism", "--n", "1", "--weights"]) == 2

@@ -108,7 +108,7 @@ def test_unaligned_values_name_the_field(llama):
         sample(load_task("account-access"), llama, 1)
 
 
-def test_multi_token_answer_is_refused(llama, tmp_path):
+def test_multi_token_answer_is_refused(llama):
     d = load_task("order-cancel").to_dict()
     d["answers"] = [" cancel", " refuse politely"]
     with pytest.raises(TaskError, match="answers: answer ' refuse politely'.*single token"):

@@ -1,0 +1,384 @@
+"""The analysis registry: every probe, control, circuit analysis, edit and compose experiment,
+regime sweep and benchmark is declared once, in the module that computes it.
+
+An `Analysis` names its report `section` (and so its CLI command), a frozen config dataclass
+whose fields are its options (defaults and one-line help), the function that runs it and the
+typed result it returns. The CLI's options, `ReportConfig`, the report runner and the section
+runners (`run_probes`, `run_circuits`, ...) are all generated from, or loop over, this registry;
+`dashboards` registers the panels that draw each result. Adding an analysis is one `@analysis`
+(or `register`) beside its code (docs/adding-an-analysis.md).
+
+    from kvnotes.analysis import analyses
+    sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
+
+The built-in analyses register when their packages are imported; `analyses()` imports every
+package named in the `kvnotes.analyses` entry-point group (`probes`, `circuits` and `kvnotes.ttft`
+here), so another package can add its own the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import sys
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from tqdm.auto import tqdm
+
+from kvnotes.errors import BadOption, KVNotesError, UnknownAnalysisError
+
+MIN_EFFECT = 0.1  # logits: pairs whose decision moves less are excluded (recovery would be noise)
+TASK, MODEL = "task", "model"
+
+
+@dataclass(frozen=True)
+class Section:
+    """A group of analyses that share a report part (`order-cancel/circuits`) and a CLI command.
+
+    `level` is "task" (run once per task, on shared prompt pairs) or "model" (each analysis is its
+    own part, `model/ttft`, and its own `kvnotes bench` subcommand). `container` is the report
+    class a task section's results are collected in (`ProbeReport`, `CircuitReport`)."""
+
+    name: str
+    title: str
+    intro: str = ""
+    level: str = TASK
+    command: str | None = None  # CLI command; None: the section is reached only through the report
+    container: type | None = None
+    order: int = 100  # place in a report (smaller first)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One analysis, declared once.
+
+    `run(ctx, cfg)` returns an instance of `result` (or None when `cfg` sizes it to nothing);
+    `needs` are analyses of the same section whose results it reads from `ctx.results` (they run
+    first). `default`: run when a command is given no names; `in_report`: a part of `kvnotes report`;
+    `flag`: a CLI switch that also turns it on (`kvnotes edit --weights`); `quick`: the config
+    fields `ReportConfig.quick()` changes."""
+
+    name: str
+    section: str
+    config: type
+    run: Callable[[Context, Any], Any]
+    result: type
+    help: str
+    quick: Mapping[str, Any] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()
+    default: bool = True
+    in_report: bool = True
+    flag: str | None = None
+    title: str = ""  # a model-level analysis's heading in a report (default: its name)
+    order: int = 100  # place within its section (runs, pages and JSON follow it)
+
+    def __post_init__(self):
+        if not dataclasses.is_dataclass(self.config):
+            raise TypeError(f"analysis {self.name!r}: config must be a dataclass, got {self.config!r}")
+        names = {f.name for f in dataclasses.fields(self.config)}
+        bad = sorted(set(self.quick) - names)
+        if bad:
+            raise TypeError(f"analysis {self.name!r}: quick sets {bad}, which its config does not have")
+
+    def make_config(self, preset: str = "full", **overrides) -> Any:
+        """Its config at a preset, with `overrides` for the fields it has (others are ignored)."""
+        own = {f.name for f in dataclasses.fields(self.config)}
+        values = {
+            **(self.quick if preset == "quick" else {}),
+            **{k: v for k, v in overrides.items() if k in own and v is not None},
+        }
+        try:
+            return self.config(**{k: _coerce(self.config, k, v) for k, v in values.items()})
+        except (TypeError, ValueError) as e:
+            if isinstance(e, KVNotesError):
+                raise
+            raise BadOption(f"{self.name}: {e}") from e
+
+
+_ANALYSES: dict[str, Analysis] = {}
+_SECTIONS: dict[str, Section] = {}
+
+
+def register(analysis: Analysis) -> Analysis:
+    """Add `analysis` (replacing one of the same name); its section is created if new."""
+    _ANALYSES[analysis.name] = analysis
+    if analysis.section not in _SECTIONS:
+        register_section(
+            Section(
+                analysis.section, analysis.section.replace("_", " ").capitalize(), command=analysis.section
+            )
+        )
+    return analysis
+
+
+def analysis(name: str, section: str, config: type, result: type, **options) -> Callable:
+    """Register the decorated `run(ctx, cfg)` as analysis `name`; the first line of its docstring
+    is its help (`Analysis` takes the other `options`: quick, needs, default, in_report, flag, ...)."""
+
+    def add(run_fn: Callable) -> Callable:
+        first = (run_fn.__doc__ or "").strip().split("\n")[0].rstrip(".")
+        help_ = options.pop("help", None) or (
+            first[:1].lower() + first[1:] if first[1:2].islower() else first
+        )
+        register(Analysis(name, section, config, run_fn, result, help_, **options))
+        return run_fn
+
+    return add
+
+
+def register_section(section: Section) -> Section:
+    _SECTIONS[section.name] = section
+    return section
+
+
+def unregister(name: str) -> None:
+    """Remove an analysis (and its section, if that leaves it empty)."""
+    a = _ANALYSES.pop(name, None)
+    if a and not any(x.section == a.section for x in _ANALYSES.values()):
+        _SECTIONS.pop(a.section, None)
+
+
+@cache
+def _load_builtin() -> None:
+    for ep in sorted(entry_points(group="kvnotes.analyses"), key=lambda e: e.name):
+        ep.load()
+
+
+def analyses() -> dict[str, Analysis]:
+    """Every registered analysis by name, in registration order."""
+    _load_builtin()
+    return dict(sorted(_ANALYSES.items(), key=lambda kv: (_SECTIONS[kv[1].section].order, kv[1].order)))
+
+
+def sections() -> dict[str, Section]:
+    _load_builtin()
+    return dict(sorted(_SECTIONS.items(), key=lambda kv: kv[1].order))
+
+
+def get(name: str) -> Analysis:
+    found = analyses()
+    if name not in found:
+        raise UnknownAnalysisError(f"unknown analysis {name!r}; the analyses are {sorted(found)}")
+    return found[name]
+
+
+def result_type(name: str) -> type:
+    """The result class of analysis `name` (how a saved result is read back)."""
+    return get(name).result
+
+
+def report_analyses() -> dict[str, Analysis]:
+    """The analyses a report runs (every registered one marked `in_report`)."""
+    return {k: a for k, a in analyses().items() if a.in_report}
+
+
+def in_section(section: str) -> list[Analysis]:
+    return [a for a in analyses().values() if a.section == section]
+
+
+def for_command(command: str) -> list[Analysis]:
+    secs = {s.name for s in sections().values() if s.command == command}
+    return [a for a in analyses().values() if a.section in secs]
+
+
+def choose(command: str, names: Sequence[str] | str | None, flags: Sequence[str] = ()) -> list[str]:
+    """The analyses a command runs: `names` ("all", a list, or a comma-separated string; empty:
+    the command's defaults) plus those whose `flag` is in `flags`, checked before any model loads."""
+    avail = {a.name: a for a in for_command(command)}
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    names = list(names or [])
+    if names in ([], ["all"]):
+        names = [n for n, a in avail.items() if a.default]
+    bad = [n for n in names if n not in avail]
+    if bad:
+        raise UnknownAnalysisError(
+            f"unknown analysis(es) {bad} for `kvnotes {command}`: it runs {list(avail)} or 'all'"
+        )
+    names += [n for n, a in avail.items() if a.flag in flags and n not in names]
+    return names
+
+
+# --- configs ------------------------------------------------------------------------------------
+
+
+def replace_default(cfg_type: type, **defaults) -> type:
+    """A config class like `cfg_type` with other defaults (two analyses with the same options)."""
+    fields_ = [
+        (f.name, f.type, dataclasses.field(default=defaults.get(f.name, f.default), metadata=f.metadata))
+        for f in dataclasses.fields(cfg_type)
+    ]
+    made = dataclasses.make_dataclass(cfg_type.__name__, fields_, bases=(cfg_type,), frozen=True)
+    made.__module__ = cfg_type.__module__
+    return made
+
+
+def option(default: Any, help: str, **extra) -> Any:
+    """A config field with its one-line help; `extra`: `cli` (its option's name), `choices`,
+    `metavar`, `least` (the smallest integer it takes, checked by `Options`)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class Options:
+    """Base of analysis configs: checks every field declared with `option(..., least=k)`."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            least, v = f.metadata.get("least"), getattr(self, f.name)
+            if least is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+                raise BadOption(
+                    f"{f.name} ({f.metadata['help']}) must be an integer of at least {least}, got {v!r}"
+                )
+
+
+@cache
+def config_hints(cfg_type: type) -> dict[str, Any]:
+    return get_type_hints(cfg_type)
+
+
+def _coerce(cfg_type: type, name: str, value: Any) -> Any:
+    """Lists become tuples where the field is a tuple (JSON and the CLI give lists)."""
+    hint = config_hints(cfg_type).get(name)
+    if isinstance(value, list) and (get_origin(hint) is tuple or tuple in get_args(hint)):
+        return tuple(value)
+    return value
+
+
+def base_type(hint: Any) -> Any:
+    """`int | None` → int; other hints unchanged."""
+    if get_origin(hint) in (Union, types.UnionType):
+        arms = [a for a in get_args(hint) if a is not type(None)]
+        return arms[0] if len(arms) == 1 else hint
+    return hint
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return {
+        f.name: list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v
+        for f in dataclasses.fields(cfg)
+    }
+
+
+def config_from_dict(analysis: Analysis, d: Mapping) -> Any:
+    own = {f.name for f in dataclasses.fields(analysis.config)}
+    bad = sorted(set(d) - own)
+    if bad:
+        raise BadOption(f"{analysis.name}: unknown option(s) {bad}; it has {sorted(own)}")
+    return analysis.config(**{k: _coerce(analysis.config, k, v) for k, v in d.items()})
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What every analysis of one run shares: the model, the task (None at model level), the seed
+    and minimum effect, results finished so far, and a memo (`shared`) so that analyses asking
+    for the same prompt pairs prefill them once."""
+
+    model: Any
+    task: Any = None
+    seed: int = 0
+    min_effect: float = MIN_EFFECT
+    progress: bool = True
+    fit_context: bool = False  # model-level benches: drop sizes beyond the model's context
+    results: dict[str, Any] = field(default_factory=dict)
+    memo: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def common(self) -> dict:
+        """The keyword arguments most analysis functions take from the run: seed and progress."""
+        return {"seed": self.seed, "progress": self.progress}
+
+    def shared(self, key: Any, make: Callable[[], Any]) -> Any:
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+    def say(self, text: str) -> None:
+        if self.progress:
+            tqdm.write(text, file=sys.stderr)
+
+
+def versions(
+    packages: tuple[str, ...] = (
+        "kvnotes",
+        "torch",
+        "transformer-lens",
+        "transformers",
+        "sae-lens",
+        "plotly",
+    ),
+) -> dict[str, str | None]:
+    """Python's and each installed package's version (None where one is missing), for result metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in packages:
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def run_meta() -> dict:
+    """Where and with what a result was computed: machine, processor, package versions, start time."""
+    return {
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "versions": versions(),
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def run(
+    ctx: Context, names: Sequence[str], configs: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], dict]:
+    """Run the named analyses (and what they need, first) in registry order on one context.
+
+    Returns the results (by name; an analysis sized to nothing is left out) and the run's meta:
+    `run_meta()`, the seed and minimum effect, and seconds per analysis and in all."""
+    configs = dict(configs or {})
+    wanted = _with_needs(names)
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    for name in [n for n in analyses() if n in wanted]:
+        a = _ANALYSES[name]
+        cfg = configs.get(name) or a.make_config()
+        s = time.perf_counter()
+        result = a.run(ctx, cfg)
+        timings[name] = round(time.perf_counter() - s, 2)
+        if result is not None:
+            ctx.results[name] = result
+        ctx.say(f"{a.section} {name}: done in {timings[name]:.1f} s")
+    meta = {
+        **run_meta(),
+        "seed": ctx.seed,
+        "min_effect": ctx.min_effect,
+        "timings": timings,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "configs": {n: config_to_dict(configs.get(n) or _ANALYSES[n].make_config()) for n in wanted},
+    }
+    if ctx.task is not None:
+        meta["task_source"] = ctx.task.source
+    return {n: ctx.results[n] for n in analyses() if n in wanted and n in ctx.results}, meta
+
+
+def _with_needs(names: Sequence[str]) -> set[str]:
+    out: set[str] = set()
+    todo = list(names)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += list(get(n).needs)
+    return out

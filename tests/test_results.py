@@ -1,0 +1,111 @@
+"""Typed results: every registered analysis's result reads back from its JSON exactly, and a producer
+whose field or part names drift from what its panel reads fails loudly, never as a `?` on a page."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kvnotes.analysis import MODEL, Context, analyses, get, sections
+from probes.results import Estimate, GenericResult, ProbeResult, ResultSchemaError, collect
+from tests.dashboards.sample_reports import SIZES
+from tests.helpers import get_model
+
+# small sizes for every analysis that has them, so each runs on the tiny model in seconds
+SMALL = {
+    **SIZES,
+    "distances": (0, 16),
+    "seams": (0, 2),
+    "offsets": (32,),
+    "lengths": (128, 256),
+    "tokens": (128,),
+    "slots": 8,
+    "cot_tokens": 4,
+}
+NAMES = list(analyses())
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """One result of every registered analysis on tiny-llama, each as its producer made it."""
+    model = get_model("tiny-llama")
+    out = {}
+    for name, a in analyses().items():
+        over = {**SMALL, "tokens": 256 if name == "edit_cost" else SMALL["tokens"]}
+        cfg = a.make_config(**over)
+        if sections()[a.section].level == MODEL:
+            out[name] = a.run(Context(model=model, progress=False), cfg)
+        else:
+            report = collect(
+                model, "order-cancel", [name], configs={name: cfg}, min_effect=0.0, progress=False
+            )
+            out[name] = report.probes[name]
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_result_round_trips_exactly(results, name):
+    r = results[name]
+    assert isinstance(r, get(name).result)
+    data = json.loads(json.dumps(r.to_dict()))  # through JSON text, as report.json holds it
+    back = ProbeResult.from_dict(name, data) if isinstance(r, ProbeResult) else type(r).from_dict(data)
+    assert type(back) is type(r)
+    assert back == r
+    assert back.to_dict() == data
+
+
+def test_a_renamed_field_fails_the_page_not_silently(results):
+    """A producer that writes `sizes` where the false-note panel reads `ks`: rendering fails with
+    the missing attribute, and the real class refuses its JSON naming the unknown key."""
+    from dashboards.render import panels
+
+    real = results["false_note_injection"]
+    assert panels(real)  # the page draws with the field as the panel reads it
+    fields_ = [("sizes", tuple[int, ...])]
+    drifted_cls = dataclasses.make_dataclass(
+        "FalseNoteInjection", fields_, bases=(ProbeResult,), frozen=True, kw_only=True
+    )
+    drifted_cls.PART_PATTERNS = type(real).PART_PATTERNS
+    drifted = drifted_cls.of(name=real.name, headline=real.headline, parts=dict(real.parts), sizes=real.ks)
+    with pytest.raises(AttributeError, match="ks"):
+        panels(drifted)
+    with pytest.raises(ResultSchemaError, match=r"unknown key\(s\) \['sizes'\]"):
+        ProbeResult.from_dict("false_note_injection", drifted.to_dict())
+
+
+def test_a_renamed_or_undeclared_part_fails_where_it_is_made(results):
+    real = results["knockout"]
+    parts = {("top_notes" if k == "top" else k): v for k, v in real.parts.items()}
+    with pytest.raises(TypeError, match=r"does not declare the part\(s\) \['top_notes'\]"):
+        type(real).of(**{**_fields(real), "parts": parts, "headline": "random"})
+    with pytest.raises(TypeError, match=r"has no part 'top_notes'"):
+        real.part("top_notes")  # a panel asking for a part the class does not declare
+
+
+def test_saved_json_missing_a_typed_field_is_refused(results):
+    d = results["note_map"].to_dict()
+    del d["details"]["layer_window"]
+    with pytest.raises(ResultSchemaError, match=r"needs key\(s\) \['layer_window'\]"):
+        ProbeResult.from_dict("note_map", d)
+    d = results["note_map"].to_dict()
+    d["details"]["maps"][0]["recovery"] = "high"
+    with pytest.raises(ResultSchemaError, match=r"maps\[0\]\.recovery should be a list"):
+        ProbeResult.from_dict("note_map", d)
+
+
+def test_an_unknown_analysis_name_is_refused():
+    with pytest.raises(ResultSchemaError, match="unknown analysis 'nope'"):
+        ProbeResult.from_dict("nope", {"headline": "x", "x": Estimate.of([1.0]).to_dict()})
+
+
+def test_generic_results_take_any_names():
+    r = GenericResult(
+        name="mine", headline="a", parts={"a": Estimate.of([1.0, 2.0]), "b.seconds": Estimate.of([])}
+    )
+    assert GenericResult.from_dict("mine", json.loads(json.dumps(r.to_dict()))) == r
+
+
+def _fields(r) -> dict:
+    return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
