@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -75,10 +76,19 @@ def result_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
     for section, rs in groups.items():
         skey = f"{task}/{section}"
         if section in SUMMARIES:
-            out += SUMMARIES[section](rs, skey)
+            out += _noting_dropped(SUMMARIES[section](rs, skey), sum(r.dropped() for r in rs.values()))
         for name, r in rs.items():
-            out += PANELS[name](r, skey) if name in PANELS else [generic_panel(r, f"{skey}/{name}")]
+            made = PANELS[name](r, skey) if name in PANELS else [generic_panel(r, f"{skey}/{name}")]
+            out += _noting_dropped(made, r.dropped())
     return out
+
+
+def _noting_dropped(made: list[Panel], dropped: int) -> list[Panel]:
+    """Panels whose notes say how many non-finite values their figures leave out, when any are."""
+    if not dropped:
+        return made
+    say = f"{dropped} non-finite value(s) left out of the figures (report.json counts them per part)"
+    return [replace(p, note=f"{p.note}; {say}" if p.note else say) for p in made]
 
 
 def generic_panel(r: ProbeResult, key: str) -> Panel:

@@ -31,40 +31,48 @@ CONFIDENCE = 0.95
 class Estimate:
     """Per-prompt `values`, their `mean` and a percentile-bootstrap 95% CI of the mean.
 
-    Undefined figures (no values; a CI from fewer than two values) are None, never NaN.
+    Undefined figures (no values; a CI from fewer than two values) are None, never NaN. Values
+    that are None, NaN or infinite (a recovery whose pair has no effect) are left out of the mean
+    and counted in `dropped`, which tables and pages show whenever it is not 0.
 
-    >>> e = Estimate.of([0.9, 1.0, 1.1, 1.0])
-    >>> round(e.mean, 3), e.n, e.ci[0] <= e.mean <= e.ci[1]
-    (1.0, 4, True)
+    >>> e = Estimate.of([0.9, 1.0, 1.1, 1.0, float("nan")])
+    >>> round(e.mean, 3), e.n, e.dropped, e.ci[0] <= e.mean <= e.ci[1]
+    (1.0, 4, 1, True)
     """
 
     values: tuple[float, ...]
     mean: float | None
     ci: tuple[float, float] | None
+    dropped: int = 0  # values given that were None or not finite
 
     @classmethod
-    def of(cls, values: Sequence[float], *, seed: int = 0) -> Estimate:
-        vals = tuple(float(v) for v in values if v is not None and math.isfinite(float(v)))
+    def of(cls, values: Sequence[float | None], *, seed: int = 0) -> Estimate:
+        given = list(values)
+        vals = tuple(float(v) for v in given if v is not None and math.isfinite(float(v)))
+        dropped = len(given) - len(vals)
         if not vals:
-            return cls(values=(), mean=None, ci=None)
-        return cls(values=vals, mean=float(np.mean(vals)), ci=bootstrap_ci(vals, seed=seed))
+            return cls(values=(), mean=None, ci=None, dropped=dropped)
+        return cls(values=vals, mean=float(np.mean(vals)), ci=bootstrap_ci(vals, seed=seed), dropped=dropped)
 
     @property
     def n(self) -> int:
         return len(self.values)
 
     def to_dict(self) -> dict:
-        return {"mean": self.mean, "ci": list(self.ci) if self.ci else None, "values": list(self.values)}
+        out = {"mean": self.mean, "ci": list(self.ci) if self.ci else None, "values": list(self.values)}
+        return {**out, "dropped": self.dropped} if self.dropped else out
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Estimate:
-        return cls(values=tuple(d["values"]), mean=d["mean"], ci=tuple(d["ci"]) if d["ci"] else None)
+        ci = tuple(d["ci"]) if d["ci"] else None
+        return cls(values=tuple(d["values"]), mean=d["mean"], ci=ci, dropped=d.get("dropped", 0))
 
     def __str__(self) -> str:
+        dropped = f" ({self.dropped} non-finite dropped)" if self.dropped else ""
         if self.mean is None:
-            return "undefined (no usable prompts)"
+            return "undefined (no usable prompts)" + dropped
         ci = f"[{self.ci[0]:+.3f}, {self.ci[1]:+.3f}]" if self.ci else "[n<2]"
-        return f"{self.mean:+.3f} {ci} n={self.n}"
+        return f"{self.mean:+.3f} {ci} n={self.n}" + dropped
 
 
 def bootstrap_ci(
@@ -121,13 +129,15 @@ class Curve:
             "mean": self.means,
             "ci": [list(p.ci) if p.ci else None for p in self.points],
             "values": [list(p.values) for p in self.points],
+            **({"dropped": [p.dropped for p in self.points]} if any(p.dropped for p in self.points) else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Curve:
+        dropped = d.get("dropped") or [0] * len(d["mean"])
         pts = tuple(
-            Estimate.from_dict({"mean": m, "ci": c, "values": v})
-            for m, c, v in zip(d["mean"], d["ci"], d["values"])
+            Estimate.from_dict({"mean": m, "ci": c, "values": v, "dropped": k})
+            for m, c, v, k in zip(d["mean"], d["ci"], d["values"], dropped)
         )
         return cls(x_name=d["x_name"], x=tuple(d["x"]), points=pts)
 
@@ -328,6 +338,12 @@ class ProbeResult(Displayable):
         if not (self.OPEN or name in self.CURVES or any(re.fullmatch(p, name) for p in self.CURVE_PATTERNS)):
             raise TypeError(f"{type(self).__name__} has no curve {name!r}; it declares {list(self.CURVES)}")
         return self.curves.get(name)
+
+    def dropped(self) -> int:
+        """Non-finite values left out of all this result's parts and curves (0: none)."""
+        return sum(e.dropped for e in self.parts.values()) + sum(
+            p.dropped for c in self.curves.values() for p in c.points
+        )
 
     @property
     def estimate(self) -> Estimate:
