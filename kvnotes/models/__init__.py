@@ -10,10 +10,10 @@ EMBEDDED = "gemma-3-270m"
 
 
 def builtin_names() -> list[str]:
-    from kvnotes.models.organisms import ORGANISMS
+    from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS
     from kvnotes.models.tiny import TINY_CONFIGS
 
-    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS]
+    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS, *NULL_ORGANISMS]
 
 
 def load_model(name: str, **kwargs):
@@ -29,7 +29,7 @@ def load_model(name: str, **kwargs):
     >>> model.n_layers
     4
     """
-    from kvnotes.models.organisms import ORGANISMS, load_organism
+    from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS, load_null_organism, load_organism
     from kvnotes.models.tiny import TINY_CONFIGS, build_tiny
 
     if name == EMBEDDED:
@@ -40,6 +40,8 @@ def load_model(name: str, **kwargs):
         return build_tiny(name, **kwargs)
     if name in ORGANISMS:
         return load_organism(name, **kwargs)
+    if name in NULL_ORGANISMS:
+        return load_null_organism(name)
     if Path(name).expanduser().is_dir() or "/" in name:
         from kvnotes.models.hf import load_hf
 

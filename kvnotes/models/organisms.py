@@ -620,3 +620,28 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+NULL_ORGANISMS = {"null-organism": "notes-organism"}  # name -> the organism whose architecture it has
+
+
+def load_null_organism(name: str = "null-organism") -> KVModel:
+    """An organism's architecture with its initial, untrained weights (seeded, so the same every
+    time): the control on which a probe must report no mechanism. Its decision barely moves with
+    the field, so every pair falls below the minimum effect and is excluded (docs/organisms.md).
+
+    >>> load_null_organism().n_layers
+    3
+    """
+    import torch
+
+    if name not in NULL_ORGANISMS:
+        from kvnotes.errors import UnknownModelError
+
+        raise UnknownModelError(f"unknown null organism {name!r}; they are {sorted(NULL_ORGANISMS)}")
+    cfg = ORGANISMS[NULL_ORGANISMS[name]]
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed)
+        tl = _new_model(cfg)
+    tl.eval()
+    return KVModel.wrap(name, tl, tiny_tokenizer())
