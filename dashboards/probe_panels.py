@@ -184,8 +184,14 @@ def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> list[Panel]:
         est(g("notes_transplant", "k_only"), "notes K only", group="recovery"),
         est(g("notes_transplant", "v_only"), "notes V only", group="recovery"),
         est(g("note_map", "top_slot"), "best single note slot", group="recovery"),
-        est(g("knockout", "top"), "knockout: top notes", group="decision lost"),
-        est(g("knockout", "random"), "knockout: random slots", group="decision lost"),
+        est(g("knockout", "top_xfit"), "knockout: top notes (ranked on other pairs)", group="decision lost"),
+        est(
+            g("knockout", "matched"),
+            "knockout: matched slots (same region, token class)",
+            group="decision lost",
+        ),
+        est(g("knockout", "top"), "knockout: top notes (in-sample)", group="decision lost"),
+        est(g("knockout", "random"), "knockout: random slots (in-sample control)", group="decision lost"),
         est(g("dissociation", "notes"), "dissociation: rule flipped, notes fixed", group="recovery"),
         est(g("dissociation", "rule_slot"), "dissociation: rule slot only", group="recovery"),
     ]
@@ -217,9 +223,13 @@ def false_note_panel(r: ProbeResult, key: str) -> list[Panel]:
     ks = list(r.ks)
     top = [r.part(f"k{k}") for k in ks]
     rnd = [r.part(f"random_k{k}") for k in ks]
+    xfit = [r.part(f"xfit_k{k}") for k in ks]
+    matched = [r.part(f"matched_k{k}") for k in ks]
     curves = [
-        series("top-k note slots", ks, top),
-        series("k random downstream slots", ks, rnd, color=GREY, dash="dash"),
+        series("top-k slots ranked on other pairs", ks, xfit),
+        series("k matched slots (same region, token class)", ks, matched, color=GREY, dash="dash"),
+        series("top-k slots of the pair's own map (in-sample)", ks, top, dash="dot"),
+        series("k random downstream slots (in-sample control)", ks, rnd, color=GREY, dash="dot"),
     ]
     fig = ci_curves(
         curves,
@@ -229,8 +239,10 @@ def false_note_panel(r: ProbeResult, key: str) -> list[Panel]:
     )
     last = ks[-1] if ks else None
     reading = (
-        f"Injecting the top {last} note slots moves the decision {say(r.part(f'k{last}'))} of the way "
-        f"to the injected conclusion, against {say(r.part(f'random_k{last}'))} for {last} random slots."
+        f"Injecting the top {last} note slots (ranked on the other pairs) moves the decision "
+        f"{say(r.part(f'xfit_k{last}'))} of the way to the injected conclusion, against "
+        f"{say(r.part(f'matched_k{last}'))} for {last} matched slots (in-sample: "
+        f"{say(r.part(f'k{last}'))} against {say(r.part(f'random_k{last}'))})."
         if last is not None
         else "Not measured."
     )

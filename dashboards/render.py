@@ -87,7 +87,10 @@ def _noting_dropped(made: list[Panel], dropped: int) -> list[Panel]:
     """Panels whose notes say how many non-finite values their figures leave out, when any are."""
     if not dropped:
         return made
-    say = f"{dropped} non-finite value(s) left out of the figures (report.json counts them per part)"
+    say = (
+        f"{dropped} undefined or non-finite value(s) left out of the figures "
+        "(report.json counts them per part)"
+    )
     return [replace(p, note=f"{p.note}; {say}" if p.note else say) for p in made]
 
 

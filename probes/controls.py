@@ -11,6 +11,7 @@ import torch
 from kvnotes.analysis import Context, analysis, option
 from kvnotes.errors import BadArgument
 from kvnotes.ops import Patch
+from kvnotes.prompt import is_delimiter
 from kvnotes.tasks import RULE
 from probes.causal import effect_estimate, split_by_effect, top_notes
 from probes.results import Estimate, ProbeResult
@@ -47,6 +48,67 @@ def random_slots(t: Trial, k: int, exclude: Sequence[int], rng: random.Random) -
     return rng.sample(pool, min(k, len(pool)))
 
 
+def _offset(t: Trial, position: int) -> int:
+    """A slot's place relative to the decision (decision start − position): what lines slots up
+    across pairs whose names and values differ in length."""
+    return t.pair.new.span("decision").start - position
+
+
+def cross_fitted_notes(trials: Sequence[Trial], k: int) -> tuple[list[list[int]], bool]:
+    """For each trial, its `k` downstream slots ranked on the OTHER half of the trials (even and odd
+    indices): slots are lined up by their offset from the decision and scored by the mean
+    single-slot recovery the other half measured there. Out of sample, unlike `top_notes`, which
+    ranks a pair's slots on that pair. With one trial it falls back to in-sample and says so."""
+    n = len(trials)
+    crossed = n >= 2
+    scores = [{_offset(t, p): r for r, p in _note_scores(t)} for t in trials]
+    out = []
+    for i, t in enumerate(trials):
+        others = [j for j in range(n) if (j % 2 != i % 2 if crossed else True)]
+        mean: dict[int, list[float]] = {}
+        for j in others:
+            for off, r in scores[j].items():
+                mean.setdefault(off, []).append(r)
+        rank = {off: sum(v) / len(v) for off, v in mean.items()}
+        down = t.pair.downstream()
+        down.sort(key=lambda p: (-rank.get(_offset(t, p), float("-inf")), -p))
+        out.append(down[:k])
+    return out, crossed
+
+
+def _note_scores(t: Trial) -> list[tuple[float, int]]:
+    top_notes(t, 1)  # runs (and caches) the pair's single-slot transplants if nothing has yet
+    m = t.cache.get(("note_map", 1))
+    if m is not None:
+        return [(r, p) for r, p, role in zip(m["recovery"], m["positions"], m["role"]) if role == "note"]
+    return list(t.cache["note_slots"])
+
+
+def matched_slots(t: Trial, chosen: Sequence[int], rng: random.Random) -> list[int]:
+    """A random control for `chosen`: for each chosen slot, another downstream slot (between the
+    field and the decision) of the same token class (delimiter or not), none of them chosen; where
+    a class runs out, any other downstream slot. Never reaches outside the region."""
+    free = [p for p in t.pair.downstream() if p not in chosen]
+    rng.shuffle(free)
+    delim = dict(zip(free, (is_delimiter(s) for s in t.token_strings(free))))
+    picked: list[int] = []
+    for c_delim in (is_delimiter(s) for s in t.token_strings(list(chosen))):
+        same = [p for p in free if p not in picked and delim[p] == c_delim]
+        rest = [p for p in free if p not in picked]
+        if same or rest:
+            picked.append((same or rest)[0])
+    return picked
+
+
+def _blocked_lost(t: Trial, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The fraction of the decision lost with each row's slots blocked from the decision."""
+    mask = torch.zeros(len(rows), t.new_nb.n_slots, dtype=torch.bool)
+    for r, pos in enumerate(rows):
+        if pos:
+            mask[r, t.new_nb.slot_index(pos)] = True
+    return 1.0 - t.recovery(t.ld(t.new_nb.expand(len(rows)), hooks=knockout_hooks(t.model, mask)))
+
+
 def knockout(
     trials: Sequence[Trial], *, k: int = 4, draws: int = 8, seed: int = 0, min_effect: float = MIN_EFFECT
 ) -> ProbeResult:
@@ -55,26 +117,41 @@ def knockout(
 
     Values are the fraction of the decision lost: (ld_new - ld_knocked) / (ld_new - ld_old);
     0 = nothing lost, 1 = back to the old value's decision. Parts: `top` (headline), `random`.
+
+    Out of sample: `top_xfit` blocks the k slots ranked on the other half of the pairs
+    (`cross_fitted_notes`), `matched` as many slots matched to those in region and token class
+    (`matched_slots`, `draws` draws; left out, and counted in `dropped`, on a pair whose region has
+    fewer than 2k slots). `top` and `random` are in-sample (the top slots of the pair's
+    own map; the random slots drawn outside them, topped up from before the field): compare
+    `top_xfit` with `matched`.
     """
     used, excluded = split_by_effect(trials, min_effect)
     top_lost, rand_lost, chosen = [], [], []
+    xfit_lost, matched_lost = [], []
+    xfit, crossed = cross_fitted_notes(used, k)
     for i, t in enumerate(with_progress(used, "knockout")):
         rng = random.Random(f"knockout/{seed}/{i}")
         top = top_notes(t, k)
-        rows = [top] + [random_slots(t, len(top), top, rng) for _ in range(draws)]
-        mask = torch.zeros(len(rows), t.new_nb.n_slots, dtype=torch.bool)
-        for r, pos in enumerate(rows):
-            if pos:
-                mask[r, t.new_nb.slot_index(pos)] = True
-        logit_diffs = t.ld(t.new_nb.expand(len(rows)), hooks=knockout_hooks(t.model, mask))
-        lost = 1.0 - t.recovery(logit_diffs)
+        lost = _blocked_lost(t, [top] + [random_slots(t, len(top), top, rng) for _ in range(draws)])
         top_lost.append(float(lost[0]))
         rand_lost.append(float(lost[1:].mean()))
         chosen.append({"top": top, "tokens": t.token_strings(top)})
+        mrng = random.Random(f"knockout-matched/{seed}/{i}")
+        controls = [matched_slots(t, xfit[i], mrng) for _ in range(draws)]
+        lost = _blocked_lost(t, [xfit[i]] + controls)
+        xfit_lost.append(float(lost[0]))
+        whole = all(len(c) == len(xfit[i]) for c in controls)  # else the region is too small to match
+        matched_lost.append(float(lost[1:].mean()) if whole else None)
     return Knockout.of(
         name="knockout",
         headline="top",
-        parts={"top": Estimate.of(top_lost), "random": Estimate.of(rand_lost)},
+        parts={
+            "top": Estimate.of(top_lost),
+            "random": Estimate.of(rand_lost),
+            "top_xfit": Estimate.of(xfit_lost),
+            "matched": Estimate.of(matched_lost),
+        },
+        cross_fitted=crossed,
         excluded=excluded,
         k=k,
         draws=draws,
@@ -122,13 +199,31 @@ def false_note_injection(
     `random_k{k}`, the same injection into k slots drawn at random from the same downstream region,
     as control (when the region has no more than k slots, control and top-k are the same slots).
     Headline: the largest k.
+
+    `k{k}` ranks each pair's slots on that pair's own map, so `k1` is the maximum of the list its
+    control samples from. Out of sample: `xfit_k{k}` injects the k slots ranked on the other half
+    of the pairs (`cross_fitted_notes`), `matched_k{k}` as many slots matched to those in region and
+    token class (`matched_slots`); on a pair whose region has fewer than 2k slots there is no such
+    control, and its value is left out (counted in the part's `dropped`).
     """
     used, excluded = split_by_effect(trials, min_effect)
     ks = sorted(set(int(k) for k in ks))
     rec = {k: [] for k in ks}
     rand = {k: [] for k in ks}
     follows = {k: [] for k in ks}
+    xfit = {k: [] for k in ks}
+    matched = {k: [] for k in ks}
+    xfit_slots, crossed = cross_fitted_notes(used, ks[-1])
     for i, t in enumerate(with_progress(used, "false_note_injection")):
+        mrng = random.Random(f"inject-matched/{seed}/{i}")
+        controls = [matched_slots(t, xfit_slots[i][:k], mrng) for k in ks]
+        specs = [Patch(positions=tuple(xfit_slots[i][:k])) for k in ks]
+        specs += [Patch(positions=tuple(c)) for c in controls]
+        r = t.sweep(specs)
+        for j, k in enumerate(ks):
+            xfit[k].append(float(r[j]))
+            whole = len(controls[j]) == len(xfit_slots[i][:k])  # else the region is too small to match
+            matched[k].append(float(r[len(ks) + j]) if whole else None)
         rng = random.Random(f"inject/{seed}/{i}")
         ranked = top_notes(t, ks[-1])
         down = t.pair.downstream()
@@ -145,7 +240,10 @@ def false_note_injection(
     parts = {f"k{k}": Estimate.of(v) for k, v in rec.items()}
     parts.update({f"follows_k{k}": Estimate.of(v) for k, v in follows.items()})
     parts.update({f"random_k{k}": Estimate.of(v) for k, v in rand.items()})
+    parts.update({f"xfit_k{k}": Estimate.of(v) for k, v in xfit.items()})
+    parts.update({f"matched_k{k}": Estimate.of(v) for k, v in matched.items()})
     return FalseNoteInjection.of(
+        cross_fitted=crossed,
         name="false_note_injection",
         headline=f"k{ks[-1]}",
         parts=parts,
@@ -163,12 +261,15 @@ class KnockedSlots:
 
 @dataclass(frozen=True, kw_only=True)
 class Knockout(ProbeResult):
-    """Fraction of the decision lost with the top-k note slots blocked (`top`) vs k random ones."""
+    """Fraction of the decision lost with the top-k note slots blocked (`top`) vs k random ones;
+    out of sample, the cross-fitted top slots (`top_xfit`) vs slots matched to them (`matched`)."""
 
     PARTS = ("top", "random")
+    PART_PATTERNS = ("top_xfit", "matched")  # optional: reports written before them load too
     k: int
     draws: int
     slots: tuple[KnockedSlots, ...]
+    cross_fitted: bool | None = None  # top_xfit ranked on the other half (False: one pair, in-sample)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,10 +282,12 @@ class Dissociation(ProbeResult):
 @dataclass(frozen=True, kw_only=True)
 class FalseNoteInjection(ProbeResult):
     """Per k: recovery toward the injected conclusion (`k{k}`), whether the answer follows it
-    (`follows_k{k}`), and the same injection into random slots (`random_k{k}`)."""
+    (`follows_k{k}`), and the same injection into random slots (`random_k{k}`); out of sample, the
+    cross-fitted top slots (`xfit_k{k}`) and slots matched to them (`matched_k{k}`)."""
 
-    PART_PATTERNS = (r"k\d+", r"follows_k\d+", r"random_k\d+")
+    PART_PATTERNS = (r"k\d+", r"follows_k\d+", r"random_k\d+", r"xfit_k\d+", r"matched_k\d+")
     ks: tuple[int, ...]
+    cross_fitted: bool | None = None
 
 
 @dataclass(frozen=True)

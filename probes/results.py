@@ -68,7 +68,7 @@ class Estimate:
         return cls(values=tuple(d["values"]), mean=d["mean"], ci=ci, dropped=d.get("dropped", 0))
 
     def __str__(self) -> str:
-        dropped = f" ({self.dropped} non-finite dropped)" if self.dropped else ""
+        dropped = f" ({self.dropped} undefined or non-finite left out)" if self.dropped else ""
         if self.mean is None:
             return "undefined (no usable prompts)" + dropped
         ci = f"[{self.ci[0]:+.3f}, {self.ci[1]:+.3f}]" if self.ci else "[n<2]"

@@ -115,9 +115,9 @@ def test_non_finite_values_are_counted_not_hidden():
     from dashboards.render import panels
 
     e = Estimate.of([0.5, float("nan"), 0.7, float("inf"), None])
-    assert (e.n, e.dropped) == (2, 3) and "3 non-finite dropped" in str(e)
+    assert (e.n, e.dropped) == (2, 3) and "3 undefined or non-finite left out" in str(e)
     assert Estimate.from_dict(json.loads(json.dumps(e.to_dict()))) == e
     assert "dropped" not in Estimate.of([1.0, 2.0]).to_dict()  # JSON unchanged when nothing is dropped
     r = GenericResult(name="mine", headline="a", parts={"a": e, "b": Estimate.of([1.0, float("nan")])})
     assert r.dropped() == 4
-    assert "4 non-finite value(s) left out" in panels(r)[0].note
+    assert "4 undefined or non-finite value(s) left out" in panels(r)[0].note
