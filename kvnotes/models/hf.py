@@ -19,7 +19,7 @@ from transformer_lens.pretrained import weight_conversions as wc
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvnotes.errors import UnknownModelError, UnsupportedArchitecture
-from kvnotes.models.model import KVModel
+from kvnotes.models.model import HFSource, KVModel
 
 # Default context: min(max_position_embeddings, 8192). RoPE tables and masks grow with n_ctx and
 # the notebook engine rarely needs more; pass `n_ctx=` to load_hf / tl_from_hf_model to change it.
@@ -62,16 +62,30 @@ def load_hf(name_or_dir: str, *, dtype: torch.dtype = torch.float32, n_ctx: int 
     tokenizer = _fetch(AutoTokenizer.from_pretrained, source, local)
     hf_model = _fetch(AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype)
     overrides = {} if n_ctx is None else {"n_ctx": n_ctx}
-    return tl_from_hf_model(hf_model, tokenizer, name_or_dir, **overrides)
+    reference = HFSource(
+        what=f"transformers' {type(hf_model).__name__} from {source}",
+        load=lambda: _fetch(
+            AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation="eager"
+        ),
+    )
+    return tl_from_hf_model(hf_model, tokenizer, name_or_dir, hf_source=reference, **overrides)
 
 
 def tl_from_hf_model(
-    hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, **cfg_overrides: Any
+    hf_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    name: str,
+    *,
+    hf_source: HFSource | None = None,
+    **cfg_overrides: Any,
 ) -> KVModel:
-    """Convert a loaded transformers causal LM into a `KVModel` (weights unprocessed)."""
+    """Convert a loaded transformers causal LM into a `KVModel` (weights unprocessed).
+
+    hf_source: how to load that transformers model again, for `verify`'s reference invariants.
+    """
     cfg = tl_kwargs(hf_model, tokenizer, name, **cfg_overrides)
     state_dict = convert_weights(hf_model, cfg)
-    return KVModel.wrap(name, hooked_from_state_dict(cfg, state_dict), tokenizer)
+    return KVModel.wrap(name, hooked_from_state_dict(cfg, state_dict), tokenizer, hf_source)
 
 
 def tl_kwargs(

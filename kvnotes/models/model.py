@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,15 @@ class ViewsGatedMLP(GatedMLP):
         return post_act @ self.W_out + self.b_out
 
 
+@dataclass(frozen=True)
+class HFSource:
+    """Where the Hugging Face transformers model holding the same weights comes from, for
+    `verify`'s reference invariants: `load()` returns it (eager attention, the weights' dtype)."""
+
+    what: str  # e.g. "transformers' LlamaForCausalLM from /path/to/checkpoint"
+    load: Callable[[], object]
+
+
 @dataclass(frozen=True, eq=False)
 class KVModel:
     """A TransformerLens `HookedTransformer` plus its tokenizer and a fingerprint.
@@ -68,9 +78,16 @@ class KVModel:
     tl: HookedTransformer
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
+    hf_source: HFSource | None = None  # None: no Hugging Face counterpart (tiny, organisms)
 
     @classmethod
-    def wrap(cls, name: str, tl: HookedTransformer, tokenizer: PreTrainedTokenizerBase):
+    def wrap(
+        cls,
+        name: str,
+        tl: HookedTransformer,
+        tokenizer: PreTrainedTokenizerBase,
+        hf_source: HFSource | None = None,
+    ):
         tl.eval()
         for p in tl.parameters():
             p.requires_grad_(False)
@@ -78,7 +95,13 @@ class KVModel:
         for block in tl.blocks:
             if type(block.mlp) is GatedMLP:
                 block.mlp.__class__ = ViewsGatedMLP
-        return cls(name=name, tl=tl, tokenizer=tokenizer, fingerprint=_fingerprint(tl, tokenizer))
+        return cls(
+            name=name,
+            tl=tl,
+            tokenizer=tokenizer,
+            fingerprint=_fingerprint(tl, tokenizer),
+            hf_source=hf_source,
+        )
 
     # --- shape facts -------------------------------------------------------------------------
     @property

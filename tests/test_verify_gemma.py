@@ -1,0 +1,76 @@
+"""`verify` on the embedded Gemma 3 270M: all ten invariants pass against transformers' own
+Gemma3ForCausalLM on the same GGUF weights, and the planted engine bugs of tests/test_verify.py
+make their invariants fail on real weights too (and the Hugging Face reference invariants, for
+every bug that changes a prefill). Marked `gemma`; part of the default suite."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvnotes.conformance import HF_INVARIANTS, hf_reference, verify
+from kvnotes.models import load_model
+from tests.test_verify import (
+    _local_base_in_global_layers,
+    _rerotation_delta_off_by_one,
+    _rope_plus_one,
+    _stale_slot_attended,
+    _window_off_by_one,
+)
+
+pytestmark = pytest.mark.gemma
+KV = "prefill_kv_equals_transformers"
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # one real model: use every core
+    yield load_model("gemma-3-270m")
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(gemma):
+    """transformers' Gemma3ForCausalLM from the GGUF (about a minute to load), run once on
+    verify's two prompts; the model itself is dropped afterwards."""
+    return hf_reference(gemma)
+
+
+def test_the_engine_equals_transformers_on_gemma(gemma, reference):
+    """The eight self-consistency invariants run in tests/test_gemma.py; these are the two more."""
+    report = verify(gemma, progress=False, only=HF_INVARIANTS, reference=reference)
+    assert report.passed, report.table()
+    assert [r.name for r in report.invariants] == list(HF_INVARIANTS) and not report.skipped
+    assert report.prompts["long"] > report.max_window == 512  # sliding layers really slide
+    assert "GGUF" in report.reference
+
+
+# bug -> (sabotage, the invariants it must fail). A shift of every position alike is no bug under
+# RoPE: rope-at-position-plus-one keeps every relative position within a prefill, so its logits
+# stay right; what it breaks is the stored keys (against transformers' cache) and re-rotation.
+# Every bug that changes a prefill must fail the per-layer K/V comparison with transformers (the
+# logits comparison, which costs a 262k-vocabulary unembed at every position, is shown failing on
+# those bugs with the tiny Gemma 3 checkpoint in tests/test_verify.py).
+GEMMA_BUGS = {
+    "rope-at-position-plus-one": (
+        _rope_plus_one,
+        ("rerotation_equals_offset_prefill", KV),
+    ),
+    "rerotation-delta-off-by-one": (_rerotation_delta_off_by_one, ("rerotation_equals_offset_prefill",)),
+    "window-off-by-one": (_window_off_by_one, ("decide_equals_full_forward", KV)),
+    "local-rope-base-in-global-layers": (_local_base_in_global_layers, ("decide_equals_full_forward", KV)),
+    "recomputed-slot-still-attended": (_stale_slot_attended, ("refresh_unchanged_is_noop",)),
+}
+
+
+@pytest.mark.parametrize("bug", list(GEMMA_BUGS), ids=list(GEMMA_BUGS))
+def test_planted_bugs_fail_their_invariants_on_gemma(gemma, reference, monkeypatch, bug):
+    sabotage, invariants = GEMMA_BUGS[bug]
+    sabotage(monkeypatch, gemma)
+    report = verify(gemma, progress=False, only=invariants, reference=reference)
+    for r in report.invariants:
+        assert not r.passed and r.max_abs_error > r.tolerance, f"{r.name} missed {bug}: {report.table()}"
+    assert not report.passed
