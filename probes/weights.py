@@ -26,10 +26,21 @@ Two targets v*, one function each:
   new run's. Exact at the last layer, but at a middle layer the decision token's own state may
   not yet hold the conclusion (on the notes organism it is read from the notes in the last
   layer), and then this edit barely moves the decision.
+
+That decision-keyed, identity-covariance edit is built to contaminate: every request of the task
+shares its key. `rome` is ROME itself (Meng et al. 2022), the third target: the key k* is the
+hidden activation at the changed field's LAST token (the subject), C is the second moment of the
+layer's hidden activations over fresh prompts of the task (`key_covariance`, plus a ridge), v* is
+the pre-norm MLP output there optimised by Adam until the decision reads the new value, and
+
+    W_out += C⁻¹k* (v* − k*·W_out − b_out)ᵀ / (k*ᵀ C⁻¹ k*)
+
+The registered analyses run one each: `weight_edit` (`--weights`) and `weight_edit_rome` (`--rome`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -40,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from kvnotes.analysis import Context, analysis, option
+from kvnotes.engine import run
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import Metric, logit_diff, recovery
@@ -47,7 +59,7 @@ from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import append, decide, prefill
 from kvnotes.prompt import Prompt
-from kvnotes.tasks import Task, load_task
+from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
 from probes.causal import split_by_effect
 from probes.edit import ERRATUM
@@ -80,6 +92,9 @@ class RankOneEdit:
     `target` is the wanted contribution to the residual stream (after the post-MLP norm, if the
     model has one) and `old` the unedited one, both at the key's token; they are kept so the
     achieved change can be checked against the wanted one.
+
+    `direction` is C⁻¹k for ROME's covariance C (None: k itself, the covariance-free edit);
+    `position` the key's token in the old prompt (None: the decision's last token).
     """
 
     layer: int
@@ -87,16 +102,107 @@ class RankOneEdit:
     value: Float[Tensor, " d_model"]
     target: Float[Tensor, " d_model"]
     old: Float[Tensor, " d_model"]
+    direction: Float[Tensor, " d_mlp"] | None = None
+    position: int | None = None
 
     def delta(self, model: KVModel) -> Float[Tensor, "d_mlp d_model"]:
-        """ΔW = k (v* − k·W_out − b_out)ᵀ / (kᵀk), against the model's current weights (float64 math)."""
+        """ΔW = c (v* − k·W_out − b_out)ᵀ / (kᵀc), c = C⁻¹k (or k), against the model's current
+        weights (float64 math); k still maps to v* exactly."""
         mlp = model.tl.blocks[self.layer].mlp
         k = self.key.double()
         current = k @ mlp.W_out.double() + mlp.b_out.double()
-        return (torch.outer(k, self.value.double() - current) / (k @ k)).to(mlp.W_out.dtype)
+        if self.direction is None:
+            return (torch.outer(k, self.value.double() - current) / (k @ k)).to(mlp.W_out.dtype)
+        c = self.direction.double()
+        return (torch.outer(c, self.value.double() - current) / (k @ c)).to(mlp.W_out.dtype)
 
 
 EditTarget = Callable[..., RankOneEdit]  # (trial, layer, *, new_nb=None) -> RankOneEdit
+
+COV_PROMPTS = 32  # prompts whose every token gives ROME's key covariance
+COV_SEED = 1000  # their sampler seed is the trials' + COV_SEED: other prompts than the edited ones
+RIDGE = 1e-2  # ROME's C + λI, λ = RIDGE · trace(C)/d_mlp: 1% of the mean eigenvalue
+ROME_STEPS, ROME_LR, ROME_DECAY = (
+    30,
+    0.2,
+    1e-2,
+)  # Adam on v*: steps, lr (× rms of the old output), |δ|² penalty
+
+
+@dataclass(frozen=True, eq=False)
+class KeyCovariance:
+    """ROME's key statistics at one layer: the second moment C = E[h hᵀ] of the MLP's hidden
+    activation (`hook_post`) over every token of `prompts` prompts of `task` (`tokens` in all),
+    and the ridge λ added before solving, (C + λI)⁻¹k. Made by `key_covariance`."""
+
+    layer: int
+    task: str
+    prompts: int
+    tokens: int
+    second_moment: Float[Tensor, "d_mlp d_mlp"]  # float64
+    ridge: float  # λ, absolute
+    ridge_fraction: float  # λ / (trace(C)/d_mlp)
+    seconds: float  # computing it (once per model, layer and task in a run)
+
+    @functools.cached_property
+    def _factor(self) -> Tensor:
+        eye = torch.eye(self.second_moment.shape[0], dtype=torch.float64)
+        return torch.linalg.cholesky(self.second_moment + self.ridge * eye)
+
+    def solve(self, k: Float[Tensor, " d_mlp"]) -> Float[Tensor, " d_mlp"]:
+        """(C + λI)⁻¹ k, in k's dtype."""
+        return torch.cholesky_solve(k.double()[:, None], self._factor)[:, 0].to(k.dtype)
+
+    def describe(self) -> str:
+        return (
+            f"second moment of {self.tokens} tokens ({self.prompts} {self.task} prompts) "
+            f"+ ridge λ={self.ridge:.3g} ({self.ridge_fraction:g}·trace(C)/d)"
+        )
+
+
+def key_covariance(
+    model: KVModel,
+    task: Task | str,
+    layer: int,
+    *,
+    prompts: int = COV_PROMPTS,
+    seed: int = COV_SEED,
+    ridge: float = RIDGE,
+) -> KeyCovariance:
+    """The second moment of layer `layer`'s MLP hidden activations over every token (BOS and
+    decision included) of the old prompts of `prompts` fresh pairs of `task` (sampler `seed`),
+    with the ridge λ = `ridge`·trace(C)/d_mlp. The sample is small (hundreds to thousands of
+    tokens against d_mlp dimensions), so C alone can be singular; relative to the mean eigenvalue
+    the ridge leaves the well-sampled directions whitened and keeps the solve finite.
+
+    >>> from kvnotes import load_model
+    >>> c = key_covariance(load_model("tiny-llama"), "order-cancel", 1, prompts=2)
+    >>> c.prompts, c.second_moment.shape[0] == load_model("tiny-llama").cfg.d_mlp
+    (2, True)
+    """
+    s = time.perf_counter()
+    task = load_task(task)
+    post = hook_name(layer, "mlp.hook_post")
+    d = model.cfg.d_mlp
+    total, n = torch.zeros(d, d, dtype=torch.float64), 0
+    with torch.no_grad():
+        for pair in sample(task, model, prompts, seed=seed):
+            ids = list(pair.old.ids)
+            _, out = run(model, Notebook.empty(model), ids, capture=[post], logits_at=())
+            h = out.activations[post][0].double()
+            total += h.T @ h
+            n += h.shape[0]
+    c = total / n
+    return KeyCovariance(
+        layer=layer,
+        task=task.name,
+        prompts=prompts,
+        tokens=n,
+        second_moment=c,
+        ridge=ridge * float(torch.trace(c)) / d,
+        ridge_fraction=ridge,
+        seconds=time.perf_counter() - s,
+    )
 
 
 @contextmanager
@@ -210,6 +316,73 @@ def match_residual(trial: Trial, layer: int, *, new_nb: Notebook | None = None) 
     return RankOneEdit(layer=layer, key=key, value=value, target=target, old=y_old)
 
 
+def rome(
+    trial: Trial,
+    layer: int,
+    *,
+    new_nb: Notebook | None = None,
+    covariance: KeyCovariance | None = None,
+    steps: int = ROME_STEPS,
+) -> RankOneEdit:
+    """ROME (Meng et al. 2022) on one pair, without its KL term: key, covariance and value.
+
+    - k*: the MLP's hidden activation at the changed field's last token of the OLD prompt;
+    - v*: the pre-norm MLP output there, x_old + δ, for which the old prompt's decision reads the
+      new run's (ld_new). δ is optimised with the rest of the model frozen: Adam from 0 for
+      `steps` steps (lr `ROME_LR` × the rms of x_old), on ((ld(δ) − ld_new) / effect)² +
+      `ROME_DECAY`·|δ|²/|x_old|², each step one forward and backward over the tokens from the
+      field's last one to the decision against the prefix's notebook. The δ of lowest loss is
+      kept; it stops early within 1% of the effect. Deterministic.
+    - the update whitens k* by `covariance` (`key_covariance` of the pair's task at `layer` when
+      None): ΔW = C⁻¹k* (v* − k*·W_out − b_out)ᵀ / (k*ᵀC⁻¹k*), exact at k* (`RankOneEdit`).
+
+    Where no path leads from that MLP output at the field to the decision (on the notes organism
+    above layer 0: the decision reads notes, which read the field at layer 1's attention), the
+    gradient is 0 and so is the edit.
+    """
+    m, pair = trial.model, trial.pair
+    cov = key_covariance(m, pair.task, layer) if covariance is None else covariance
+    if cov.layer != layer:
+        raise KVNotesError(f"the key covariance is of layer {cov.layer}, not {layer}; compute it there")
+    post, out = hook_name(layer, "mlp.hook_post"), hook_name(layer, "hook_mlp_out")
+    goal = _ld(m, pair.new, pair.answers, trial.new_nb if new_nb is None else new_nb, metric=trial.metric)
+    p = pair.field_span.stop - 1
+    rest = list(pair.old.ids[p:])
+    prefix = prefill(m, pair.old, upto=p)
+    acts = decide(m, prefix, rest, capture=[post, out], vocab=trial.vocab).activations
+    key, y_old = acts[post][0, 0], acts[out][0, 0]
+    x_old = _mlp_out(m, layer, key).detach()
+    effect = abs(goal - trial.ld_old) or 1.0
+
+    def at_key(y, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
+        head = _contribution(m, layer, x_old + delta).expand(y.shape[0], 1, -1)
+        return torch.cat([head, y[:, 1:]], dim=1)
+
+    delta = torch.zeros_like(x_old, requires_grad=True)
+    opt = torch.optim.Adam([delta], lr=ROME_LR * float(x_old.norm()) / math.sqrt(x_old.numel()))
+    best, best_loss = torch.zeros_like(x_old), math.inf
+    for step in range(steps + 1):
+        opt.zero_grad()
+        score = trial.score(decide(m, prefix, rest, hooks=[(out, at_key)], vocab=trial.vocab).last)[0]
+        loss = ((score - goal) / effect) ** 2 + ROME_DECAY * (delta @ delta) / (x_old @ x_old)
+        if loss.item() < best_loss:
+            best, best_loss = delta.detach().clone(), loss.item()
+        if abs(score.item() - goal) <= 1e-2 * effect or step == steps:
+            break
+        loss.backward()
+        opt.step()
+    value = (x_old + best).detach()
+    return RankOneEdit(
+        layer=layer,
+        key=key,
+        value=value,
+        target=_contribution(m, layer, value).detach(),
+        old=y_old,
+        direction=cov.solve(key),
+        position=p,
+    )
+
+
 def edit_hooks(model: KVModel, layer: int, key: Tensor, u: Tensor) -> list:
     """Hooks that make layer `layer`'s MLP output what it is after the update k uᵀ/(kᵀk), at every
     computed token: x + (h·k / k·k) u before the post-MLP norm, h being the token's hook_post.
@@ -305,10 +478,13 @@ def weight_edit(
     target: EditTarget = match_decision,
     erratum: str = ERRATUM,
     min_effect: float = MIN_EFFECT,
+    covariance: KeyCovariance | None = None,
 ) -> ProbeResult:
     """Edit the weights for each pair (one rank-one MLP edit at `layer`, default the middle one,
-    aimed by `target`: `match_decision` or `match_residual`) and measure, with the edit applied
-    and the original weights restored after each pair:
+    aimed by `target`: `match_decision` or `match_residual`, keyed at the decision token with
+    identity covariance, or `rome`, keyed at the changed field's last token and whitened by
+    `covariance`, computed once here from the trials' task when None) and measure, with the edit
+    applied and the original weights restored after each pair:
 
     - `target`: recovery of the edited model's decision on the OLD prompt, prefilled again with
       the edited weights, toward the new one; `target.agree`: same answer as the new prompt;
@@ -327,6 +503,9 @@ def weight_edit(
     - `update_error`: |achieved − wanted| / |wanted − old| of the layer's MLP output at the key
       (0 up to rounding unless a post-MLP norm keeps the wanted output out of reach).
 
+    `method` ("decision" or "rome"), `key_position`, `covariance` and `covariance_seconds` (the
+    once-per-run statistics, outside `seconds`) say which edit it was.
+
     The headline is contamination: the target can be reached by construction, and a notebook edit
     has no contamination by construction; it is what a weight edit costs that the cache does not.
 
@@ -344,6 +523,17 @@ def weight_edit(
     model = trials[0].model
     layer = check_layer(model, layer)
     out_name = hook_name(layer, "hook_mlp_out")
+    aim = target
+    how = {"method": "decision", "key_position": "decision", "covariance": "identity (covariance-free ROME)"}
+    if target is rome:
+        cov = key_covariance(model, trials[0].pair.task, layer) if covariance is None else covariance
+        aim = functools.partial(rome, covariance=cov)
+        how = {
+            "method": "rome",
+            "key_position": "field",
+            "covariance": cov.describe(),
+            "covariance_seconds": cov.seconds,
+        }
     used, excluded = split_by_effect(trials, min_effect)
     acc: dict[str, list] = {k: [] for k in WeightEdit.PARTS}
     per_pair = []
@@ -353,7 +543,7 @@ def weight_edit(
         m, pair, i = t.model, t.pair, index[id(t)]
         j, c, ld_c, ld_alt = concurrent(trials, i)
         s = time.perf_counter()
-        edit = target(t, layer, new_nb=prefill(m, pair.new))
+        edit = aim(t, layer, new_nb=prefill(m, pair.new))
         with applied(m, edit):
             acc["seconds"].append(time.perf_counter() - s)
             stale = decide(m, t.old_nb, pair.old, capture=[out_name], vocab=t.vocab)
@@ -363,14 +553,23 @@ def weight_edit(
             ld_c_edit = _ld(m, c, trials[j].pair.answers, metric=trials[j].metric)
             drift = [(_ld(m, o.pair.old, o.pair.answers, metric=o.metric), o.ld_old) for o in other]
             drift += [(_ld(m, o.pair.new, o.pair.answers, metric=o.metric), o.ld_new) for o in other]
+            achieved = stale.activations[out_name][0, -1]
+            if edit.position is not None:  # the key is in the prompt: its token computed again, edited
+                prefix = prefill(m, pair.old, upto=edit.position)
+                rest = list(pair.old.ids[edit.position :])
+                achieved = decide(m, prefix, rest, capture=[out_name]).activations[out_name][0, 0]
         s = time.perf_counter()
         text = erratum.format(field=pair.changed, value=pair.new.values[pair.changed])
         ld_err = _ld(m, pair.new, pair.answers, append(m, t.old_nb, text), metric=t.metric)
         acc["erratum_seconds"].append(time.perf_counter() - s)
 
         wanted = float((edit.target - edit.old).norm())
-        achieved = stale.activations[out_name][0, -1]
-        acc["update_error"].append(float((achieved - edit.target).norm()) / wanted if wanted else None)
+        # an edit that wants no change (rome where no path leads to the decision) has no error to read
+        acc["update_error"].append(
+            float((achieved - edit.target).norm()) / wanted
+            if wanted > 1e-5 * float(edit.old.norm())
+            else None
+        )
         acc["target"].append(float(t.recovery(ld_edited)))
         acc["target.agree"].append(float((ld_edited > 0) == (t.ld_new > 0)))
         acc["target.stale_cache"].append(float(t.recovery(t.score(stale.last)[0])))
@@ -387,6 +586,7 @@ def weight_edit(
         per_pair.append(
             {
                 "index": i,
+                "key_position": len(pair.old.ids) - 1 if edit.position is None else edit.position,
                 "concurrent": j,
                 "concurrent_text": c.text,
                 "ld_edited": ld_edited,
@@ -398,13 +598,13 @@ def weight_edit(
             }
         )
     return WeightEdit.of(
-        name="weight_edit",
+        name="weight_edit_rome" if target is rome else "weight_edit",
         headline="contamination",
         parts={k: Estimate.of([x for x in v if x is not None]) for k, v in acc.items()},
         layer=layer,
         n_layers=model.n_layers,
         target=target.__name__,
-        covariance="identity (covariance-free ROME)",
+        **how,
         excluded=excluded,
         pairs=per_pair,
         drift_task=other[0].pair.task if other else None,
@@ -456,12 +656,15 @@ class WeightEdit(ProbeResult):
     )
     layer: int
     n_layers: int
-    target: str  # how the edit was aimed: match_decision or match_residual
-    covariance: str
+    target: str  # how the edit was aimed: match_decision, match_residual or rome
+    covariance: str  # "identity (covariance-free ROME)" or the second moment's sample and ridge
     pairs: tuple[dict, ...]  # per pair: the concurrent request and every logit difference read
     drift_task: str | None
     drift_decisions: int
     erratum: str
+    method: str = "decision"  # "decision": decision-keyed, identity covariance; "rome": `rome`
+    key_position: str = "decision"  # the key's token: the decision's last one, or the changed "field"'s last
+    covariance_seconds: float | None = None  # computing ROME's covariance, once per run (not in `seconds`)
 
 
 @dataclass(frozen=True)
@@ -476,11 +679,48 @@ class WeightConfig(Pairs):
 )
 def _weight_edit(ctx: Context, cfg: WeightConfig) -> WeightEdit:
     """The weight-edit baseline: a rank-one MLP edit per pair, its contamination, drift and cost."""
-    other = drift_trials(ctx.model, ctx.task, cfg.n, seed=ctx.seed)  # another built-in task's decisions
+    # another built-in task's decisions, shared with weight_edit_rome
+    other = ctx.shared(
+        ("drift_trials", cfg.n), lambda: drift_trials(ctx.model, ctx.task, cfg.n, seed=ctx.seed)
+    )
     return weight_edit(
         shared_trials(ctx, cfg.n),
         layer=cfg.layer,
         other_trials=other,
+        erratum=cfg.erratum,
+        min_effect=ctx.min_effect,
+    )
+
+
+@dataclass(frozen=True)
+class RomeConfig(WeightConfig):
+    cov_prompts: int = option(
+        COV_PROMPTS, "prompts of the task whose every token gives ROME's key covariance", least=2
+    )
+    cov_ridge: float = option(RIDGE, "ridge added to ROME's key covariance, as a fraction of trace(C)/d_mlp")
+
+
+@analysis(
+    "weight_edit_rome", "edit", RomeConfig, WeightEdit, default=False, in_report=False, flag="rome", order=2
+)
+def _weight_edit_rome(ctx: Context, cfg: RomeConfig) -> WeightEdit:
+    """ROME beside the weight-edit baseline: keyed at the changed field, data covariance, optimised value."""
+    layer = check_layer(ctx.model, cfg.layer)
+    cov = ctx.shared(
+        ("rome_covariance", layer, cfg.cov_prompts, cfg.cov_ridge),
+        lambda: key_covariance(
+            ctx.model, ctx.task, layer, prompts=cfg.cov_prompts, seed=ctx.seed + COV_SEED, ridge=cfg.cov_ridge
+        ),
+    )
+    other = ctx.shared(
+        ("drift_trials", cfg.n), lambda: drift_trials(ctx.model, ctx.task, cfg.n, seed=ctx.seed)
+    )
+    return weight_edit(
+        shared_trials(ctx, cfg.n),
+        layer=layer,
+        other_trials=other,
+        target=rome,
+        covariance=cov,
         erratum=cfg.erratum,
         min_effect=ctx.min_effect,
     )

@@ -1,5 +1,6 @@
 """The weight-edit baseline: the update is exact, the weights come back bit for bit, and on the
-notes organism the edit reaches its target and contaminates a concurrent request."""
+notes organism the edit reaches its target and contaminates a concurrent request. ROME beside it:
+keyed at the changed field, whitened by a data covariance, and measured by the same parts."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from probes.weights import (
     concurrent,
     drift_trials,
     edit_hooks,
+    key_covariance,
     match_decision,
     match_residual,
     pre_norm_value,
+    rome,
     weight_edit,
 )
 from tests.helpers import get_model
@@ -175,3 +178,111 @@ def test_cli_weights_flag(tmp_path, capsys):
     assert w.drift_task == "lookup-organism" and w["target"].n == 3
     assert "weight_edit.contamination *" in capsys.readouterr().out
     assert main(["edit", "--model", "notes-organism", "--n", "1", "--weights"]) == 2
+
+
+# --- ROME: keyed at the changed field's last token, data covariance, optimised value ----------
+# On the organism ROME can act only at layer 0: the decision reads notes, which read the field at
+# layer 1's attention, so an MLP output of the field at layer 1 or 2 never reaches the decision.
+
+
+@pytest.fixture(scope="module")
+def rome_results(notes_organism, trials):
+    """Both variants at layer 0 on the same pairs and drift decisions, and ROME's covariance."""
+    before = _weights(notes_organism)
+    other = drift_trials(notes_organism, "notes-organism", 3)
+    cov = key_covariance(notes_organism, "notes-organism", 0)
+    r = weight_edit(trials, layer=0, other_trials=other, target=rome, covariance=cov)
+    d = weight_edit(trials, layer=0, other_trials=other)
+    return before, cov, r, d
+
+
+def test_rome_is_keyed_at_the_field_and_exact(notes_organism, trials, rome_results):
+    before, _, r, _ = rome_results
+    assert r.method == "rome" and r.target == "rome" and r.key_position == "field"
+    for p in r.pairs:  # the changed field's last token (" pending" / " shipped"), not the decision's
+        pair = trials[p["index"]].pair
+        assert p["key_position"] == pair.field_span.stop - 1 < pair.old.span("decision").start
+    assert r["update_error"].mean < 1e-3  # the key maps to v* exactly, computed again at its token
+    assert all(torch.equal(v, notes_organism.tl.state_dict()[k]) for k, v in before.items())
+
+
+def test_rome_covariance_is_the_data_second_moment(notes_organism, trials, rome_results):
+    _, cov, r, d = rome_results
+    assert d.covariance.startswith("identity") and r.covariance == cov.describe()
+    assert r.covariance.startswith(f"second moment of {cov.tokens} tokens (32 notes-organism prompts)")
+    assert cov.tokens > 1000 and r.covariance_seconds == cov.seconds  # 32 prompts of 33 tokens
+    torch.testing.assert_close(
+        cov.ridge, 0.01 * float(torch.trace(cov.second_moment)) / notes_organism.cfg.d_mlp
+    )
+    edit = rome(trials[0], 0, covariance=cov)
+    k, c = edit.key.double(), edit.direction.double()
+    # whitening turns the key away from itself: cos(k, C⁻¹k) is 0.38 and 0.63 for the two values
+    assert float(k @ c / (k.norm() * c.norm())) < 0.8
+    delta = edit.delta(notes_organism).double()
+    torch.testing.assert_close(
+        k @ delta,
+        edit.value.double()
+        - k @ notes_organism.tl.blocks[0].mlp.W_out.double()
+        - notes_organism.tl.blocks[0].mlp.b_out.double(),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_rome_reaches_its_target_where_the_field_can_move_it(trials, rome_results):
+    """Measured (n = 6): pending → shipped 0.97 [0.966, 0.978]; shipped → pending 0.40–0.44, where
+    Adam's optimum of the field's layer-0 MLP output plateaus at 0.47 whatever the lr or decay. The
+    old cache holds the field unedited, so the stale notebook's decision does not move at all."""
+    _, _, r, _ = rome_results
+    by_dir = {}
+    for p, v in zip(r.pairs, r["target"].values):
+        by_dir.setdefault(trials[p["index"]].pair.old.values["order_status"], []).append(v)
+    assert min(by_dir["pending"]) > 0.9
+    assert min(by_dir["shipped"]) > 0.3
+    assert abs(r["target.stale_cache"].mean) < 0.01
+
+
+def test_rome_contaminates_differently_from_the_decision_keyed_edit(rome_results):
+    """Measured (n = 6, layer 0): decision-keyed contamination 1.02 [1.01, 1.03], drift 4.4 logits;
+    ROME 0.70 [0.49, 0.89], drift 0.09 logits. ROME still moves a concurrent request holding the
+    old value as far as its own (the same field token is the same key), but no more: it no longer
+    pushes every request of the task, and barely touches the other task's decisions."""
+    _, _, r, d = rome_results
+    assert d["contamination"].mean > 0.95 and d["contamination.flips"].mean == 1.0
+    assert r["contamination"].mean < d["contamination"].mean - 0.15
+    assert abs(r["contamination"].mean - r["target"].mean) < 0.1
+    assert r["drift.dld"].mean < 0.25 * d["drift.dld"].mean
+    for part in ("seconds", "reprefill_seconds", "erratum_seconds"):
+        assert r[part].n == d[part].n == 6 and r[part].mean > 0
+
+
+def test_rome_has_no_path_above_layer_0_on_the_organism(notes_organism, trials):
+    edit = rome(trials[0], 1, covariance=key_covariance(notes_organism, "notes-organism", 1, prompts=4))
+    w = notes_organism.tl.blocks[1].mlp.W_out
+    assert float(edit.delta(notes_organism).norm() / w.norm()) < 1e-6  # rounding; at layer 0 it is 0.23-0.30
+    assert edit.position == trials[0].pair.field_span.stop - 1
+
+
+def test_rome_result_round_trips_and_old_json_reads_as_decision_keyed(result, rome_results):
+    _, _, r, _ = rome_results
+    back = ProbeResult.from_dict("weight_edit_rome", json.loads(json.dumps(r.to_dict())))
+    assert back == r and back.name == "weight_edit_rome"
+    old = result[1].to_dict()
+    for key in ("method", "key_position", "covariance_seconds"):
+        old["details"].pop(key)  # as saved before ROME was added
+    back = ProbeResult.from_dict("weight_edit", old)
+    assert back.method == "decision" and back.key_position == "decision" and back.covariance_seconds is None
+
+
+def test_cli_rome_flag(tmp_path):
+    from kvnotes.cli import main
+
+    out = tmp_path / "r.json"
+    argv = ["edit", "weight_edit", "--model", "notes-organism", "--n", "3", "--layer", "0", "--rome"]
+    assert main([*argv, "--cov-prompts", "4", "--json", str(out)]) == 0
+    report = ProbeReport.from_dict(json.loads(out.read_text()))
+    assert set(report.probes) == {"weight_edit", "weight_edit_rome"}
+    w, r = report.probes["weight_edit"], report.probes["weight_edit_rome"]
+    assert (w.method, r.method) == ("decision", "rome") and w.layer == r.layer == 0
+    assert r.covariance.startswith("second moment of") and "(4 notes-organism prompts)" in r.covariance
+    assert r["target"].n == w["target"].n == 3
