@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -62,3 +64,14 @@ def lookup_organism():
     from kvnotes.models.organisms import load_organism
 
     return load_organism("lookup-organism")
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """Gemma 3 270M, with every core while a module uses it (one real model)."""
+    from kvnotes.models import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield load_model("gemma-3-270m")
+    torch.set_num_threads(threads)

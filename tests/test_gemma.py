@@ -3,7 +3,6 @@ real tokenizer, and the converted-weights cache. Marked `gemma`; part of the def
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -12,18 +11,9 @@ import torch
 
 from kvnotes.conformance import SELF_INVARIANTS, verify
 from kvnotes.errors import TokenCountChanged
-from kvnotes.models import load_model
 from kvnotes.prompt import Template
 
 pytestmark = pytest.mark.gemma
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # one real model: use every core
-    yield load_model("gemma-3-270m")
-    torch.set_num_threads(threads)
 
 
 def test_all_eight_invariants_pass_on_real_weights_past_the_sliding_window(gemma):

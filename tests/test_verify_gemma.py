@@ -5,13 +5,9 @@ every bug that changes a prefill). Marked `gemma`; part of the default suite."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from kvnotes.conformance import HF_INVARIANTS, hf_reference, verify
-from kvnotes.models import load_model
 from tests.test_verify import (
     _local_base_in_global_layers,
     _rerotation_delta_off_by_one,
@@ -22,14 +18,6 @@ from tests.test_verify import (
 
 pytestmark = pytest.mark.gemma
 KV = "prefill_kv_equals_transformers"
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # one real model: use every core
-    yield load_model("gemma-3-270m")
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
