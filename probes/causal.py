@@ -136,8 +136,8 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
     return out
 
 
-def top_notes(t: Trial, k: int, layer_window: int = 1) -> list[int]:
-    """Positions of the `k` downstream slots whose single-slot transplant recovers the most.
+def note_scores(t: Trial, layer_window: int = 1) -> list[tuple[float, int]]:
+    """(single-slot transplant recovery, position) of each downstream slot of the pair.
 
     Read from the pair's note map when one was computed; otherwise only the single-slot
     transplants are run (the same patches, without the per-layer sweeps), and kept on the trial.
@@ -145,13 +145,16 @@ def top_notes(t: Trial, k: int, layer_window: int = 1) -> list[int]:
     key = ("note_map", layer_window)
     if key in t.cache:
         m = t.cache[key]
-        notes = [(r, p) for r, p, role in zip(m["recovery"], m["positions"], m["role"]) if role == "note"]
-    else:
-        if "note_slots" not in t.cache:
-            down = t.pair.downstream()
-            t.cache["note_slots"] = list(zip(t.sweep([Patch(positions=(p,)) for p in down]).tolist(), down))
-        notes = list(t.cache["note_slots"])
-    notes.sort(key=lambda x: -x[0])
+        return [(r, p) for r, p, role in zip(m["recovery"], m["positions"], m["role"]) if role == "note"]
+    if "note_slots" not in t.cache:
+        down = t.pair.downstream()
+        t.cache["note_slots"] = list(zip(t.sweep([Patch(positions=(p,)) for p in down]).tolist(), down))
+    return list(t.cache["note_slots"])
+
+
+def top_notes(t: Trial, k: int, layer_window: int = 1) -> list[int]:
+    """Positions of the `k` downstream slots whose single-slot transplant recovers the most."""
+    notes = sorted(note_scores(t, layer_window), key=lambda x: -x[0])
     return [p for _, p in notes[:k]]
 
 

@@ -13,7 +13,7 @@ from kvnotes.errors import BadArgument
 from kvnotes.ops import Patch
 from kvnotes.prompt import is_delimiter
 from kvnotes.tasks import RULE
-from probes.causal import effect_estimate, split_by_effect, top_notes
+from probes.causal import effect_estimate, note_scores, split_by_effect, top_notes
 from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
@@ -61,7 +61,7 @@ def cross_fitted_notes(trials: Sequence[Trial], k: int) -> tuple[list[list[int]]
     ranks a pair's slots on that pair. With one trial it falls back to in-sample and says so."""
     n = len(trials)
     crossed = n >= 2
-    scores = [{_offset(t, p): r for r, p in _note_scores(t)} for t in trials]
+    scores = [{_offset(t, p): r for r, p in note_scores(t)} for t in trials]
     out = []
     for i, t in enumerate(trials):
         others = [j for j in range(n) if (j % 2 != i % 2 if crossed else True)]
@@ -74,14 +74,6 @@ def cross_fitted_notes(trials: Sequence[Trial], k: int) -> tuple[list[list[int]]
         down.sort(key=lambda p: (-rank.get(_offset(t, p), float("-inf")), -p))
         out.append(down[:k])
     return out, crossed
-
-
-def _note_scores(t: Trial) -> list[tuple[float, int]]:
-    top_notes(t, 1)  # runs (and caches) the pair's single-slot transplants if nothing has yet
-    m = t.cache.get(("note_map", 1))
-    if m is not None:
-        return [(r, p) for r, p, role in zip(m["recovery"], m["positions"], m["role"]) if role == "note"]
-    return list(t.cache["note_slots"])
 
 
 def matched_slots(t: Trial, chosen: Sequence[int], rng: random.Random) -> list[int]:

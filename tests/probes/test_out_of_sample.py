@@ -10,7 +10,8 @@ import pytest
 from kvnotes import load_model
 from kvnotes.prompt import is_delimiter
 from probes import make_trials
-from probes.controls import _note_scores, cross_fitted_notes, matched_slots, random_slots
+from probes.causal import note_scores
+from probes.controls import cross_fitted_notes, matched_slots, random_slots
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def test_a_pairs_own_scores_never_choose_its_cross_fitted_slots(trials):
     assert crossed
     # make pair 0 say its last downstream slot is by far the best: its own choice must not move,
     # the pairs of the other fold (odd indices) rank on pair 0's scores and may
-    scores = _note_scores(trials[0])
+    scores = note_scores(trials[0])
     trials[0].cache["note_slots"] = [(100.0 if p == scores[-1][1] else r, p) for r, p in scores]
     try:
         after, _ = cross_fitted_notes(trials, 3)
