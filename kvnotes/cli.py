@@ -172,8 +172,8 @@ def _configs(names: list[str], args) -> dict:
 
 def cmd_task_analyses(args) -> int:
     from kvnotes.analysis import choose
-    from kvnotes.models import load_model
-    from kvnotes.tasks import builtin_tasks, load_task
+    from kvnotes.models import default_task, load_model
+    from kvnotes.tasks import load_task
     from probes.results import collect
 
     names = choose(
@@ -182,7 +182,7 @@ def cmd_task_analyses(args) -> int:
         flags=[f for f in args.flags if getattr(args, f.replace("-", "_"))],
     )
     configs = _configs(names, args)  # bad option values fail here, before the (slow) model load
-    task = load_task(args.task or (args.model if args.model in builtin_tasks() else "order-cancel"))
+    task = load_task(args.task or default_task(args.model))
     model = load_model(args.model)
     report = collect(model, task, names, configs=configs, seed=args.seed, min_effect=args.min_effect)
     return _emit(report, args.json)
@@ -248,10 +248,10 @@ def cmd_attribute(args) -> int:
 def cmd_report(args) -> int:
     from circuits.report import ReportConfig, run_report
     from dashboards.render import write_report
-    from kvnotes.models import load_model
-    from kvnotes.tasks import builtin_tasks, load_task
+    from kvnotes.models import default_task, load_model
+    from kvnotes.tasks import load_task
 
-    tasks = args.task or [args.model if args.model in builtin_tasks() else "order-cancel"]
+    tasks = args.task or [default_task(args.model)]
     tasks = [load_task(t) for t in tasks]  # before the (slow) model load: a bad task file fails now
     skip = tuple(x for x in (args.skip or "").split(",") if x)
     sizes = {k: v for k, v in {"n": args.n, "seed": args.seed, "skip": skip}.items() if v}

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from kvnotes.analysis import MIN_EFFECT, Context, Options, option
 from kvnotes.engine import Hook
 from kvnotes.metrics import Metric, answer_columns, logit_diff, recovery
+from kvnotes.models import default_task
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, PromptLike, decide, decide_patched, prefill
@@ -146,7 +147,7 @@ def make_trials(
     (2, True)
     """
     task = load_task(task)
-    if task.model and task.model != model.name:
+    if task.model and task.model != model.name and default_task(model.name) != task.name:
         warnings.warn(
             f"task {task.name!r} was made for {task.model}, not {model.name}; its known "
             "answers (docs/organisms.md) hold only there",

@@ -52,4 +52,18 @@ def load_model(name: str, **kwargs):
     )
 
 
-__all__ = ["load_model", "builtin_names", "EMBEDDED"]
+def default_task(model_name: str) -> str:
+    """The built-in task a model runs when none is named: an organism's own task, else order-cancel.
+
+    >>> default_task("notes-organism"), default_task("mixed-organism-25"), default_task("gemma-3-270m")
+    ('notes-organism', 'mixed-organism', 'order-cancel')
+    """
+    from kvnotes.models.mixed import MIXED_ORGANISMS
+    from kvnotes.tasks import builtin_tasks
+
+    if model_name in MIXED_ORGANISMS:
+        return "mixed-organism"
+    return model_name if model_name in builtin_tasks() else "order-cancel"
+
+
+__all__ = ["load_model", "builtin_names", "default_task", "EMBEDDED"]
