@@ -10,10 +10,11 @@ EMBEDDED = "gemma-3-270m"
 
 
 def builtin_names() -> list[str]:
+    from kvnotes.models.mixed import MIXED_ORGANISMS
     from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS
     from kvnotes.models.tiny import TINY_CONFIGS
 
-    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS, *NULL_ORGANISMS]
+    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS, *MIXED_ORGANISMS, *NULL_ORGANISMS]
 
 
 def load_model(name: str, **kwargs):
@@ -23,12 +24,15 @@ def load_model(name: str, **kwargs):
     - "tiny-llama", "tiny-gqa", "tiny-gemma3", ...: tiny seeded random models (`kvnotes.models.tiny`)
     - "notes-organism", "lookup-organism": tiny trained models whose mechanism is known by
       construction (`kvnotes.models.organisms`; trained on first use, about 15 s, then cached)
+    - "mixed-organism-25", "mixed-organism-75": compiled two-route models whose decision reads the
+      field directly and from notes, the notes' share 0.25 or 0.75 (`kvnotes.models.mixed`)
     - a local Hugging Face checkpoint directory, or a hub name (Llama, Mistral, Qwen2/3, Gemma 1-3)
 
     >>> model = load_model("tiny-gemma3")
     >>> model.n_layers
     4
     """
+    from kvnotes.models.mixed import MIXED_ORGANISMS, load_mixed_organism
     from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS, load_null_organism, load_organism
     from kvnotes.models.tiny import TINY_CONFIGS, build_tiny
 
@@ -40,6 +44,8 @@ def load_model(name: str, **kwargs):
         return build_tiny(name, **kwargs)
     if name in ORGANISMS:
         return load_organism(name, **kwargs)
+    if name in MIXED_ORGANISMS:
+        return load_mixed_organism(name)
     if name in NULL_ORGANISMS:
         return load_null_organism(name)
     if Path(name).expanduser().is_dir() or "/" in name:
