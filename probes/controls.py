@@ -48,30 +48,40 @@ def random_slots(t: Trial, k: int, exclude: Sequence[int], rng: random.Random) -
     return rng.sample(pool, min(k, len(pool)))
 
 
-def _offset(t: Trial, position: int) -> int:
-    """A slot's place relative to the decision (decision start − position): what lines slots up
-    across pairs whose names and values differ in length."""
-    return t.pair.new.span("decision").start - position
+def _slot_keys(t: Trial) -> dict[int, tuple]:
+    """A key for each downstream slot that lines it up across pairs: its token's text and how many
+    slots of the same text precede it in the region (the 2nd " ;" after the field, ...), within
+    the pair's template. Offsets would not line up: [vary] values of different token lengths
+    (names, ids) shift everything after them."""
+    down = t.pair.downstream()
+    seen: dict[str, int] = {}
+    keys = {}
+    for p, text in zip(down, t.token_strings(down)):
+        keys[p] = (getattr(t.pair, "template", 0), text, seen.get(text, 0))
+        seen[text] = seen.get(text, 0) + 1
+    return keys
 
 
 def cross_fitted_notes(trials: Sequence[Trial], k: int) -> tuple[list[list[int]], bool]:
     """For each trial, its `k` downstream slots ranked on the OTHER half of the trials (even and odd
-    indices): slots are lined up by their offset from the decision and scored by the mean
-    single-slot recovery the other half measured there. Out of sample, unlike `top_notes`, which
-    ranks a pair's slots on that pair. With one trial it falls back to in-sample and says so."""
+    indices): slots are lined up across pairs by `_slot_keys` and scored by the mean single-slot
+    recovery the other half measured at the same key (a slot whose key the other half lacks
+    ranks last). Out of sample, unlike `top_notes`, which ranks a pair's slots on that pair. With
+    one trial it falls back to in-sample and says so."""
     n = len(trials)
     crossed = n >= 2
-    scores = [{_offset(t, p): r for r, p in note_scores(t)} for t in trials]
+    keys = [_slot_keys(t) for t in trials]
+    scores = [{keys[i][p]: r for r, p in note_scores(t)} for i, t in enumerate(trials)]
     out = []
     for i, t in enumerate(trials):
         others = [j for j in range(n) if (j % 2 != i % 2 if crossed else True)]
-        mean: dict[int, list[float]] = {}
+        mean: dict[tuple, list[float]] = {}
         for j in others:
-            for off, r in scores[j].items():
-                mean.setdefault(off, []).append(r)
-        rank = {off: sum(v) / len(v) for off, v in mean.items()}
+            for key, r in scores[j].items():
+                mean.setdefault(key, []).append(r)
+        rank = {key: sum(v) / len(v) for key, v in mean.items()}
         down = t.pair.downstream()
-        down.sort(key=lambda p: (-rank.get(_offset(t, p), float("-inf")), -p))
+        down.sort(key=lambda p: (-rank.get(keys[i][p], float("-inf")), -p))
         out.append(down[:k])
     return out, crossed
 
