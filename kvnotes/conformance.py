@@ -12,6 +12,7 @@ generated prompt and on one longer than any sliding window.
 from __future__ import annotations
 
 import inspect
+import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -159,19 +160,23 @@ def _aligned_pair(model: KVModel, tpl: Template) -> tuple[Prompt, Prompt]:
     raise TokenCountChanged(f"no two order_status values tokenize to the same length under {model.name}")
 
 
-def _maxdiff_nb(a: Notebook, b: Notebook) -> tuple[float, float]:
+Measure = tuple[str, float, float]  # (which tensor, max |error|, largest |reference| in it)
+
+
+def _maxdiff_nb(a: Notebook, b: Notebook, what: str = "") -> list[Measure]:
+    """`a` against the reference `b`, one measure per layer and per K or V."""
     if not torch.equal(a.positions, b.positions):
         b = b.select(a.positions)
-    err = max(
-        max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
-        max((x - y).abs().max().item() for x, y in zip(a.values, b.values)),
-    )
-    scale = max(max(x.abs().max().item() for x in a.keys), max(x.abs().max().item() for x in a.values))
-    return err, scale
+    out = []
+    for l, (x, y) in enumerate(zip(a.keys, b.keys)):
+        out.append((f"{what}layer {l} keys", (x - y).abs().max().item(), y.abs().max().item()))
+    for l, (x, y) in enumerate(zip(a.values, b.values)):
+        out.append((f"{what}layer {l} values", (x - y).abs().max().item(), y.abs().max().item()))
+    return out
 
 
-def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    return (a - b).abs().max().item(), b.abs().max().item()
+def _maxdiff(a: torch.Tensor, b: torch.Tensor, what: str = "logits") -> list[Measure]:
+    return [(what, (a - b).abs().max().item(), b.abs().max().item())]
 
 
 # --- the Hugging Face reference ------------------------------------------------------------------
@@ -273,8 +278,9 @@ def _hf_checks(model: KVModel, label: str, ref: Reference) -> dict[str, Callable
 
 
 # --- the eight self-consistency invariants -------------------------------------------------------
-def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], tuple[float, float]]]:
-    """Each check returns (max abs error, magnitude of the reference)."""
+def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], list[Measure]]]:
+    """Each check returns its measures: one per tensor it compares (per layer K, per layer V,
+    logits), each with its error and the reference tensor's own largest magnitude."""
     field_start = old.span("order_status").start
     stop = old.span("decision").start
     nb_old = cache(lambda: ops.prefill(model, old))
@@ -298,13 +304,11 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
 
     def suffix_recompute():
         nb = ops.recompute_suffix(model, nb_old(), new, field_start)
-        e1, s1 = _maxdiff_nb(nb, nb_new())
-        e2, s2 = _maxdiff(ops.decide(model, nb, new).last, decided_new())
-        return max(e1, e2), max(s1, s2)
+        return _maxdiff_nb(nb, nb_new()) + _maxdiff(ops.decide(model, nb, new).last, decided_new())
 
     def deviation_before_field():
         dev = kv_deviation(nb_old(), nb_new())[:, :, nb_old().positions < field_start]
-        return dev.max().item(), 0.0
+        return [("K/V deviation, every slot before the field", dev.max().item(), 0.0)]
 
     def patch_all_reproduces_source():
         patched = ops.patch(nb_old(), nb_new(), ops.Patch())
@@ -409,7 +413,7 @@ def verify(
                 f"the reference was computed on other prompts ({mismatch}) than verify uses for "
                 f"{model.name}; compute it with hf_reference(model) for this model"
             )
-    errors: dict[str, dict[str, tuple[float, float]]] = {n: {} for n in names if n in SELF_INVARIANTS}
+    errors: dict[str, dict[str, list[Measure]]] = {n: {} for n in names if n in SELF_INVARIANTS}
     measures: dict[str, list[tuple[str, float, float]]] = {n: [] for n in wants_hf if n not in skipped}
     with torch.no_grad():
         bar = tqdm(list(prompts.items()), desc=f"verify {model.name}", disable=not progress, unit="prompt")
@@ -435,19 +439,24 @@ def verify(
     )
 
 
-def _self_result(name: str, per: dict[str, tuple[float, float]]) -> InvariantResult:
-    err = max(e for e, _ in per.values())
-    scale = max(s for _, s in per.values())
+def _self_result(name: str, per: dict[str, list[Measure]]) -> InvariantResult:
+    """Every tensor against its own tolerance (0 for the exact invariants, else
+    max(ATOL_FLOOR, rtol x its own largest magnitude)); the figures are those of the worst one."""
     rtol = RTOL_SHIFTED if name in SHIFTED else RTOL
-    tol = 0.0 if name in EXACT else max(ATOL_FLOOR, rtol * scale)
+
+    def tol(scale: float) -> float:
+        return 0.0 if name in EXACT else max(ATOL_FLOOR, rtol * scale)
+
+    judged = [(f"{label}: {where}", e, tol(s)) for label, ms in per.items() for where, e, s in ms]
+    where, err, t = max(judged, key=lambda m: m[1] / m[2] if m[2] else (math.inf if m[1] else 0.0))
     return InvariantResult(
         name=name,
         description=DESCRIPTIONS[name],
         max_abs_error=err,
-        tolerance=tol,
-        passed=err <= tol,
-        per_prompt={k: e for k, (e, _) in per.items()},
-        worst=max(per, key=lambda k: per[k][0]),
+        tolerance=t,
+        passed=all(e <= t for _, e, t in judged),
+        per_prompt={label: max(e for _, e, _ in ms) for label, ms in per.items()},
+        worst=where,
     )
 
 

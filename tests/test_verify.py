@@ -19,6 +19,7 @@ from kvnotes.conformance import (
     HF_INVARIANTS,
     SELF_INVARIANTS,
     VerifyReport,
+    _self_result,
     hf_reference,
     verify,
 )
@@ -303,3 +304,16 @@ def test_from_kvnotes_import_gives_the_documented_object(name):
     exec(f"from kvnotes import {name}", ns)
     assert not isinstance(ns[name], types.ModuleType), f"`from kvnotes import {name}` gave a module"
     assert ns[name] is getattr(importlib.import_module(kvnotes._EXPORTS[name]), name)
+
+
+def test_each_tensor_is_judged_on_its_own_scale():
+    """An error of 1e-4 in a layer whose keys are of size 1 is 5x its tolerance (2e-5 x 1), even
+    when another layer's keys reach 100: the earlier rule's one scale over all layers (2e-5 x 100 =
+    2e-3) would have let it pass."""
+    ok = ("layer 5 keys", 1e-6, 100.0)
+    r = _self_result("prefix_then_suffix_equals_prefill", {"short": [("layer 0 keys", 1e-4, 1.0), ok]})
+    assert not r.passed and r.worst == "short: layer 0 keys" and r.tolerance == pytest.approx(2e-5)
+    r = _self_result("prefix_then_suffix_equals_prefill", {"short": [("layer 0 keys", 1e-5, 1.0), ok]})
+    assert r.passed
+    exact = _self_result("patch_all_reproduces_source", {"short": [("logits", 1e-9, 10.0)]})
+    assert not exact.passed and exact.tolerance == 0.0
