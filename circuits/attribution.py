@@ -30,7 +30,7 @@ from kvnotes.ops import Patch, PromptLike, query_tokens
 from kvnotes.types import Float, Tensor
 from probes.causal import effect_estimate, split_by_effect
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
 
 
 @dataclass(frozen=True, eq=False)
@@ -229,7 +229,13 @@ def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MI
                 }
             )
         table.sort(key=lambda r: -r["activation"])
-    est = {k: Estimate.of([x for x in v if x is not None]) for k, v in parts.items()}
+    every = clusters_of(used)  # each part holds one value (None: an undefined rho) per used trial
+    est = {
+        k: Estimate.of(
+            [x for x in v if x is not None], clusters=[c for x, c in zip(v, every) if x is not None]
+        )
+        for k, v in parts.items()
+    }
     est["effect"] = effect_estimate(used)
     return AttributionPatching.of(
         name="attribution",
@@ -283,4 +289,6 @@ class AttributionConfig(Pairs):
 @analysis("attribution", "circuits", AttributionConfig, AttributionPatching, quick={"n": 6}, order=4)
 def _run_attribution(ctx: Context, cfg: AttributionConfig) -> AttributionPatching:
     """Attribution patching (one backward pass) against activation patching."""
-    return attribution(shared_trials(ctx, cfg.n), top=cfg.top, min_effect=ctx.min_effect)
+    return attribution(
+        shared_trials(ctx, cfg.n, template=cfg.template), top=cfg.top, min_effect=ctx.min_effect
+    )

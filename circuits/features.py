@@ -66,7 +66,7 @@ from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
 from probes.causal import split_by_effect
 from probes.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials
+from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials
 
 Labels = Int[np.ndarray, " n"] | Bool[np.ndarray, " n"]  # the answer index (conclusion) of each prompt
 TOP = 32  # features ranked by AUC whose single-feature recovery is measured
@@ -294,7 +294,9 @@ def locate(trials: Sequence[Trial], cfg: SAEConfig, *, progress: bool = True) ->
         ]
         if vals and model is not None:
             arr = np.array(vals)
-            scans[s] = Curve.of("layer", list(range(model.n_layers)), arr.T.tolist())
+            scans[s] = Curve.of(
+                "layer", list(range(model.n_layers)), arr.T.tolist(), clusters=clusters_of(trials)
+            )
     site = cfg.site
     if site == "auto":
         notes = [m for m in scans["notes"].means if m is not None] if "notes" in scans else []
@@ -397,7 +399,15 @@ def sae_analysis(
             "auc": float(dec["auc"][f]),
             "score": float(dec["score"][f]),
             "high_for": dec["high_for"][f],
-            **({"recovery": Estimate.of(causal["singles"][:, j].tolist()).to_dict()} if causal else {}),
+            **(
+                {
+                    "recovery": Estimate.of(
+                        causal["singles"][:, j].tolist(), clusters=causal["labels"]
+                    ).to_dict()
+                }
+                if causal
+                else {}
+            ),
         }
         for j, f in enumerate(dec["ranked"][:TOP])
     ]
@@ -577,20 +587,22 @@ def _causal(sites: Sequence[FeatureSite], top: Sequence[int], cfg: SAEConfig, pr
         pools.append(len(pool))
     singles, topk, auc_topk, rnd = (np.array(v) for v in (singles, topk, auc_topk, rnd))
     best_causal = int(np.argmax(singles.mean(0)))
+    labels = clusters_of([s.trial for s in sites])  # every list above has one value per site
     return {
         "singles": singles,
+        "labels": labels,
         "parts": {
-            "single_feature_recovery": Estimate.of(singles[:, 0].tolist()),
-            "best_causal_feature": Estimate.of(singles[:, best_causal].tolist()),
-            "all_features": Estimate.of(whole),
-            "features_only": Estimate.of(feats_only),
-            "reconstruction_decision": Estimate.of(recon),
-            "reconstruction_recovery": Estimate.of(recon_rec),
+            "single_feature_recovery": Estimate.of(singles[:, 0].tolist(), clusters=labels),
+            "best_causal_feature": Estimate.of(singles[:, best_causal].tolist(), clusters=labels),
+            "all_features": Estimate.of(whole, clusters=labels),
+            "features_only": Estimate.of(feats_only, clusters=labels),
+            "reconstruction_decision": Estimate.of(recon, clusters=labels),
+            "reconstruction_recovery": Estimate.of(recon_rec, clusters=labels),
         },
         "curves": {
-            "topk_curve": Curve.of("k", ks, topk.T.tolist()),
-            "auc_topk_curve": Curve.of("k", ks, auc_topk.T.tolist()),
-            "random_curve": Curve.of("k", random_ks, rnd.T.tolist()),
+            "topk_curve": Curve.of("k", ks, topk.T.tolist(), clusters=labels),
+            "auc_topk_curve": Curve.of("k", ks, auc_topk.T.tolist(), clusters=labels),
+            "random_curve": Curve.of("k", random_ks, rnd.T.tolist(), clusters=labels),
         },
         "details": {
             "best_causal_feature": {"feature": top[best_causal], "auc_rank": best_causal},
@@ -717,7 +729,7 @@ def _sae(ctx: Context, cfg: SAEOptions) -> SAEFeatures:
     if sae is None and cfg.sae:
         sae = load_sae(cfg.sae, cfg.sae_id, model=ctx.model)
     return sae_analysis(
-        shared_trials(ctx, cfg.n),
+        shared_trials(ctx, cfg.n, template=cfg.template),
         ctx.task,
         cfg=sae_cfg,
         sae=sae,

@@ -281,3 +281,38 @@ def write_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, batch_size: int = R
 
 
 Sweep = Callable[[Trial, Sequence[Sequence[Head]]], Tensor]
+
+
+# --- ranking read heads on a subset of the trials --------------------------------------------
+def read_scores(t: Trial) -> Float[Tensor, " n"]:
+    """Each head's recovery with its output alone patched at the decision (`all_heads` order): the
+    single-head scores `read_heads` ranks by, computed once and cached on the trial."""
+    if "read_scores" not in t.cache:
+        t.cache["read_scores"] = read_sweep(t, [[h] for h in all_heads(t.model)])
+    return t.cache["read_scores"]
+
+
+def ranked_read_heads(trials: Sequence[Trial], k: int) -> list[Head]:
+    """The `k` heads of highest mean single-head read recovery over `trials` (ties in `all_heads`
+    order): `read_heads`' ranking, on whichever trials are given.
+
+    >>> from kvnotes import load_model
+    >>> from probes import make_trials
+    >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
+    >>> len(ranked_read_heads(trials[1:], 4))  # ranked on the second trial only
+    4
+    """
+    heads = all_heads(trials[0].model)
+    mean = torch.stack([read_scores(t) for t in trials]).mean(0)
+    order = sorted(range(len(heads)), key=lambda j: -float(mean[j]))  # stable, as read_heads sorts
+    return [heads[j] for j in order[:k]]
+
+
+def cross_fitted_heads(trials: Sequence[Trial], k: int) -> tuple[list[list[Head]], bool]:
+    """For each trial, the top `k` read heads ranked on the OTHER half of the trials (even and odd
+    indices, as `cross_fitted_notes` splits them), so a trial's own scores never choose its heads.
+    With one trial it falls back to in-sample and says so (False)."""
+    if len(trials) < 2:
+        return [ranked_read_heads(trials, k) for _ in trials], False
+    halves = [ranked_read_heads(trials[j::2], k) for j in (0, 1)]
+    return [list(halves[1 - i % 2]) for i in range(len(trials))], True

@@ -20,7 +20,7 @@ from circuits.heads import Head, Sweep, all_heads, grouping, kv_head, read_sweep
 from kvnotes.analysis import Context, analysis, option, replace_default
 from probes.causal import effect_estimate, split_by_effect
 from probes.results import Curve, Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
 
 K_MAX = 12
 PATHS = ("prefix", "field", "notes", "query", "self")
@@ -49,15 +49,21 @@ def headline_k(n_heads: int, k_max: int) -> int:
     return max(1, min(k_max, n_heads // 3))
 
 
-def ranking_table(model, heads: Sequence[Head], scores: np.ndarray, **extra: np.ndarray) -> list[dict]:
+def ranking_table(
+    model,
+    heads: Sequence[Head],
+    scores: np.ndarray,
+    clusters: Sequence[int] | None = None,
+    **extra: np.ndarray,
+) -> list[dict]:
     """Heads sorted by mean recovery (`scores`: `[trial, head]`), each with its estimate and
-    the mean/CI of any `extra` per-head score of the same shape."""
+    the mean/CI of any `extra` per-head score of the same shape; `clusters` labels the trials."""
     rows = []
     for i, (l, h) in enumerate(heads):
-        e = Estimate.of(scores[:, i].tolist())
+        e = Estimate.of(scores[:, i].tolist(), clusters=clusters)
         row = {"layer": l, "head": h, "kv_head": kv_head(model, h), "label": f"L{l}H{h}", **e.to_dict()}
         for name, s in extra.items():
-            x = Estimate.of(s[:, i].tolist())
+            x = Estimate.of(s[:, i].tolist(), clusters=clusters)
             row[name] = {"mean": x.mean, "ci": list(x.ci) if x.ci else None}
         rows.append(row)
     rows.sort(key=lambda r: -(r["mean"] if r["mean"] is not None else -np.inf))
@@ -93,7 +99,8 @@ def topk_vs_random(
             rnd[j].append(float(np.mean(r[len(ks) + j * draws : len(ks) + (j + 1) * draws])))
         chosen.append([f"L{l}H{h}" for l, h in ranked[: max(ks)]])
     info = {"cross_fitted": crossed, "draws": draws, "top_heads_per_trial": chosen}
-    return Curve.of("k", list(ks), top), Curve.of("k", list(ks), rnd), info
+    labels = clusters_of(trials)
+    return Curve.of("k", list(ks), top, clusters=labels), Curve.of("k", list(ks), rnd, clusters=labels), info
 
 
 def _head_analysis(
@@ -117,7 +124,7 @@ def _head_analysis(
         "top_k": topk.points[kh - 1],
         "random_k": rnd.points[kh - 1],
         "top_head": topk.points[0],
-        "all_heads": Estimate.of(together),
+        "all_heads": Estimate.of(together, clusters=clusters_of(used)),
     }
     details = {"grouping": grouping(model), "k_max": ks[-1], "headline_k": kh, **info}
     return heads, out, parts, {"topk_curve": topk, "random_curve": rnd}, details
@@ -155,10 +162,11 @@ def read_heads(
             r = read_sweep(t, singles + [heads], path=where[name]).numpy()
             per.append(r[:-1])
             total.append(float(r[-1]))
+    labels = clusters_of(used)
     table = ranking_table(
-        used[0].model, heads, out, **{f"path_{k}": np.array(p) for k, (p, _) in paths.items()}
+        used[0].model, heads, out, labels, **{f"path_{k}": np.array(p) for k, (p, _) in paths.items()}
     )
-    parts |= {f"{k}_path": Estimate.of(total) for k, (_, total) in paths.items()}
+    parts |= {f"{k}_path": Estimate.of(total, clusters=labels) for k, (_, total) in paths.items()}
     parts["effect"] = effect_estimate(used)
     return ReadHeads.of(
         name="read_heads",
@@ -201,8 +209,10 @@ def write_heads(
     model = used[0].model
     layers = [[(l, h) for h in range(model.n_heads)] for l in range(model.n_layers)]
     per_layer = np.array([write_sweep(t, layers).numpy() for t in with_progress(used, "write layers")])
+    labels = clusters_of(used)
     by_layer = [
-        {"layer": l, **Estimate.of(per_layer[:, l].tolist()).to_dict()} for l in range(model.n_layers)
+        {"layer": l, **Estimate.of(per_layer[:, l].tolist(), clusters=labels).to_dict()}
+        for l in range(model.n_layers)
     ]
     parts["effect"] = effect_estimate(used)
     return WriteHeads.of(
@@ -210,7 +220,7 @@ def write_heads(
         headline="top_k",
         parts=parts,
         curves=curves,
-        tables={"ranking": ranking_table(model, heads, out), "by_layer": by_layer},
+        tables={"ranking": ranking_table(model, heads, out, labels), "by_layer": by_layer},
         excluded=excluded,
         note_slots="every slot after the field and before the decision",
         **details,
@@ -286,7 +296,11 @@ WriteHeadsConfig = replace_default(HeadsConfig, draws=16)
 
 def _heads(side, ctx: Context, cfg: HeadsConfig) -> HeadCircuit:
     return side(
-        shared_trials(ctx, cfg.n), k_max=cfg.k_max, draws=cfg.draws, seed=ctx.seed, min_effect=ctx.min_effect
+        shared_trials(ctx, cfg.n, template=cfg.template),
+        k_max=cfg.k_max,
+        draws=cfg.draws,
+        seed=ctx.seed,
+        min_effect=ctx.min_effect,
     )
 
 

@@ -21,29 +21,54 @@ numerator over that shared denominator, so their mean is the figure.
 The control is a random circuit of the same size (as many random slots and random heads).
 Variants separate the two halves: notes with every head live, heads with no note slots, and
 the hypothesis plus the field's own slots (for models that read the field directly).
+
+All of these are in-sample: each pair's note slots are ranked on that pair, and the read heads
+on every pair, that one included. Out of sample, `hypothesis_xfit` keeps, for each pair, the
+read heads and note slots ranked on the other half of the pairs (`cross_fitted_heads`,
+`cross_fitted_notes`), and `matched_circuit` is its control: as many slots matched to those in
+region and token class (`matched_slots`) and as many heads in each of the same layers
+(`matched_heads`).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from circuits.heads import Head, all_heads, masks_for
+from circuits.heads import Head, all_heads, cross_fitted_heads, masks_for
 from kvnotes.analysis import Context, analysis, option
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
 from kvnotes.ops import Patch, decide, patch_batch, prefill, query_tokens
 from kvnotes.tasks import Task, load_task, sample
 from probes.causal import effect_estimate, split_by_effect, top_notes
-from probes.controls import random_slots
+from probes.controls import cross_fitted_notes, matched_slots, random_slots
 from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 VARIANTS = ("hypothesis", "random_circuit", "notes_only", "heads_only", "with_field")
+OUT_OF_SAMPLE = ("hypothesis_xfit", "matched_circuit")
+
+
+def matched_heads(n_heads: int, heads: Sequence[Head], rng: random.Random) -> list[Head]:
+    """A random control for `heads`: in each of their layers, as many heads drawn from that
+    layer's `n_heads`.
+
+    Drawn from the whole layer, the hypothesis's own heads included (as `random_circuit` draws
+    from the whole model): a read-head hypothesis often fills a layer (on the notes organism the
+    default 12 heads are every head), and a control that had to avoid them would leave the layer
+    or shrink, matching neither size nor depth.
+
+    >>> matched_heads(4, [(2, 0), (2, 3), (0, 1)], random.Random(0))
+    [(0, 3), (2, 0), (2, 3)]
+    """
+    per_layer = Counter(l for l, _ in heads)
+    return [(l, h) for l, n in sorted(per_layer.items()) for h in sorted(rng.sample(range(n_heads), n))]
 
 
 def resamples(t: Trial, task: Task, n: int, *, seed: int) -> list:
@@ -53,7 +78,7 @@ def resamples(t: Trial, task: Task, n: int, *, seed: int) -> list:
     new = t.pair.new
     q = new.span("decision")
     out = []
-    for pair in sample(task, t.model, 4 * n + 8, seed=seed):
+    for pair in sample(task, t.model, 4 * n + 8, seed=seed, template=t.pair.template):
         for prompt, expected in ((pair.old, pair.expected[0]), (pair.new, pair.expected[1])):
             if (
                 expected == want
@@ -120,13 +145,32 @@ def scrubbing(
     Parts (fraction of the effect preserved, over `n_resamples` resampled prompts per trial):
     `hypothesis` (headline), `random_circuit` (as many random slots and heads, `draws` draws),
     `notes_only` (the note slots, every head live at the decision), `heads_only` (the heads,
-    no slot kept), `with_field` (the hypothesis plus the field's slots).
+    no slot kept), `with_field` (the hypothesis plus the field's slots). These are in-sample:
+    the slots are ranked on the trial itself and `heads` (from `read_heads`) on every trial.
+
+    Out of sample: `hypothesis_xfit` keeps, per trial, the top `len(heads)` read heads and top
+    `n_notes` note slots ranked on the other half of the trials (`cross_fitted_heads`,
+    `cross_fitted_notes`; in-sample with one trial, `cross_fitted` False); `matched_circuit`,
+    its control, as many slots matched in region and token class (`matched_slots`) and heads in
+    the same layers (`matched_heads`), `draws` draws (left out, and counted in `dropped`, on a
+    trial whose region has fewer than 2·`n_notes` slots). Compare `hypothesis_xfit` with
+    `matched_circuit`.
+
+    >>> from kvnotes import load_model
+    >>> from probes import make_trials
+    >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
+    >>> r = scrubbing(trials, "order-cancel", [(1, 0)], n_resamples=1, draws=1, min_effect=0.0)
+    >>> r.cross_fitted, len(r.heads_xfit[0])
+    (True, 1)
     """
     task = load_task(task)
     used, excluded = split_by_effect(trials, min_effect)
     heads = [tuple(h) for h in heads]
-    nums = {v: [] for v in VARIANTS}
+    nums = {v: [] for v in VARIANTS + OUT_OF_SAMPLE}
     dens, notes_used, n_res = [], [], []
+    xnotes, crossed = cross_fitted_notes(used, n_notes)
+    xheads, _ = cross_fitted_heads(used, len(heads))  # the same halves, so the same fallback
+    xfit_used, xnotes_used, templates = [], [], []
     for i, t in enumerate(with_progress(used, "scrubbing")):
         prompts = resamples(t, task, n_resamples, seed=seed + 7919 * (i + 1))
         if not prompts:
@@ -139,7 +183,13 @@ def scrubbing(
         rand = [
             (random_slots(t, len(notes), notes, rng), rng.sample(every, len(heads))) for _ in range(draws)
         ]
+        mrng = random.Random(f"scrub-matched/{seed}/{i}")
+        matched = [
+            (matched_slots(t, xnotes[i], mrng), matched_heads(t.model.n_heads, xheads[i], mrng))
+            for _ in range(draws)
+        ]
         rows = [(notes, heads), *rand, (notes, every), ([], heads), (notes + field, heads)]
+        rows += [(xnotes[i], xheads[i]), *matched]
         sign = 1.0 if t.ld_new >= t.ld_old else -1.0
         num, den = [], []
         for p in prompts:
@@ -152,8 +202,15 @@ def scrubbing(
         nums["random_circuit"].append(float(np.mean(per[1 : 1 + draws])))
         for j, name in enumerate(VARIANTS[2:]):
             nums[name].append(per[1 + draws + j])
+        x = 1 + draws + len(VARIANTS[2:])  # the out-of-sample rows
+        nums["hypothesis_xfit"].append(per[x])
+        whole = all(len(s) == len(xnotes[i]) for s, _ in matched)  # else the region is too small to match
+        nums["matched_circuit"].append(float(np.mean(per[x + 1 : x + 1 + draws])) if whole else None)
         notes_used.append(t.token_strings(notes))
+        xnotes_used.append(t.token_strings(xnotes[i]))
+        xfit_used.append([f"L{l}H{h}" for l, h in xheads[i]])
         n_res.append(len(prompts))
+        templates.append(t.pair.template)
     scale = float(np.mean(dens)) if dens else float("nan")
     undefined = None
     if not abs(scale) >= min_effect or scale == 0.0:  # (also with min_effect 0: never divide by zero)
@@ -163,9 +220,12 @@ def scrubbing(
             "because the decision varies from prompt to prompt as much as the field moves it"
         )
         nums = {k: [] for k in nums}
-    parts = {k: Estimate.of([x / scale for x in v]) for k, v in nums.items()}
+    parts = {
+        k: Estimate.of([None if x is None else x / scale for x in v], clusters=templates[: len(v)])
+        for k, v in nums.items()
+    }
     parts["effect"] = effect_estimate(used)
-    parts["scrubbed_effect"] = Estimate.of(dens)  # logits: new run vs resampled prompts
+    parts["scrubbed_effect"] = Estimate.of(dens, clusters=templates)  # logits: new run vs resampled prompts
     return Scrubbing.of(
         name="scrubbing",
         headline="hypothesis",
@@ -174,6 +234,9 @@ def scrubbing(
         heads=[f"L{l}H{h}" for l, h in heads],
         n_notes=n_notes,
         note_tokens=notes_used,
+        cross_fitted=crossed,
+        heads_xfit=xfit_used,
+        note_tokens_xfit=xnotes_used,
         resamples_per_trial=n_res,
         draws=draws,
         normalisation="each value is a trial's s·(ld_scrubbed - ld_resampled) over the mean "
@@ -186,7 +249,9 @@ def scrubbing(
 @dataclass(frozen=True, kw_only=True)
 class Scrubbing(ProbeResult):
     """The effect preserved when only the hypothesis (top notes and read heads) keeps the new run's
-    values, against a random circuit of the same size and the hypothesis's halves."""
+    values, against a random circuit of the same size and the hypothesis's halves; out of sample,
+    the cross-fitted hypothesis (`hypothesis_xfit`) against a circuit matched to it
+    (`matched_circuit`)."""
 
     PARTS = (
         "hypothesis",
@@ -197,6 +262,7 @@ class Scrubbing(ProbeResult):
         "effect",
         "scrubbed_effect",
     )
+    PART_PATTERNS = OUT_OF_SAMPLE  # optional: reports written before them load too
     heads: tuple[str, ...]
     n_notes: int
     note_tokens: tuple[tuple[str, ...], ...]
@@ -204,6 +270,9 @@ class Scrubbing(ProbeResult):
     draws: int
     normalisation: str
     undefined: str | None = None  # why the preserved share is undefined here (no effect to preserve)
+    cross_fitted: bool | None = None  # hypothesis_xfit ranked on the other half (False: one trial, in-sample)
+    heads_xfit: tuple[tuple[str, ...], ...] | None = None  # per trial, the cross-fitted read heads
+    note_tokens_xfit: tuple[tuple[str, ...], ...] | None = None  # per trial, the cross-fitted note slots
 
 
 @dataclass(frozen=True)
@@ -224,4 +293,10 @@ def _scrubbing(ctx: Context, cfg: ScrubbingConfig) -> Scrubbing:
     """Causal scrubbing: keep the note slots and read heads from the new run, resample everything else."""
     ranking = ctx.results["read_heads"].tables.get("ranking", [])
     heads = [(r["layer"], r["head"]) for r in ranking[: cfg.k_max]]
-    return scrubbing(shared_trials(ctx, cfg.n), ctx.task, heads, seed=ctx.seed, min_effect=ctx.min_effect)
+    return scrubbing(
+        shared_trials(ctx, cfg.n, template=cfg.template),
+        ctx.task,
+        heads,
+        seed=ctx.seed,
+        min_effect=ctx.min_effect,
+    )

@@ -132,6 +132,8 @@ def scrubbing_panel(r: Scrubbing, key: str) -> list[Panel]:
         "notes_only": "notes only",
         "heads_only": "heads only",
         "with_field": "hypothesis + field",
+        "hypothesis_xfit": "hypothesis ranked on the other pairs",
+        "matched_circuit": "matched circuit (same region, class, layers)",
     }
     items = [est(r.part(k), v) for k, v in names.items() if k in r.parts]
     fig = ci_bars(
@@ -141,13 +143,21 @@ def scrubbing_panel(r: Scrubbing, key: str) -> list[Panel]:
         reference=1.0,
     )
     undefined = r.undefined
-    reading = (
-        f"Undefined here: {undefined}."
-        if undefined
-        else f"Keeping only the hypothesis preserves {say(r.part('hypothesis'))} of the effect, "
-        "a random "
-        f"circuit of the same size {say(r.part('random_circuit'))}."
-    )
+    if undefined:
+        reading = f"Undefined here: {undefined}."
+    elif "hypothesis_xfit" in r.parts:
+        reading = (
+            "Keeping only the hypothesis chosen on the other pairs preserves "
+            f"{say(r.part('hypothesis_xfit'))} of the effect, a circuit matched to it in region, "
+            f"token class and layers {say(r.part('matched_circuit'))}; chosen on the same pairs it "
+            f"preserves {say(r.part('hypothesis'))}."
+            + ("" if r.cross_fitted else " With one pair nothing could be cross-fitted: all in-sample.")
+        )
+    else:  # a report written before the out-of-sample parts
+        reading = (
+            f"Keeping only the hypothesis preserves {say(r.part('hypothesis'))} of the effect, "
+            f"a random circuit of the same size {say(r.part('random_circuit'))}."
+        )
     return [
         Panel(title="Causal scrubbing", reading=reading, figure=fig, note=n_note(r), key=f"{key}/scrubbing")
     ]

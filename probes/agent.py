@@ -45,6 +45,12 @@ def agent_loop(
     task = load_task(task)
     field = task.gate.field
     acc: dict[str, list[float]] = {}
+    labels: dict[str, list[int]] = {}  # the template of the prompt behind each value in acc
+
+    def add(name: str, value: float) -> None:
+        acc.setdefault(name, []).append(value)
+        labels.setdefault(name, []).append(pair.template)
+
     host = model.encode(HOST)  # the policy is composed into a context it was not compiled in
     pairs = sample(task, model, n, seed=seed)
     longest = max(
@@ -78,18 +84,18 @@ def agent_loop(
             cos = float(logit_cosine(out, ref))
             worst = min(worst, cos)
             a = list(pair.answers)
-            acc.setdefault(f"cosine@{turn}", []).append(cos)
-            acc.setdefault(f"agree@{turn}", []).append(float(out[a].argmax() == ref[a].argmax()))
-            acc.setdefault("follows", []).append(float(int(out[a].argmax()) == task.outcome(current)))
-        acc.setdefault("cosine_last", []).append(cos)
-        acc.setdefault("cosine_min", []).append(worst)
+            add(f"cosine@{turn}", cos)
+            add(f"agree@{turn}", float(out[a].argmax() == ref[a].argmax()))
+            add("follows", float(int(out[a].argmax()) == task.outcome(current)))
+        add("cosine_last", cos)
+        add("cosine_min", worst)
     order = ["cosine_last", "cosine_min", "follows"] + [
         f"{k}@{t}" for k in ("cosine", "agree") for t in range(1, turns + 1)
     ]
     return AgentLoop.of(
         name="agent_loop",
         headline="cosine_last",
-        parts={k: Estimate.of(acc[k]) for k in order},
+        parts={k: Estimate.of(acc[k], clusters=labels[k]) for k in order},
         turns=turns,
         seam=seam,
         erratum=erratum,

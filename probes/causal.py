@@ -15,7 +15,7 @@ from kvnotes.metrics import kv_deviation, spearman
 from kvnotes.ops import Patch, refresh
 from kvnotes.prompt import is_delimiter
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
 
 
 def split_by_effect(trials: Sequence[Trial], min_effect: float) -> tuple[list[Trial], list[dict]]:
@@ -31,7 +31,7 @@ def split_by_effect(trials: Sequence[Trial], min_effect: float) -> tuple[list[Tr
 
 def effect_estimate(trials: Sequence[Trial]) -> Estimate:
     """Signed effect of the change on the decision (logits; + is toward the expected answer)."""
-    return Estimate.of([t.effect for t in trials])
+    return Estimate.of([t.effect for t in trials], clusters=clusters_of(trials))
 
 
 def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
@@ -56,8 +56,8 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
         name="field_refresh",
         headline="recovery",
         parts={
-            "recovery": Estimate.of(rec),
-            "deviation_before_field": Estimate.of(dev),
+            "recovery": Estimate.of(rec, clusters=clusters_of(used)),
+            "deviation_before_field": Estimate.of(dev, clusters=clusters_of(trials)),
             "effect": effect_estimate(trials),
         },
         excluded=excluded,
@@ -81,7 +81,7 @@ def notes_transplant(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT)
     return NotesTransplant.of(
         name="notes_transplant",
         headline="kv",
-        parts={k: Estimate.of(v) for k, v in parts.items()},
+        parts={k: Estimate.of(v, clusters=clusters_of(used)) for k, v in parts.items()},
         excluded=excluded,
         n_slots=[len(t.pair.downstream()) for t in trials],
         description="transplant every slot after the field and before the decision from the new run",
@@ -175,6 +175,7 @@ def note_map(
     L = used[0].model.n_layers if used else 0
     layer_window = max(1, min(layer_window, L or 1))
     top, field_slots, share, rho = [], [], [], []
+    top_c, share_c, rho_c = [], [], []  # the template of each value appended to top, share, rho
     per_layer: list[list[float]] = [[] for _ in range(L)]
     per_window: list[list[float]] = [[] for _ in range(max(L - layer_window + 1, 0))]
     maps = []
@@ -186,25 +187,34 @@ def note_map(
         field_slots.append(m["field_joint"])
         if rec:
             top.append(max(rec))
+            top_c.append(t.pair.template)
             pos_total = sum(max(r, 0.0) for r in rec)
             if pos_total > 1e-3:  # below this there is no effect to share out
                 share.append(sum(max(m["recovery"][i], 0.0) for i in notes if m["delimiter"][i]) / pos_total)
+                share_c.append(t.pair.template)
             dev = [m["deviation"][i] for i in notes]
             r = spearman(dev, rec)
             if r is not None:
                 rho.append(r)
+                rho_c.append(t.pair.template)
         for l, v in enumerate(m["per_layer"]):
             per_layer[l].append(v)
         for w, v in enumerate(m["per_window"]):
             per_window[w].append(v)
+    every = clusters_of(used)  # field_slots, per_layer and per_window have one value per used trial
     parts = {
-        "top_slot": Estimate.of(top),
-        "field_slots": Estimate.of(field_slots),
-        "delimiter_share": Estimate.of(share),
-        "deviation_effect_spearman": Estimate.of(rho),
+        "top_slot": Estimate.of(top, clusters=top_c),
+        "field_slots": Estimate.of(field_slots, clusters=every),
+        "delimiter_share": Estimate.of(share, clusters=share_c),
+        "deviation_effect_spearman": Estimate.of(rho, clusters=rho_c),
     }
-    parts.update({f"layer_{l}": Estimate.of(v) for l, v in enumerate(per_layer)})
-    parts.update({f"layers_{w}-{w + layer_window - 1}": Estimate.of(v) for w, v in enumerate(per_window)})
+    parts.update({f"layer_{l}": Estimate.of(v, clusters=every) for l, v in enumerate(per_layer)})
+    parts.update(
+        {
+            f"layers_{w}-{w + layer_window - 1}": Estimate.of(v, clusters=every)
+            for w, v in enumerate(per_window)
+        }
+    )
     return NoteMap.of(
         name="note_map",
         headline="top_slot",
@@ -269,7 +279,7 @@ class NoteMapConfig(Pairs):
 
 
 def _trials(ctx: Context, cfg: Pairs) -> list[Trial]:
-    return shared_trials(ctx, cfg.n)
+    return shared_trials(ctx, cfg.n, template=cfg.template)
 
 
 @analysis("field_refresh", "probes", Pairs, FieldRefresh, quick={"n": 6}, order=1)

@@ -69,6 +69,12 @@ def seam_repair(
     task = load_task(task)
     seams = sorted(set(int(b) for b in seams))
     acc: dict[str, list[float]] = {}
+    labels: dict[str, list[int]] = {}  # the template of the prompt behind each value in acc
+
+    def add(name: str, value: float) -> None:
+        acc.setdefault(name, []).append(value)
+        labels.setdefault(name, []).append(pair.template)
+
     pairs = sample(task, model, n, seed=seed)
     chunk_sizes = []
     for pair in tqdm(pairs, desc="seam repair", disable=not progress, unit="prompt"):
@@ -89,17 +95,15 @@ def seam_repair(
                     nb = _place(model, host, chunk, min(b, len(chunk_ids)), rot)
                     nb, _ = run(model, nb, live, logits_at=())
                     out = decide(model, nb, query).last[0]
-                    acc.setdefault(f"{label}cosine@{b}", []).append(float(logit_cosine(out, ref)))
-                    acc.setdefault(f"{label}agree@{b}", []).append(
-                        float(out[answers].argmax() == ref[answers].argmax())
-                    )
+                    add(f"{label}cosine@{b}", float(logit_cosine(out, ref)))
+                    add(f"{label}agree@{b}", float(out[answers].argmax() == ref[answers].argmax()))
                     if rot:
-                        acc.setdefault(f"top1@{b}", []).append(float(out.argmax() == ref.argmax()))
+                        add(f"top1@{b}", float(out.argmax() == ref.argmax()))
     order = [f"{k}@{b}" for k in ("cosine", "agree", "top1", "norot_cosine", "norot_agree") for b in seams]
     return SeamRepair.of(
         name="seam_repair",
         headline=f"cosine@{seams[-1]}",
-        parts={k: Estimate.of(acc[k]) for k in order},
+        parts={k: Estimate.of(acc[k], clusters=labels[k]) for k in order},
         seams=seams,
         offsets=offsets,
         chunk_tokens=chunk_sizes,

@@ -15,7 +15,7 @@ from kvnotes.prompt import is_delimiter
 from kvnotes.tasks import RULE
 from probes.causal import effect_estimate, note_scores, split_by_effect, top_notes
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
 
 INJECT_K = (1, 2, 4, 8)
 
@@ -148,10 +148,13 @@ def knockout(
         name="knockout",
         headline="top",
         parts={
-            "top": Estimate.of(top_lost),
-            "random": Estimate.of(rand_lost),
-            "top_xfit": Estimate.of(xfit_lost),
-            "matched": Estimate.of(matched_lost),
+            k: Estimate.of(v, clusters=clusters_of(used))  # one value (or None) per used trial
+            for k, v in (
+                ("top", top_lost),
+                ("random", rand_lost),
+                ("top_xfit", xfit_lost),
+                ("matched", matched_lost),
+            )
         },
         cross_fitted=crossed,
         excluded=excluded,
@@ -181,8 +184,8 @@ def dissociation(rule_trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT
         name="dissociation",
         headline="notes",
         parts={
-            "notes": Estimate.of(notes),
-            "rule_slot": Estimate.of(rule),
+            "notes": Estimate.of(notes, clusters=clusters_of(used)),
+            "rule_slot": Estimate.of(rule, clusters=clusters_of(used)),
             "effect": effect_estimate(rule_trials),
         },
         excluded=excluded,
@@ -213,6 +216,7 @@ def false_note_injection(
     rec = {k: [] for k in ks}
     rand = {k: [] for k in ks}
     follows = {k: [] for k in ks}
+    follows_c = []  # the template of each pair whose choice flips (the pairs `follows` counts)
     xfit = {k: [] for k in ks}
     matched = {k: [] for k in ks}
     xfit_slots, crossed = cross_fitted_notes(used, ks[-1])
@@ -234,16 +238,19 @@ def false_note_injection(
         r = t.sweep(specs)
         lds = t.ld_old + r * (t.ld_new - t.ld_old)
         flips = (t.ld_old > 0) != (t.ld_new > 0)
+        if flips:
+            follows_c.append(t.pair.template)
         for j, k in enumerate(ks):
             rec[k].append(float(r[j]))
             rand[k].append(float(r[len(ks) + j]))
             if flips:
                 follows[k].append(float((lds[j] > 0) == (t.ld_new > 0)))
-    parts = {f"k{k}": Estimate.of(v) for k, v in rec.items()}
-    parts.update({f"follows_k{k}": Estimate.of(v) for k, v in follows.items()})
-    parts.update({f"random_k{k}": Estimate.of(v) for k, v in rand.items()})
-    parts.update({f"xfit_k{k}": Estimate.of(v) for k, v in xfit.items()})
-    parts.update({f"matched_k{k}": Estimate.of(v) for k, v in matched.items()})
+    every = clusters_of(used)  # rec, rand, xfit and matched hold one value (or None) per used trial
+    parts = {f"k{k}": Estimate.of(v, clusters=every) for k, v in rec.items()}
+    parts.update({f"follows_k{k}": Estimate.of(v, clusters=follows_c) for k, v in follows.items()})
+    parts.update({f"random_k{k}": Estimate.of(v, clusters=every) for k, v in rand.items()})
+    parts.update({f"xfit_k{k}": Estimate.of(v, clusters=every) for k, v in xfit.items()})
+    parts.update({f"matched_k{k}": Estimate.of(v, clusters=every) for k, v in matched.items()})
     return FalseNoteInjection.of(
         cross_fitted=crossed,
         name="false_note_injection",
@@ -313,14 +320,20 @@ def _dissociation(ctx: Context, cfg: Pairs) -> Dissociation:
             parts={"notes": Estimate.of([])},
             not_applicable=f"task {ctx.task.name!r} has no [rule] to flip",
         )
-    return dissociation(shared_trials(ctx, cfg.n, kind=RULE), min_effect=ctx.min_effect)
+    return dissociation(
+        shared_trials(ctx, cfg.n, kind=RULE, template=cfg.template), min_effect=ctx.min_effect
+    )
 
 
 @analysis("knockout", "probes", KnockoutConfig, Knockout, quick={"n": 6}, order=4)
 def _run_knockout(ctx: Context, cfg: KnockoutConfig) -> Knockout:
     """Block the decision's attention to the top note slots (vs random slots)."""
     return knockout(
-        shared_trials(ctx, cfg.n), k=cfg.k, draws=cfg.draws, seed=ctx.seed, min_effect=ctx.min_effect
+        shared_trials(ctx, cfg.n, template=cfg.template),
+        k=cfg.k,
+        draws=cfg.draws,
+        seed=ctx.seed,
+        min_effect=ctx.min_effect,
     )
 
 
@@ -328,5 +341,5 @@ def _run_knockout(ctx: Context, cfg: KnockoutConfig) -> Knockout:
 def _run_false_note_injection(ctx: Context, cfg: InjectConfig) -> FalseNoteInjection:
     """Write the opposite conclusion into the top-k notes (vs k random slots)."""
     return false_note_injection(
-        shared_trials(ctx, cfg.n), ks=cfg.ks, seed=ctx.seed, min_effect=ctx.min_effect
+        shared_trials(ctx, cfg.n, template=cfg.template), ks=cfg.ks, seed=ctx.seed, min_effect=ctx.min_effect
     )

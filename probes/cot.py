@@ -56,6 +56,12 @@ def cot_refresh(
     lengths), `same_chain` (the refreshed chain's text equals the clean one's), `chain_effect`
     (logits between the stale and clean chains' decisions)."""
     acc: dict[str, list[float]] = {}
+    labels: dict[str, list[int]] = {}  # the template of the pair behind each value in acc
+
+    def add(name: str, value: float) -> None:
+        acc.setdefault(name, []).append(value)
+        labels.setdefault(name, []).append(t.pair.template)
+
     examples = []
     for t in with_progress(trials, "chain of thought"):
         m = t.model
@@ -65,20 +71,20 @@ def cot_refresh(
             end, gen = chain(t, nb, cue=cue, max_tokens=max_tokens)
             runs[name] = (_decision_ld(t, end), gen)
         s, e, c = runs["stale"][0], runs["edited"][0], runs["clean"][0]
-        acc.setdefault("chain_effect", []).append(c - s)
+        add("chain_effect", c - s)
         if abs(c - s) >= min_effect:
-            acc.setdefault("recovery", []).append(float(recovery(e, s, c)))
-        acc.setdefault("no_cot_recovery", []).append(float(t.recovery(t.ld(edited))))
-        acc.setdefault("edited_tokens", []).append(float(len(runs["edited"][1])))
-        acc.setdefault("clean_tokens", []).append(float(len(runs["clean"][1])))
-        acc.setdefault("same_chain", []).append(float(runs["edited"][1] == runs["clean"][1]))
+            add("recovery", float(recovery(e, s, c)))
+        add("no_cot_recovery", float(t.recovery(t.ld(edited))))
+        add("edited_tokens", float(len(runs["edited"][1])))
+        add("clean_tokens", float(len(runs["clean"][1])))
+        add("same_chain", float(runs["edited"][1] == runs["clean"][1]))
         if len(examples) < 2:
             examples.append({k: m.tokenizer.decode(v[1]) for k, v in runs.items()})
     order = ["recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain", "chain_effect"]
     return CotRefresh.of(
         name="cot_refresh",
         headline="recovery",
-        parts={k: Estimate.of(acc.get(k, [])) for k in order},
+        parts={k: Estimate.of(acc.get(k, []), clusters=labels.get(k, [])) for k in order},
         cue=cue,
         max_tokens=max_tokens,
         examples=examples,
@@ -104,4 +110,6 @@ class CotConfig(Pairs):
 @analysis("cot_refresh", "edit", CotConfig, CotRefresh, default=False, in_report=False, flag="cot", order=3)
 def _run_cot_refresh(ctx: Context, cfg: CotConfig) -> CotRefresh:
     """Decode a greedy reasoning chain from the refreshed and a clean cache."""
-    return cot_refresh(shared_trials(ctx, cfg.n), max_tokens=cfg.cot_tokens, min_effect=ctx.min_effect)
+    return cot_refresh(
+        shared_trials(ctx, cfg.n, template=cfg.template), max_tokens=cfg.cot_tokens, min_effect=ctx.min_effect
+    )

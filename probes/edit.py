@@ -105,18 +105,24 @@ def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: st
     """Every editing method on every pair: parts `{method}` (recovery), `{method}.agree` (same
     answer as full recompute), `{method}.tokens` and `{method}.seconds`. Headline: erratum."""
     acc: dict[str, list[float]] = {}
+    labels: dict[str, list[int]] = {}  # the template of the pair behind each value in acc
     for t in with_progress(trials, "edit methods"):
         res = methods(t, ks, erratum)
         ref_choice = t.ld_new > 0
         for name, (logit_diff, n_tok, sec) in res.items():
-            acc.setdefault(name, []).append(float(t.recovery(logit_diff)))
-            acc.setdefault(f"{name}.agree", []).append(float((logit_diff > 0) == ref_choice))
-            acc.setdefault(f"{name}.tokens", []).append(float(n_tok))
-            acc.setdefault(f"{name}.seconds", []).append(sec)
+            got = {
+                name: float(t.recovery(logit_diff)),
+                f"{name}.agree": float((logit_diff > 0) == ref_choice),
+                f"{name}.tokens": float(n_tok),
+                f"{name}.seconds": sec,
+            }
+            for k, v in got.items():  # a selective@k that this pair has too few slots for is skipped
+                acc.setdefault(k, []).append(v)
+                labels.setdefault(k, []).append(t.pair.template)
     return EditMethods.of(
         name="edit_methods",
         headline="erratum",
-        parts={k: Estimate.of(v) for k, v in acc.items()},
+        parts={k: Estimate.of(v, clusters=labels[k]) for k, v in acc.items()},
         erratum=erratum,
         ks=ks,
         description="one changed field: every way to bring the stale notebook up to date",
@@ -152,4 +158,4 @@ register_section(
 @analysis("edit_methods", "edit", EditConfig, EditMethods, quick={"n": 6}, order=1)
 def _run_edit_methods(ctx: Context, cfg: EditConfig) -> EditMethods:
     """One changed field: every editing method against full recompute."""
-    return edit_methods(shared_trials(ctx, cfg.n), erratum=cfg.erratum)
+    return edit_methods(shared_trials(ctx, cfg.n, template=cfg.template), erratum=cfg.erratum)

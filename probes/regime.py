@@ -19,7 +19,7 @@ from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task, TaskError, load_task
 from probes.causal import field_refresh, notes_transplant
 from probes.results import Estimate, ProbeResult
-from probes.trials import MIN_EFFECT, Pairs, make_trials
+from probes.trials import MIN_EFFECT, Pairs, clusters_of, make_trials
 
 DISTANCES = (0, 16, 32, 64, 128, 256, 512, 768)
 
@@ -54,14 +54,17 @@ def regime(
     distances: Sequence[int] = DISTANCES,
     seed: int = 0,
     min_effect: float = MIN_EFFECT,
+    template: int | None = None,
     progress: bool = True,
 ) -> ProbeResult:
-    """Field-only refresh vs notes transplant recovery at each filler length in `distances`.
+    """Field-only refresh vs notes transplant recovery at each filler length in `distances`, on
+    pairs drawn across the task's templates (or from `template` alone).
 
     Parts `field_refresh@{d}` and `notes_transplant@{d}` per filler length d (tokens); the
     headline is the notes transplant at the longest distance. `details["distance"]` holds the
-    measured token distance from the field to the decision at each d; a d whose prompt exceeds the
-    model's context is listed under `details["skipped"]`, not measured.
+    measured token distance from the field to the decision at each d (in the first pair; other
+    templates differ by a few tokens); a d whose prompt exceeds the model's context is listed
+    under `details["skipped"]`, not measured.
     """
     task = load_task(task)
     if not task.has_filler:
@@ -73,7 +76,7 @@ def regime(
     for d in tqdm(list(distances), desc="regime", disable=not progress, unit="distance"):
         filler = filler_text(model, d)
         try:
-            trials = make_trials(model, task, n, seed=seed, filler=filler, progress=False)
+            trials = make_trials(model, task, n, seed=seed, filler=filler, template=template, progress=False)
         except OutOfRange as e:  # the prompt outgrows the model's context: record it, measure the rest
             skipped.append({"filler_tokens": d, "reason": str(e)})
             continue
@@ -82,7 +85,7 @@ def regime(
         distance.append(span.new.span("decision").start - span.field_span.stop)
         parts[f"field_refresh@{d}"] = field_refresh(trials, min_effect=min_effect).estimate
         parts[f"notes_transplant@{d}"] = notes_transplant(trials, min_effect=min_effect).estimate
-        parts[f"effect@{d}"] = Estimate.of([t.effect for t in trials])
+        parts[f"effect@{d}"] = Estimate.of([t.effect for t in trials], clusters=clusters_of(trials))
     if not measured:
         raise OutOfRange(
             f"no filler length in {list(distances)} fits {model.name}'s context of "
@@ -124,5 +127,11 @@ class RegimeConfig(Pairs):
 def _run_regime(ctx: Context, cfg: RegimeConfig) -> Regime:
     """Field-only refresh vs notes transplant as filler moves the field away from the decision."""
     return regime(
-        ctx.model, ctx.task, n=cfg.n, distances=cfg.distances, min_effect=ctx.min_effect, **ctx.common
+        ctx.model,
+        ctx.task,
+        n=cfg.n,
+        distances=cfg.distances,
+        min_effect=ctx.min_effect,
+        template=cfg.template,
+        **ctx.common,
     )

@@ -29,30 +29,49 @@ CONFIDENCE = 0.95
 
 @dataclass(frozen=True)
 class Estimate:
-    """Per-prompt `values`, their `mean` and a percentile-bootstrap 95% CI of the mean.
+    """Per-prompt `values`, their `mean` and a bootstrap 95% CI of the mean.
 
     Undefined figures (no values; a CI from fewer than two values) are None, never NaN. Values
     that are None, NaN or infinite (a recovery whose pair has no effect) are left out of the mean
     and counted in `dropped`, which tables and pages show whenever it is not 0.
 
+    `clusters` labels each value with the group it came from (the template of its prompt pair):
+    pairs of one template are not independent, so with two or more clusters the CI resamples
+    clusters, then values within them (`cluster_bootstrap_ci`); otherwise it is the percentile
+    bootstrap over values (`bootstrap_ci`).
+
     >>> e = Estimate.of([0.9, 1.0, 1.1, 1.0, float("nan")])
     >>> round(e.mean, 3), e.n, e.dropped, e.ci[0] <= e.mean <= e.ci[1]
     (1.0, 4, 1, True)
+    >>> c = Estimate.of([0.9, 1.0, None, 1.9, 2.0], clusters=[0, 0, 1, 1, 1])
+    >>> c.values, c.clusters, c.dropped
+    ((0.9, 1.0, 1.9, 2.0), (0, 0, 1, 1), 1)
     """
 
     values: tuple[float, ...]
     mean: float | None
     ci: tuple[float, float] | None
     dropped: int = 0  # values given that were None or not finite
+    clusters: tuple[int, ...] | None = None  # one label per value (its pair's template), if given
 
     @classmethod
-    def of(cls, values: Sequence[float | None], *, seed: int = 0) -> Estimate:
+    def of(
+        cls, values: Sequence[float | None], *, seed: int = 0, clusters: Sequence[int] | None = None
+    ) -> Estimate:
         given = list(values)
-        vals = tuple(float(v) for v in given if v is not None and math.isfinite(float(v)))
+        if clusters is not None and len(clusters) != len(given):
+            raise ValueError(f"{len(clusters)} cluster labels for {len(given)} values; give one per value")
+        keep = [i for i, v in enumerate(given) if v is not None and math.isfinite(float(v))]
+        vals = tuple(float(given[i]) for i in keep)
+        labels = None if clusters is None else tuple(int(clusters[i]) for i in keep)
         dropped = len(given) - len(vals)
         if not vals:
-            return cls(values=(), mean=None, ci=None, dropped=dropped)
-        return cls(values=vals, mean=float(np.mean(vals)), ci=bootstrap_ci(vals, seed=seed), dropped=dropped)
+            return cls(values=(), mean=None, ci=None, dropped=dropped, clusters=labels)
+        if labels is not None and len(set(labels)) >= 2:
+            ci = cluster_bootstrap_ci(vals, labels, seed=seed)
+        else:
+            ci = bootstrap_ci(vals, seed=seed)
+        return cls(values=vals, mean=float(np.mean(vals)), ci=ci, dropped=dropped, clusters=labels)
 
     @property
     def n(self) -> int:
@@ -60,12 +79,23 @@ class Estimate:
 
     def to_dict(self) -> dict:
         out = {"mean": self.mean, "ci": list(self.ci) if self.ci else None, "values": list(self.values)}
-        return {**out, "dropped": self.dropped} if self.dropped else out
+        if self.dropped:
+            out["dropped"] = self.dropped
+        if self.clusters is not None:
+            out["clusters"] = list(self.clusters)
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Estimate:
         ci = tuple(d["ci"]) if d["ci"] else None
-        return cls(values=tuple(d["values"]), mean=d["mean"], ci=ci, dropped=d.get("dropped", 0))
+        clusters = d.get("clusters")
+        return cls(
+            values=tuple(d["values"]),
+            mean=d["mean"],
+            ci=ci,
+            dropped=d.get("dropped", 0),
+            clusters=None if clusters is None else tuple(int(c) for c in clusters),
+        )
 
     def __str__(self) -> str:
         dropped = f" ({self.dropped} undefined or non-finite left out)" if self.dropped else ""
@@ -97,6 +127,54 @@ def bootstrap_ci(
     return (float(res.confidence_interval.low), float(res.confidence_interval.high))
 
 
+def cluster_bootstrap_ci(
+    values: Sequence[float], clusters: Sequence[int], *, seed: int = 0, confidence: float = CONFIDENCE
+) -> tuple[float, float] | None:
+    """Two-stage percentile bootstrap CI of the mean of `values` grouped by `clusters`: each of
+    `N_RESAMPLES` resamples draws as many clusters as there are, with replacement, then within each
+    drawn cluster as many of its values as it has, with replacement, and takes the mean of all
+    values drawn. None for fewer than 2 values.
+
+    Values that agree within clusters and differ between them make it wider than `bootstrap_ci`,
+    which takes them as independent:
+
+    >>> x = [0.0, 0.0, 0.1, 1.0, 1.0, 1.1]
+    >>> lo, hi = cluster_bootstrap_ci(x, [0, 0, 0, 1, 1, 1])
+    >>> naive = bootstrap_ci(x)
+    >>> round(lo, 2), round(hi, 2), hi - lo > naive[1] - naive[0]
+    (0.02, 1.05, True)
+    """
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return None
+    if np.all(x == x[0]):
+        return (float(x[0]), float(x[0]))
+    _, label = np.unique(np.asarray(clusters), return_inverse=True)
+    sizes = np.bincount(label)  # [g]
+    g, width = len(sizes), int(sizes.max())
+    table = np.zeros((g, width))  # cluster c's values, left-aligned, padded
+    table[label, _rank_within(label)] = x
+    rng = np.random.default_rng(seed)
+    picked = rng.integers(0, g, size=(N_RESAMPLES, g))  # stage 1: clusters
+    n = sizes[picked]  # [r, g] values to draw from each picked cluster
+    idx = (rng.random((N_RESAMPLES, g, width)) * n[..., None]).astype(np.int64)  # stage 2
+    drawn = table[picked[..., None], idx] * (np.arange(width) < n[..., None])
+    means = drawn.sum((1, 2)) / n.sum(1)
+    tail = (1 - confidence) / 2
+    lo, hi = np.quantile(means, [tail, 1 - tail])
+    return (float(lo), float(hi))
+
+
+def _rank_within(label: np.ndarray) -> np.ndarray:
+    """For each element, how many earlier elements share its label (its column in a padded table)."""
+    out = np.zeros(len(label), dtype=np.int64)
+    seen: dict[int, int] = {}
+    for i, c in enumerate(label.tolist()):
+        out[i] = seen.get(c, 0)
+        seen[c] = out[i] + 1
+    return out
+
+
 @dataclass(frozen=True)
 class Curve:
     """One Estimate per value of `x` (e.g. recovery against the number of heads patched, k).
@@ -112,11 +190,19 @@ class Curve:
 
     @classmethod
     def of(
-        cls, x_name: str, x: Sequence[int | float], values: Sequence[Sequence[float]], *, seed: int = 0
+        cls,
+        x_name: str,
+        x: Sequence[int | float],
+        values: Sequence[Sequence[float]],
+        *,
+        seed: int = 0,
+        clusters: Sequence[int] | None = None,
     ) -> Curve:
+        """`clusters`: one label per value of each list (every list runs over the same prompts)."""
         if len(x) != len(values):
             raise ValueError(f"{len(x)} x values but {len(values)} lists of values")
-        return cls(x_name=x_name, x=tuple(x), points=tuple(Estimate.of(v, seed=seed) for v in values))
+        points = tuple(Estimate.of(v, seed=seed, clusters=clusters) for v in values)
+        return cls(x_name=x_name, x=tuple(x), points=points)
 
     @property
     def means(self) -> list[float | None]:
@@ -130,14 +216,20 @@ class Curve:
             "ci": [list(p.ci) if p.ci else None for p in self.points],
             "values": [list(p.values) for p in self.points],
             **({"dropped": [p.dropped for p in self.points]} if any(p.dropped for p in self.points) else {}),
+            **(
+                {"clusters": [None if p.clusters is None else list(p.clusters) for p in self.points]}
+                if any(p.clusters is not None for p in self.points)
+                else {}
+            ),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Curve:
         dropped = d.get("dropped") or [0] * len(d["mean"])
+        clusters = d.get("clusters") or [None] * len(d["mean"])
         pts = tuple(
-            Estimate.from_dict({"mean": m, "ci": c, "values": v, "dropped": k})
-            for m, c, v, k in zip(d["mean"], d["ci"], d["values"], dropped)
+            Estimate.from_dict({"mean": m, "ci": c, "values": v, "dropped": k, "clusters": g})
+            for m, c, v, k, g in zip(d["mean"], d["ci"], d["values"], dropped, clusters)
         )
         return cls(x_name=d["x_name"], x=tuple(d["x"]), points=pts)
 
@@ -417,7 +509,7 @@ class GenericResult(ProbeResult):
     OPEN: ClassVar[bool] = True
 
 
-_RESERVED = {"mean", "ci", "values", "headline", "description", "details"}
+_RESERVED = {"mean", "ci", "values", "clusters", "headline", "description", "details"}
 _CORE = {"name", "headline", "parts", "curves", "tables", "description"}
 _TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts and curves hold objects)
 

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from kvnotes.analysis import MIN_EFFECT, Context, Options, option
 from kvnotes.engine import Hook
+from kvnotes.errors import BadOption
 from kvnotes.metrics import Metric, answer_columns, logit_diff, recovery
 from kvnotes.models import default_task
 from kvnotes.models.model import KVModel
@@ -25,17 +26,38 @@ from kvnotes.types import Float, Tensor
 
 @dataclass(frozen=True)
 class Pairs(Options):
-    """The options of an analysis that takes only its number of prompt pairs."""
+    """The options of an analysis that takes only its prompt pairs: how many, and from which of
+    the task's templates."""
 
     n: int = option(8, "prompt pairs", least=1)
-
-
-def shared_trials(ctx: Context, n: int, *, kind: str = GATE) -> list[Trial]:
-    """`n` prefilled pairs of the context's task, made once per run and shared by its analyses."""
-    return ctx.shared(
-        ("trials", n, kind),
-        lambda: make_trials(ctx.model, ctx.task, n, seed=ctx.seed, kind=kind, progress=ctx.progress),
+    template: int | None = option(
+        None, "use only template N of the task (default: pairs drawn across all of them)", metavar="N"
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        t = self.template
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+            raise BadOption(
+                f"template (the task template pairs are drawn from) must be a template number "
+                f"0, 1, ... or None for all of them, got {t!r}"
+            )
+
+
+def shared_trials(ctx: Context, n: int, *, kind: str = GATE, template: int | None = None) -> list[Trial]:
+    """`n` prefilled pairs of the context's task (drawn across its templates, or from `template`
+    alone), made once per run and shared by its analyses."""
+    return ctx.shared(
+        ("trials", n, kind, template),
+        lambda: make_trials(
+            ctx.model, ctx.task, n, seed=ctx.seed, kind=kind, template=template, progress=ctx.progress
+        ),
+    )
+
+
+def clusters_of(trials: Sequence[Trial]) -> list[int]:
+    """The template of each trial's pair, in order: the `clusters=` of an `Estimate` over them."""
+    return [t.pair.template for t in trials]
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,11 +157,13 @@ def make_trials(
     seed: int = 0,
     kind: str = GATE,
     filler: str = "",
+    template: int | None = None,
     progress: bool = True,
     metric: Metric = logit_diff,
 ) -> list[Trial]:
-    """Sample `n` aligned pairs of `task` and prefill both prompts of each; `metric` is the
-    decision readout every probe reads from the trials (default: the logit difference).
+    """Sample `n` aligned pairs of `task` (across its templates, or from `template` alone; see
+    `kvnotes.tasks.sample`) and prefill both prompts of each; `metric` is the decision readout
+    every probe reads from the trials (default: the logit difference).
 
     >>> from kvnotes import load_model
     >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
@@ -153,7 +177,7 @@ def make_trials(
             "answers (docs/organisms.md) hold only there",
             stacklevel=2,
         )
-    pairs = sample(task, model, n, seed=seed, kind=kind, filler=filler)
+    pairs = sample(task, model, n, seed=seed, kind=kind, filler=filler, template=template)
     out = []
     for pair in tqdm(pairs, desc=f"prefill {task.name} ({kind})", disable=not progress, unit="pair"):
         old_nb, new_nb = prefill(model, pair.old), prefill(model, pair.new)

@@ -536,6 +536,7 @@ def weight_edit(
         }
     used, excluded = split_by_effect(trials, min_effect)
     acc: dict[str, list] = {k: [] for k in WeightEdit.PARTS}
+    labels: dict[str, list[int]] = {k: [] for k in WeightEdit.PARTS}  # each value's pair's template
     per_pair = []
     other = list(other_trials or [])
     index = {id(t): i for i, t in enumerate(trials)}
@@ -583,6 +584,8 @@ def weight_edit(
         if drift:
             acc["drift"].append(sum((a > 0) != (b > 0) for a, b in drift) / len(drift))
             acc["drift.dld"].append(sum(abs(a - b) for a, b in drift) / len(drift))
+        for k, v in acc.items():  # label the values this pair added (None ones are left out below)
+            labels[k] += [pair.template] * (len(v) - len(labels[k]))
         per_pair.append(
             {
                 "index": i,
@@ -600,7 +603,13 @@ def weight_edit(
     return WeightEdit.of(
         name="weight_edit_rome" if target is rome else "weight_edit",
         headline="contamination",
-        parts={k: Estimate.of([x for x in v if x is not None]) for k, v in acc.items()},
+        parts={
+            k: Estimate.of(
+                [x for x in v if x is not None],
+                clusters=[c for x, c in zip(v, labels[k]) if x is not None],
+            )
+            for k, v in acc.items()
+        },
         layer=layer,
         n_layers=model.n_layers,
         target=target.__name__,
@@ -684,7 +693,7 @@ def _weight_edit(ctx: Context, cfg: WeightConfig) -> WeightEdit:
         ("drift_trials", cfg.n), lambda: drift_trials(ctx.model, ctx.task, cfg.n, seed=ctx.seed)
     )
     return weight_edit(
-        shared_trials(ctx, cfg.n),
+        shared_trials(ctx, cfg.n, template=cfg.template),
         layer=cfg.layer,
         other_trials=other,
         erratum=cfg.erratum,
@@ -716,7 +725,7 @@ def _weight_edit_rome(ctx: Context, cfg: RomeConfig) -> WeightEdit:
         ("drift_trials", cfg.n), lambda: drift_trials(ctx.model, ctx.task, cfg.n, seed=ctx.seed)
     )
     return weight_edit(
-        shared_trials(ctx, cfg.n),
+        shared_trials(ctx, cfg.n, template=cfg.template),
         layer=layer,
         other_trials=other,
         target=rome,

@@ -89,7 +89,9 @@ def test_gemma_reads_the_field_directly_on_order_cancel(gemma):
     lookup — the field's own slot carries the decision, the downstream slots almost nothing."""
     from probes import field_refresh, make_trials, notes_transplant
 
-    trials = make_trials(gemma, "order-cancel", 4, progress=False)
+    # template 0, the measured one: in template 2 (one sentence, no examples) the decision barely
+    # follows the field (effects ~0.1 logits), so the regime cannot be read there
+    trials = make_trials(gemma, "order-cancel", 4, template=0, progress=False)
     assert all(t.effect > 1.0 for t in trials)  # the task works: the decision follows the field
     assert field_refresh(trials).mean > 0.8
     assert abs(notes_transplant(trials).mean) < 0.3

@@ -16,7 +16,8 @@ GATE, RULE = "gate", "rule"
 class Pair:
     """Two prompts that differ only in `changed` (the gating field, or the rule for `kind="rule"`).
 
-    `answers` are the two answer token ids; `expected` the answer index each prompt should get.
+    `answers` are the two answer token ids; `expected` the answer index each prompt should get;
+    `template` which of the task's templates both prompts were rendered from (`Task.with_template`).
     """
 
     task: str
@@ -29,6 +30,7 @@ class Pair:
     seed: int
 
     inputs: tuple[str, ...] = ()  # every field the conclusion depends on (changed one first)
+    template: int = 0  # the task template both prompts were rendered from
 
     @property
     def field_span(self) -> range:
@@ -82,12 +84,37 @@ def render(task: Task, model, values: dict[str, str]) -> Prompt:
     return task.template.render(model, **{f: vals[f] for f in task.template.fields})
 
 
-def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler: str = "") -> list[Pair]:
+def template_of(i: int, n_templates: int) -> int:
+    """Which of `n_templates` templates pair `i` of a sample uses: i mod n_templates, shifted by
+    one each round when n_templates is even, so that every template's pairs fall on both even
+    and odd indices (both directions of the change, both halves of an even/odd cross-fit).
+
+    >>> [template_of(i, 3) for i in range(6)], [template_of(i, 2) for i in range(6)]
+    ([0, 1, 2, 0, 1, 2], [0, 1, 1, 0, 0, 1])
+    """
+    shift = i // n_templates if n_templates % 2 == 0 else 0
+    return (i + shift) % n_templates
+
+
+def sample(
+    task: Task,
+    model,
+    n: int,
+    *,
+    seed: int = 0,
+    kind: str = GATE,
+    filler: str = "",
+    template: int | None = None,
+) -> list[Pair]:
     """`n` aligned prompt pairs: shot order, names and ids vary with `seed`.
 
     kind="gate": old and new differ in the gating field (values with different answers; the
     direction alternates from pair to pair). kind="rule": the gating field is held fixed and the
     rule flips from as-written to flipped. `filler` goes into the template's {filler} field.
+    `template=None` cycles the pairs through the task's templates (`template_of`: every run of
+    `task.n_templates` pairs uses each template once, and each template's pairs fall on even and
+    odd indices, so they alternate in direction too); `template=i` renders every pair from
+    template i (the pairs a one-template task gives). `pair.template` says which.
     Raises TokenCountChanged (naming the field) if a pair's prompts do not align.
 
     >>> from kvnotes import load_model
@@ -95,6 +122,9 @@ def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler
     >>> pairs = sample(load_task("order-cancel"), load_model("tiny-llama"), 2)
     >>> [(p.old.values["order_status"], p.new.values["order_status"]) for p in pairs]
     [('pending', 'shipped'), ('shipped', 'pending')]
+    >>> [p.template for p in pairs], [p.template for p in sample(load_task("order-cancel"),
+    ...     load_model("tiny-llama"), 2, template=1)]
+    ([0, 1], [1, 1])
     """
     if kind not in (GATE, RULE):
         raise BadArgument(f"kind must be {GATE!r} or {RULE!r}, got {kind!r}")
@@ -110,6 +140,8 @@ def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler
             f"task {task.name!r} has no {{filler}} field to put intervening text into; "
             "add one to its template between the gating field and the query"
         )
+    cycle = list(range(task.n_templates)) if template is None else [template]
+    wordings = [task.with_template(k) for k in cycle]  # a bad index fails here, naming the count
     try:
         answers = tuple(model.answer_token(a) for a in task.answers)
     except ValueError as e:
@@ -118,25 +150,27 @@ def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler
     by_outcome = {o: [v for v, oo in zip(gate.values, gate.outcomes) if oo == o] for o in (0, 1)}
     pairs = []
     for i in range(n):
+        turn = template_of(i, len(cycle))
+        t = wordings[turn]
         rng = random.Random(f"{task.name}/{kind}/{seed}/{i}")
-        base = {**values_for(task, rng), "shots": shots_text(task, rng, filler), "filler": filler}
-        written = task.rule.values[0] if task.rule else None
-        if task.rule:
-            base[task.rule.field] = written
+        base = {**values_for(t, rng), "shots": shots_text(t, rng, filler), "filler": filler}
+        written = t.rule.values[0] if t.rule else None
+        if t.rule:
+            base[t.rule.field] = written
         if kind == GATE:
             a, b = rng.choice(by_outcome[0]), rng.choice(by_outcome[1])
             old_v, new_v = (a, b) if i % 2 == 0 else (b, a)
             old_vals, new_vals = {**base, gate.field: old_v}, {**base, gate.field: new_v}
-            expected = (task.outcome(old_v, written), task.outcome(new_v, written))
+            expected = (t.outcome(old_v, written), t.outcome(new_v, written))
             inputs = (gate.field,)
         else:
             v = rng.choice(gate.values)
-            flipped = task.rule.values[1]
-            old_vals = {**base, gate.field: v, task.rule.field: written}
-            new_vals = {**base, gate.field: v, task.rule.field: flipped}
-            expected = (task.outcome(v, written), task.outcome(v, flipped))
-            inputs = (task.rule.field, gate.field)
-        old, new = render(task, model, old_vals), render(task, model, new_vals)
+            flipped = t.rule.values[1]
+            old_vals = {**base, gate.field: v, t.rule.field: written}
+            new_vals = {**base, gate.field: v, t.rule.field: flipped}
+            expected = (t.outcome(v, written), t.outcome(v, flipped))
+            inputs = (t.rule.field, gate.field)
+        old, new = render(t, model, old_vals), render(t, model, new_vals)
         old.check_aligned(new)
         pairs.append(
             Pair(
@@ -149,6 +183,7 @@ def sample(task: Task, model, n: int, *, seed: int = 0, kind: str = GATE, filler
                 expected=expected,
                 seed=seed,
                 inputs=inputs,
+                template=cycle[turn],
             )
         )
     return pairs

@@ -3,13 +3,17 @@
 A task is data, not code: built-in tasks are TOML files in `kvnotes/tasks/builtin/`, and a
 user's task file has the same schema (documented with a complete example in `docs/tasks.md`).
 Every key is checked when the file is read, and an error names the key, the problem and the fix.
+
+A task may word its prompt several ways: the top-level `template` (and `[shots]`) is template 0,
+and each `[[variants]]` entry adds one more (template 1, 2, ...) with the same fields, so that a
+figure over pairs is not a figure about one wording.
 """
 
 from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvnotes.errors import TaskError, UnknownTaskError
@@ -45,6 +49,16 @@ class Shots:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Variant:
+    """Another wording of the task's prompt (template 1, 2, ...): its `template`, and `shots`, the
+    template of its own few-shot examples (their count is the task's `[shots].count`), or None
+    for a variant without examples."""
+
+    template: Template
+    shots: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Digits:
     """A random decimal id with `n` digits (the first non-zero), e.g. an order id."""
 
@@ -70,6 +84,31 @@ class Task:
     vary: Mapping[str, tuple[str, ...] | Digits] = field(default_factory=dict)
     model: str | None = None  # the model this task is made for (organisms), or None for any
     source: str = ""  # the file it came from
+    variants: tuple[Variant, ...] = ()  # templates 1, 2, ... (template 0 is `template`/`shots`)
+
+    @property
+    def n_templates(self) -> int:
+        """How many wordings the task has: 1 + its variants."""
+        return 1 + len(self.variants)
+
+    def with_template(self, i: int) -> Task:
+        """The task with template `i` as its only one (0: `template` and `shots`; i ≥ 1: variant i).
+
+        >>> t = load_task("order-cancel")
+        >>> t.n_templates > 1, t.with_template(0).template == t.template, t.with_template(1).n_templates
+        (True, True, 1)
+        """
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_templates:
+            raise TaskError(
+                f"task {self.name!r} has {self.n_templates} template(s), numbered 0 to "
+                f"{self.n_templates - 1}; template {i!r} does not exist (omit it to draw pairs "
+                "across all of them)"
+            )
+        if i == 0:
+            return replace(self, variants=())
+        v = self.variants[i - 1]
+        shots = None if v.shots is None else Shots(template=v.shots, count=self.shots.count)
+        return replace(self, template=v.template, shots=shots, variants=())
 
     def outcome(self, value: str, rule: str | None = None) -> int:
         """Index of the answer that `value` of the gating field leads to under `rule`."""
@@ -105,6 +144,11 @@ class Task:
             d["vary"] = {
                 k: ({"digits": v.n} if isinstance(v, Digits) else list(v)) for k, v in self.vary.items()
             }
+        if self.variants:
+            d["variants"] = [
+                {"template": v.template.text, **({} if v.shots is None else {"shots": v.shots})}
+                for v in self.variants
+            ]
         return d
 
     @classmethod
@@ -175,7 +219,18 @@ def _parse(d: Mapping, src: str) -> Task:
             raise fail(f"[{key}]", f"must be a table, got {type(d[key]).__name__}")
         return d[key]
 
-    known = {"name", "description", "template", "answers", "gate", "rule", "shots", "vary", "model"}
+    known = {
+        "name",
+        "description",
+        "template",
+        "answers",
+        "gate",
+        "rule",
+        "shots",
+        "vary",
+        "model",
+        "variants",
+    }
     unknown = sorted(set(d) - known)
     if unknown:
         raise fail(str(unknown), f"unknown key(s); the known top-level keys are {sorted(known)}")
@@ -230,6 +285,7 @@ def _parse(d: Mapping, src: str) -> Task:
     model = d.get("model")
     if model is not None and not isinstance(model, str):
         raise fail("model", f"must be a model name string, got {model!r}")
+    variants = _parse_variants(d.get("variants", []), fail)
     task = Task(
         name=name,
         description=str(d.get("description", "")),
@@ -241,9 +297,45 @@ def _parse(d: Mapping, src: str) -> Task:
         vary=vary,
         model=model,
         source=src,
+        variants=variants,
     )
     _check_fields(task, fail)
+    _check_variants(task, fail)
     return task
+
+
+def _parse_variants(raw, fail) -> tuple[Variant, ...]:
+    """The `[[variants]]` entries: each a table with `template` and an optional `shots` string."""
+    if not isinstance(raw, list) or not all(isinstance(v, Mapping) for v in raw):
+        raise fail(
+            "variants",
+            f"must be an array of tables, one `[[variants]]` block per extra template, got {raw!r}",
+        )
+    out = []
+    for k, v in enumerate(raw, start=1):
+        where = f"[[variants]] #{k} (template {k})"
+        unknown = sorted(set(v) - {"template", "shots"})
+        if unknown:
+            raise fail(f"{where}: {unknown}", "unknown key(s); a variant has `template` and optional `shots`")
+        text = v.get("template")
+        if not isinstance(text, str):
+            raise fail(
+                f"{where}.template",
+                'missing; add `template = """..."""` (the prompt in this wording) to the entry'
+                if text is None
+                else f"must be a string, got {type(text).__name__} {text!r}",
+            )
+        shots = v.get("shots")
+        if shots is not None and not isinstance(shots, str):
+            raise fail(
+                f"{where}.shots",
+                f"must be a string (one few-shot example in this variant's layout), got {shots!r}",
+            )
+        try:
+            out.append(Variant(template=Template(text), shots=shots))
+        except ValueError as e:
+            raise fail(f"{where}.template", str(e)) from None
+    return tuple(out)
 
 
 def _check_fields(task: Task, fail) -> None:
@@ -251,34 +343,81 @@ def _check_fields(task: Task, fail) -> None:
     for f, where in named:
         if f not in task.template.fields:
             raise fail(where, f"{f!r} does not appear in the template as {{{f}}}")
+    _check_template(task, task.template, task.shots.template if task.shots else None, fail)
+
+
+def _check_template(task: Task, template: Template, shots: str | None, fail, where: str = "") -> None:
+    """One template (and its few-shot template) against the task's fields; `where` names a
+    variant's entry ("" for template 0, whose keys are `template` and `shots`)."""
+    at_t, at_s = (f"{where}.template", f"{where}.shots") if where else ("template", "shots.template")
     provided = {task.gate.field, *task.vary, *RESERVED}
     if task.rule:
         provided.add(task.rule.field)
-    missing = [f for f in task.template.fields if f not in provided]
+    missing = [f for f in template.fields if f not in provided]
     if missing:
         raise fail(
-            "template",
+            at_t,
             f"field(s) {missing} have no values; add them under [vary] "
             f"(or make one the [gate] or [rule] field)",
         )
-    if "decision" not in task.template.span_names:
-        raise fail("template", "needs a [[decision: ...]] span: the tokens the answer is read after")
-    if task.shots:
-        if "shots" not in task.template.fields:
-            raise fail("shots", "a [shots] table needs a {shots} field in the template to go into")
+    if "decision" not in template.span_names:
+        raise fail(at_t, "needs a [[decision: ...]] span: the tokens the answer is read after")
+    if shots is not None:
+        if "shots" not in template.fields:
+            raise fail(
+                f"{where}.shots" if where else "shots",
+                "a `shots` template needs a {shots} field in this variant's template to go into"
+                if where
+                else "a [shots] table needs a {shots} field in the template to go into",
+            )
         try:
-            shot_fields = Template(task.shots.template).fields
+            shot_fields = Template(shots).fields
         except ValueError as e:
-            raise fail("shots.template", str(e)) from None
+            raise fail(at_s, str(e)) from None
         bad = [f for f in shot_fields if f not in {task.gate.field, "answer", "filler", *task.vary}]
         if bad:
             raise fail(
-                "shots.template",
+                at_s,
                 f"field(s) {bad} unknown; a shot may use {{{task.gate.field}}}, "
                 "{answer}, {filler} and the [vary] fields",
             )
-    elif "shots" in task.template.fields:
-        raise fail("template", "uses {shots} but the file has no [shots] table")
+    elif "shots" in template.fields:
+        lacks = "the entry has no `shots = ...`" if where else "the file has no [shots] table"
+        raise fail(at_t, f"uses {{shots}} but {lacks}")
+
+
+def _check_variants(task: Task, fail) -> None:
+    """Every variant keeps the gate and rule fields, {filler} exactly when template 0 has it, and
+    its own few-shot layout; no two templates are the same."""
+    texts = [task.template.text]
+    for k, v in enumerate(task.variants, start=1):
+        where = f"[[variants]] #{k} (template {k})"
+        for f in [task.gate.field] + ([task.rule.field] if task.rule else []):
+            if f not in v.template.fields:
+                raise fail(
+                    f"{where}.template",
+                    f"{f!r} does not appear in it as {{{f}}}; every template needs the gate and rule fields",
+                )
+        if ("filler" in v.template.fields) != task.has_filler:
+            raise fail(
+                f"{where}.template",
+                "has {filler} but template 0 does not; add it to every template or to none"
+                if not task.has_filler
+                else "needs a {filler} field like template 0 (the regime sweep fills it): put it "
+                "after the gate field, before the query",
+            )
+        if v.shots is not None and task.shots is None:
+            raise fail(
+                f"{where}.shots",
+                "needs a top-level [shots] table: its `count` is the number of examples of every template",
+            )
+        _check_template(task, v.template, v.shots, fail, where)
+        if v.template.text in texts:
+            raise fail(
+                f"{where}.template",
+                f"repeats template {texts.index(v.template.text)}; give it its own wording",
+            )
+        texts.append(v.template.text)
 
 
 def _kind(t: type) -> str:

@@ -201,6 +201,8 @@ def test_cli_regime_on_a_tiny_model(tmp_path):
             "0,24",
             "--min-effect",
             "0",
+            "--template",  # the shortest: the filler goes into every shot too, and n_ctx is 512
+            "0",
             "--json",
             str(out),
         ]

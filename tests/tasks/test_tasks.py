@@ -33,7 +33,9 @@ def test_builtin_tasks_are_listed_and_load():
     for name in builtin_tasks():
         task = load_task(name)
         assert task.name == name and task.source.endswith(f"{name}.toml")
-        assert task.rule is not None, f"{name} needs a rule for the dissociation probe"
+        # the mixed organisms are compiled to read the gate alone: dissociation is not applicable
+        if name != "mixed-organism":
+            assert task.rule is not None, f"{name} needs a rule for the dissociation probe"
 
 
 @pytest.mark.parametrize("name", GENERAL)
@@ -64,15 +66,15 @@ def test_gate_pairs_differ_only_in_the_gating_field_and_align(llama):
 
 
 def test_sampler_varies_names_ids_and_shot_order_and_is_seeded(llama):
-    task = load_task("order-cancel")
-    a, b = sample(task, llama, 8, seed=0), sample(task, llama, 8, seed=0)
+    task = load_task("order-cancel")  # one template: its shots vary too (tests/tasks/test_templates.py)
+    a, b = sample(task, llama, 8, seed=0, template=0), sample(task, llama, 8, seed=0, template=0)
     assert [p.old.text for p in a] == [p.old.text for p in b]
     assert len({p.old.values["customer"] for p in a}) > 2
     assert len({p.old.values["order_id"] for p in a}) == 8
     assert len({p.old.values["shots"] for p in a}) == 8
     shots = a[0].old.values["shots"]
     assert shots.count("order_status: pending") == shots.count("order_status: shipped") == 2
-    assert [p.old.text for p in sample(task, llama, 8, seed=1)] != [p.old.text for p in a]
+    assert [p.old.text for p in sample(task, llama, 8, seed=1, template=0)] != [p.old.text for p in a]
 
 
 def test_shots_answer_by_the_written_rule(llama):
