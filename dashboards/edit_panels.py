@@ -244,12 +244,21 @@ def edit_cost_panels(b, key: str) -> list[Panel]:
         f"the field is; suffix recompute grows from {pts[-1].suffix_s:.3f} s (field near the end) to "
         f"{pts[0].suffix_s:.3f} s (near the start); full prefill ≈ {pts[0].full_s:.3f} s."
     )
+    checked = [p for p in pts if p.erratum_agrees is not None]
+    if checked:  # reports written before the answers were checked have none
+        same = sum(p.erratum_agrees for p in checked)
+        recs = [p.erratum_recovery for p in checked if p.erratum_recovery is not None]
+        reading += (
+            f" The erratum's decision is full recompute's at {same} of {len(checked)} positions"
+            + (f" (recovery {min(recs):.2f}–{max(recs):.2f})" if recs else "")
+            + f"; suffix recompute's at {sum(bool(p.suffix_agrees) for p in checked)} of {len(checked)}."
+        )
     return [
         Panel(
             title="Edit cost",
             reading=reading,
             figure=fig,
-            note=f"one timing per point, {b.machine}",
+            note=f"median of {pts[0].repeats} timing(s) per point, {b.machine}",
             key=f"{key}/edit_cost",
         )
     ]

@@ -59,6 +59,10 @@ def test_edit_cost_moves_the_field_and_round_trips(tmp_path):
     a, b = report.results
     assert a.field_position < b.field_position and a.tokens == b.tokens
     assert a.suffix_tokens > b.suffix_tokens and a.erratum_tokens == b.erratum_tokens
+    # suffix recompute is exact, so its answer is full recompute's; the erratum's is measured
+    for p in (a, b):
+        assert p.suffix_agrees is True and p.suffix_recovery == pytest.approx(1.0, abs=1e-3)
+        assert p.erratum_agrees is not None and p.erratum_recovery is not None and p.repeats == 3
     assert EditCostReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
     out = tmp_path / "cost.json"
     assert main(["bench", "edit-cost", "--model", "tiny-llama", "--tokens", "200", "--json", str(out)]) == 0
