@@ -210,13 +210,18 @@ def ttft_panels(b, key: str) -> list[Panel]:
         f"({last.ratio:.1f}×); fitted growth exponents: composed {fmt(b.exponent_composed)}, full "
         f"{fmt(b.exponent_full)}; top-1 agrees at {sum(p.top1_agree for p in pts)}/{len(pts)} lengths."
     )
+    if last.null_cosine is not None:  # reports written before the null baseline have none
+        reading += (
+            f" Logit cosine to full prefill {last.logit_cosine:.5f}, against {last.null_cosine:.5f} "
+            "between the full logits of two unrelated contexts of that length."
+        )
     return [
         Panel(
             title="TTFT curves",
             reading=reading,
             figure=fig,
-            note=f"one timing per point (best of repeats), {b.machine}; no CI: a benchmark, not an "
-            "estimate over prompts",
+            note=f"median of {last.repeats} side-by-side timing(s) per point, {b.machine}; no CI: a "
+            "benchmark, not an estimate over prompts",
             key=f"{key}/ttft",
         )
     ]

@@ -38,11 +38,19 @@ SUFFIX = "Customer: Alice. Order id: 1234.\norder_status: shipped.\n"
 class TTFTPoint:
     tokens: int  # context + query
     chunk_tokens: int
-    composed_s: float
+    composed_s: float  # median of `repeats`
     full_s: float
-    ratio: float  # full / composed
+    ratio: float  # full / composed (medians)
     logit_cosine: float
     top1_agree: bool
+    composed_min_s: float | None = None
+    composed_max_s: float | None = None
+    full_min_s: float | None = None
+    full_max_s: float | None = None
+    repeats: int = 1
+    # the cosine between the full-recompute logits of this context and of an unrelated context of
+    # the same length: how close two logit vectors are anyway, the floor `logit_cosine` is read against
+    null_cosine: float | None = None
 
 
 @dataclass(frozen=True)
@@ -61,13 +69,22 @@ class TTFTReport(BenchReport):
             f"time to first token — {self.model} — {self.machine}",
             f"composed = precompiled chunk spliced (seam {self.seam}) "
             f"+ {self.suffix_tokens}-token live suffix",
-            f"{'tokens':>7}{'chunk':>7}{'composed s':>12}{'full s':>10}{'ratio':>9}"
-            f"{'cosine':>10}{'top-1':>7}",
+            f"median of {self.results[0].repeats if self.results else 1} side-by-side repeats "
+            "[min, max]; null cosine: full logits of an unrelated context of the same length",
+            f"{'tokens':>7}{'chunk':>7}{'composed s':>26}{'full s':>26}{'ratio':>9}"
+            f"{'cosine':>10}{'null cos':>10}{'top-1':>7}",
         ]
+
+        def spread(med: float, lo: float | None, hi: float | None) -> str:
+            return f"{med:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None else "")
+
         for r in self.results:
+            null = "—" if r.null_cosine is None else f"{r.null_cosine:.5f}"
             lines.append(
-                f"{r.tokens:>7}{r.chunk_tokens:>7}{r.composed_s:>12.3f}{r.full_s:>10.2f}"
-                f"{r.ratio:>8.1f}x{r.logit_cosine:>10.5f}{'same' if r.top1_agree else 'DIFF':>7}"
+                f"{r.tokens:>7}{r.chunk_tokens:>7}"
+                f"{spread(r.composed_s, r.composed_min_s, r.composed_max_s):>26}"
+                f"{spread(r.full_s, r.full_min_s, r.full_max_s):>26}"
+                f"{r.ratio:>8.1f}x{r.logit_cosine:>10.5f}{null:>10}{'same' if r.top1_agree else 'DIFF':>7}"
             )
         if self.exponent_full is not None:
             lines.append(
@@ -77,12 +94,15 @@ class TTFTReport(BenchReport):
         return "\n".join(lines)
 
 
-def _text_ids(model: KVModel, n: int) -> list[int]:
-    """`n` token ids of neutral policy-like text (no BOS)."""
+UNRELATED = "Shelf {i} in aisle {i} of the warehouse holds spare parts for the delivery vans.\n"
+
+
+def _text_ids(model: KVModel, n: int, line: str = FILLER) -> list[int]:
+    """`n` token ids of neutral text (no BOS): policy-like lines, or `line` repeated."""
     ids: list[int] = []
     i = 0
     while len(ids) < n:
-        ids += model.encode("".join(FILLER.format(i=j) for j in range(i, i + 50)), bos=False)
+        ids += model.encode("".join(line.format(i=j) for j in range(i, i + 50)), bos=False)
         i += 50
     return ids[:n]
 
@@ -97,8 +117,14 @@ def compose_and_decide(
     return ops.decide(model, nb, query).last[0]
 
 
-def ttft(model: KVModel, lengths: list[int], *, seam: int = 8, progress: bool = True) -> TTFTReport:
-    """Composed vs full time to first token at each total length in `lengths` (tokens)."""
+def ttft(
+    model: KVModel, lengths: list[int], *, seam: int = 8, repeats: int = 3, progress: bool = True
+) -> TTFTReport:
+    """Composed vs full time to first token at each total length in `lengths` (tokens): the two
+    timed side by side, in turn, `repeats` times (medians, with min and max); the exponents are
+    fitted on the medians. Quality: the logit cosine and top-1 agreement of the composed answer
+    with the full one, beside the cosine of the full logits with those of an unrelated context
+    of the same length (`null_cosine`), below which "close" means nothing."""
     suffix = model.encode(SUFFIX, bos=False)
     query = model.encode(QUERY, bos=False)
     host = model.encode(HOST)
@@ -110,24 +136,37 @@ def ttft(model: KVModel, lengths: list[int], *, seam: int = 8, progress: bool = 
             f"query and seam) and stay within {model.name}'s n_ctx={model.n_ctx}"
         )
     points = []
+    reps = max(1, repeats)
     for n in tqdm(lengths, desc="ttft", disable=not progress, unit="length"):
         chunk = _text_ids(model, n - fixed)
         chunk_nb = ops.precompile(model, chunk)  # offline: not part of time to first token
-        t0 = time.perf_counter()
-        composed = compose_and_decide(model, host, chunk_nb, suffix, query, seam=seam)
-        t1 = time.perf_counter()
-        nb = ops.prefill(model, [*host, *chunk, *suffix])
-        full = ops.decide(model, nb, query).last[0]
-        t2 = time.perf_counter()
+        t_comp, t_full = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            composed = compose_and_decide(model, host, chunk_nb, suffix, query, seam=seam)
+            t1 = time.perf_counter()
+            full = ops.decide(model, ops.prefill(model, [*host, *chunk, *suffix]), query).last[0]
+            t2 = time.perf_counter()
+            t_comp.append(t1 - t0)
+            t_full.append(t2 - t1)
+        other = [*host, *_text_ids(model, n - fixed, UNRELATED), *suffix]  # not timed
+        unrelated = ops.decide(model, ops.prefill(model, other), query).last[0]
+        c, f = float(np.median(t_comp)), float(np.median(t_full))
         points.append(
             TTFTPoint(
                 tokens=n,
                 chunk_tokens=len(chunk),
-                composed_s=t1 - t0,
-                full_s=t2 - t1,
-                ratio=(t2 - t1) / (t1 - t0),
+                composed_s=c,
+                full_s=f,
+                ratio=f / c,
                 logit_cosine=float(logit_cosine(composed, full)),
                 top1_agree=bool(composed.argmax() == full.argmax()),
+                composed_min_s=min(t_comp),
+                composed_max_s=max(t_comp),
+                full_min_s=min(t_full),
+                full_max_s=max(t_full),
+                repeats=reps,
+                null_cosine=float(logit_cosine(unrelated, full)),
             )
         )
     exp_c = exp_f = None
@@ -305,26 +344,40 @@ QUICK_LENGTHS = (256, 512, 1024, 2048)  # the quick report's lengths
 class TTFTConfig:
     lengths: tuple[int, ...] = option((512, 1024, 2048, 4096, 8192), "total lengths (tokens)")
     seam: int = option(8, "chunk tokens recomputed in context at the seam")
+    repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
 
 
 @dataclass(frozen=True)
 class EditCostConfig:
     tokens: int = option(2048, "prompt length")
+    repeats: int = option(3, "side-by-side timings per position (the median is reported)", least=1)
 
 
 @analysis(
-    "ttft", "bench", TTFTConfig, TTFTReport, quick={"lengths": QUICK_LENGTHS}, title="Time to first token"
+    "ttft",
+    "bench",
+    TTFTConfig,
+    TTFTReport,
+    quick={"lengths": QUICK_LENGTHS, "repeats": 1},
+    title="Time to first token",
 )
 def _ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
     """Time to first token: spliced precompiled chunk vs full prefill."""
     lengths = [n for n in cfg.lengths if n <= ctx.model.n_ctx] if ctx.fit_context else list(cfg.lengths)
-    return ttft(ctx.model, lengths, seam=cfg.seam, progress=ctx.progress) if lengths else None
+    if not lengths:
+        return None
+    return ttft(ctx.model, lengths, seam=cfg.seam, repeats=cfg.repeats, progress=ctx.progress)
 
 
 @analysis(
-    "edit_cost", "bench", EditCostConfig, EditCostReport, quick={"tokens": 1024}, title="Cost of an edit"
+    "edit_cost",
+    "bench",
+    EditCostConfig,
+    EditCostReport,
+    quick={"tokens": 1024, "repeats": 1},
+    title="Cost of an edit",
 )
 def _edit_cost(ctx: Context, cfg: EditCostConfig) -> EditCostReport | None:
     """One changed field: erratum vs suffix recompute vs full prefill, with the field at several places."""
     tokens = min(cfg.tokens, ctx.model.n_ctx) if ctx.fit_context else cfg.tokens
-    return edit_cost(ctx.model, tokens, progress=ctx.progress) if tokens else None
+    return edit_cost(ctx.model, tokens, repeats=cfg.repeats, progress=ctx.progress) if tokens else None

@@ -37,6 +37,11 @@ def test_ttft_report_round_trips_with_exponents():
     report = ttft(get_model("tiny-llama"), [128, 256], progress=False)
     assert [p.tokens for p in report.results] == [128, 256]
     assert report.exponent_full is not None and report.exponent_composed is not None
+    for p in report.results:  # medians of 3 side-by-side repeats, with their spread
+        assert p.repeats == 3 and p.composed_min_s <= p.composed_s <= p.composed_max_s
+        assert p.full_min_s <= p.full_s <= p.full_max_s and p.ratio == p.full_s / p.composed_s
+        # the null baseline: an unrelated context's logits, never the composed answer's own
+        assert p.null_cosine is not None and p.null_cosine < 1.0
     assert TTFTReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
     assert "growth exponent" in report.table()
 
