@@ -71,7 +71,7 @@ class TTFTReport(BenchReport):
             f"+ {self.suffix_tokens}-token live suffix",
             f"median of {self.results[0].repeats if self.results else 1} side-by-side repeats "
             "[min, max]; null cosine: full logits of an unrelated context of the same length",
-            f"{'tokens':>7}{'chunk':>7}{'composed s':>26}{'full s':>26}{'ratio':>9}"
+            f"{'tokens':>7}{'chunk':>7}{'composed s':>26}{'full s':>28}{'ratio':>9}"
             f"{'cosine':>10}{'null cos':>10}{'top-1':>7}",
         ]
 
@@ -83,7 +83,7 @@ class TTFTReport(BenchReport):
             lines.append(
                 f"{r.tokens:>7}{r.chunk_tokens:>7}"
                 f"{spread(r.composed_s, r.composed_min_s, r.composed_max_s):>26}"
-                f"{spread(r.full_s, r.full_min_s, r.full_max_s):>26}"
+                f"{spread(r.full_s, r.full_min_s, r.full_max_s):>28}"
                 f"{r.ratio:>8.1f}x{r.logit_cosine:>10.5f}{null:>10}{'same' if r.top1_agree else 'DIFF':>7}"
             )
         if self.exponent_full is not None:
