@@ -28,6 +28,7 @@ _EXPORTS = {
     "Patch": "kvnotes.ops",
     "patch": "kvnotes.ops",
     "patch_batch": "kvnotes.ops",
+    "patched_slots": "kvnotes.ops",
     "decide_patched": "kvnotes.ops",
     "recompute": "kvnotes.ops",
     "refresh": "kvnotes.ops",

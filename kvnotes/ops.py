@@ -118,14 +118,18 @@ def decide(
     hooks: Sequence[Hook] = (),
     capture: Sequence[str] = (),
     vocab: Sequence[int] | None = None,
+    overlay: Notebook | None = None,
 ) -> Readout:
     """Read the decision: compute the query tokens after the notebook without writing them.
 
     The readout's logits are at the query's last token (see `query_tokens` for what is computed);
     `vocab` restricts them to those token ids (e.g. the answer tokens), skipping the full unembed.
+    `overlay`: slots read in place of the notebook's at the same positions (see `run`).
     """
     ids, pos = query_tokens(model, notebook, query)
-    _, out = run(model, notebook, ids, pos, write=False, hooks=hooks, capture=capture, vocab=vocab)
+    _, out = run(
+        model, notebook, ids, pos, write=False, hooks=hooks, capture=capture, vocab=vocab, overlay=overlay
+    )
     return out
 
 
@@ -191,6 +195,26 @@ def patch(dst: Notebook, src: Notebook, spec: Patch = Patch()) -> Notebook:
 
 def patch_batch(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Notebook:
     """N patched copies of batch-1 `dst` stacked along batch, one per spec, in one vectorised op."""
+    touched = patched_slots(dst, src, specs)
+    idx = dst.slot_index(touched.positions)
+
+    def stack(kv: Tensor, patched: Tensor) -> Tensor:
+        out = kv.expand(len(specs), -1, -1, -1).clone()
+        out[:, :, idx] = patched
+        return out
+
+    return replace(
+        dst,
+        keys=tuple(stack(k, t) for k, t in zip(dst.keys, touched.keys)),
+        values=tuple(stack(v, t) for v, t in zip(dst.values, touched.values)),
+        tokens=dst.tokens.expand(len(specs), -1).clone(),
+    )
+
+
+def patched_slots(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Notebook:
+    """Only the slots of batch-1 `dst` that some spec touches, one batch row per spec, patched:
+    what the rows of `patch_batch(dst, src, specs)` differ in. As `run`'s `overlay` over `dst`
+    it gives the same decisions without copying the unpatched slots."""
     if dst.batch != 1 or src.batch != 1:
         raise ShapeMismatch(
             f"patch_batch takes batch-1 notebooks, got batches {dst.batch} and {src.batch}; "
@@ -201,7 +225,8 @@ def patch_batch(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Noteboo
     masks = torch.stack([_mask(s, dst, n_kv) for s in specs])  # [N, layer, kv_head, slot]
     touched = masks.flatten(0, 2).any(0).nonzero().flatten()  # slots any patch touches
     device = dst.keys[0].device
-    masks = masks.to(device)
+    masks = masks[..., touched].to(device)
+    at = touched.to(device)
     use_k = torch.tensor([s.keys for s in specs], device=device)[:, None, None]
     use_v = torch.tensor([s.values for s in specs], device=device)[:, None, None]
     keys, values = [], []
@@ -210,13 +235,15 @@ def patch_batch(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Noteboo
             (keys, use_k, src.keys[l], dst.keys[l]),
             (values, use_v, src.values[l], dst.values[l]),
         ):
-            # copy dst once per patch (a memcpy), then blend only the touched slots
-            t = d_kv.expand(n, -1, -1, -1).clone()
-            m = (masks[:, l][..., touched] & use)[..., None]  # [N, kv_head, touched, 1]
-            t[:, :, touched] = torch.where(m, s_kv[:, :, touched], d_kv[:, :, touched])
-            out.append(t)
+            m = (masks[:, l] & use)[..., None]  # [N, kv_head, touched, 1]
+            out.append(torch.where(m, s_kv.index_select(2, at), d_kv.index_select(2, at)))
     return replace(
-        dst, keys=tuple(keys), values=tuple(values), tokens=dst.tokens.expand(len(specs), -1).clone()
+        dst,
+        keys=tuple(keys),
+        values=tuple(values),
+        positions=dst.positions[touched],
+        tokens=dst.tokens[:, touched].expand(n, -1).clone(),
+        spans={},
     )
 
 
@@ -235,14 +262,17 @@ def decide_patched(
     """Decision logits for each patch in `specs`, evaluated as batched forwards.
 
     Equal to `[decide(model, patch(dst, src, s), prompt).last[0] for s in specs]`, but each
-    chunk of `batch_size` patches is one forward over the decision tokens. `vocab`: only
-    these token ids' logits (columns in that order).
+    chunk of `batch_size` patches is one forward over the decision tokens, reading `dst` as it
+    is plus only the patched slots per row (`patched_slots`, `run`'s overlay): the notebook is
+    never copied. `vocab`: only these token ids' logits (columns in that order). In hooks on
+    attention scores or patterns the key axis is `dst`'s slots (a patched slot's own column
+    masked), then the patched slots, then the decision tokens.
     """
     out = []
     chunks = range(0, len(specs), batch_size)
     for i in tqdm(chunks, desc="patches", disable=not progress, unit="batch"):
-        nb = patch_batch(dst, src, specs[i : i + batch_size])
-        out.append(decide(model, nb, prompt, hooks=hooks, vocab=vocab).last)
+        overlay = patched_slots(dst, src, specs[i : i + batch_size])
+        out.append(decide(model, dst, prompt, hooks=hooks, vocab=vocab, overlay=overlay).last)
     width = model.cfg.d_vocab_out if vocab is None else len(vocab)
     return torch.cat(out) if out else torch.zeros(0, width)
 

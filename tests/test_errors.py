@@ -242,6 +242,10 @@ def test_run_input_errors_are_kvnotes_types(gcase):
         run(model, nb, [5, 6], [80, 80])
     with pytest.raises(ShapeMismatch, match=r"batch 3 .* notebook batch 2; give tokens of batch 1 or 2"):
         run(model, nb.expand(2), torch.tensor([[5]] * 3))
+    with pytest.raises(BadArgument, match="an overlay is read-only: pass write=False"):
+        run(model, nb, [5], overlay=nb.select([1, 2]))
+    with pytest.raises(ShapeMismatch, match="overlay batch 3 does not match batch 2; give an overlay of"):
+        run(model, nb.expand(2), [5], write=False, overlay=nb.select([1]).expand(3))
 
 
 def test_ops_input_errors_are_kvnotes_types(gcase):

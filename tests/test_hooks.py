@@ -143,3 +143,27 @@ def test_hook_name_gives_transformer_lens_names(model):
     assert "attn.hook_zz" in str(e.value) and all(site in str(e.value) for site in SITES)
     with pytest.raises(BadArgument):
         hook_name(-1, "attn.hook_z")
+
+
+def test_hooked_layers_take_the_reference_path_with_the_documented_key_axis(case):
+    """A hook on the pattern sees every slot, then the overlay's, then the computed tokens; the
+    logits do not depend on which layers are hooked (hooked layers take the reference path)."""
+    from kvnotes import engine
+    from kvnotes.ops import Patch, patched_slots
+
+    model, nb, src = case.model, case.nb_old, case.nb_new
+    over = patched_slots(nb, src, [Patch(positions=(2,)), Patch(positions=(1, 3))])
+    seen = {}
+
+    def look(pattern, hook):
+        seen[hook.name] = pattern.shape
+
+    name = hook_name(model.n_layers - 1, "attn.hook_pattern")
+    ids = case.ids[case.stop :]
+    plain = decide(model, nb, case.old, overlay=over).last
+    hooked = decide(model, nb, case.old, overlay=over, hooks=[(name, look)]).last
+    with engine.fast_attention(False):
+        reference = decide(model, nb, case.old, overlay=over).last
+    assert seen[name] == (2, model.cfg.n_heads, len(ids), nb.n_slots + over.n_slots + len(ids))
+    assert_close(hooked, plain, what="one hooked layer")
+    assert_close(reference, plain, what="reference path")

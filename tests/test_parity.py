@@ -1,5 +1,7 @@
 """Conformance suite: the eight invariants of docs/engine.md, checked directly on every tiny model
-against TransformerLens's own full forward (and against prefill of the edited prompt)."""
+against TransformerLens's own full forward (and against prefill of the edited prompt), on each
+attention path: the reference (full score matrix), the fast one, and the fast one with long
+appends run in chunks of 13 tokens (so every prefill here is chunked, across windows)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvnotes import engine
 from kvnotes.engine import run
 from kvnotes.metrics import kv_deviation
 from kvnotes.notebook import Notebook
@@ -32,6 +35,14 @@ from tests.helpers import (
     full_logits,
     max_kv_diff,
 )
+
+
+@pytest.fixture(autouse=True, params=["reference", "fast", "fast-chunked"])
+def attention_path(request, monkeypatch):
+    if request.param == "fast-chunked":
+        monkeypatch.setattr(engine, "PREFILL_CHUNK", 13)
+    with engine.fast_attention(request.param != "reference"):
+        yield request.param
 
 
 # --- 1. decide == full forward -------------------------------------------------------------------

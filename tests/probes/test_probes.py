@@ -113,7 +113,8 @@ def test_knockout_equals_deleting_the_slots(trials):
         assert abs(knocked - unbatched_ld(t, t.new_nb.select(keep))) < 2e-5
         nothing = torch.zeros_like(mask)
         same = float(t.ld(t.new_nb, hooks=knockout_hooks(t.model, nothing))[0])
-        assert same == pytest.approx(t.ld_new, abs=1e-6)
+        # hooked layers take the reference attention path, ld_new the fast one: float32 rounding apart
+        assert same == pytest.approx(t.ld_new, abs=1e-5)
 
 
 def test_knockout_reports_top_and_random(trials):
