@@ -1,45 +1,96 @@
-"""Benchmarks that run two ways side by side in one process and report the ratio.
+"""Benchmarks that run several ways side by side in one process and report the ratios.
 
 `patch_sweep`: a per-slot KV transplant sweep over the last 64 slots (all layers) of a prompt,
-(a) by the engine — the prefix is never recomputed, a chunk of patched notebooks is one batched
-forward over the decision tokens only — and (b) the way a TransformerLens user would do it
-without a notebook: one full forward of the whole prompt per patch, with hooks on
-`hook_rot_k`/`hook_v` that set every prefix slot's K/V to the patched notebook's, unembedding
-only the last position and only the two answer tokens, as the engine does (the fair version of
-naive: no full-vocabulary logits at every position).
+(a) by the engine — the prefix is never recomputed, a batch of patched notebooks is one forward
+over the decision tokens only — (b) the naive way a TransformerLens user would take without a
+notebook: one full forward of the whole prompt per patch, with hooks on `hook_rot_k`/`hook_v`
+that set every prefix slot's K/V to the patched notebook's, and (c) the strong baselines of
+`kvnotes.baselines`: TransformerLens batched and with its own KV cache, nnsight over the Hugging
+Face model batched and with Hugging Face's own cache. Every way unembeds only the last position
+and only the two answer tokens, as the engine does (no full-vocabulary logits anywhere), and each
+is timed as the median of `repeats` sweeps, the ways in turn, at its best batch size.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import time
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
-from kvnotes.analysis import MODEL, Context, Section, analysis, option, register_section
+from kvnotes.analysis import MODEL, Context, Options, Section, analysis, option, register_section
+from kvnotes.baselines import (
+    BATCH_SIZES,
+    WAYS,
+    HFTwin,
+    PatchPair,
+    best_batch_size,
+    hf_twin,
+    sweep,
+    time_side_by_side,
+    unavailable,
+)
 from kvnotes.conformance import POLICY, QUERY, STATE, filled_pair
 from kvnotes.display import Displayable
 from kvnotes.engine import final_logits
+from kvnotes.errors import BadOption
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
 from kvnotes.prompt import Prompt
 
+ENGINE_BATCH = 16  # the engine's batch size in reports written before it was probed
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
+class BaselineResult:
+    """One strong baseline's sweep: median seconds of `repeats` (min, max), its batch size, its
+    time over the engine's (> 1: the engine is faster) and its largest |logit - engine's logit|."""
+
+    name: str
+    seconds: float
+    min_s: float
+    max_s: float
+    batch_size: int
+    ratio: float
+    max_abs_logit_diff: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class SweepResult:
+    """One prompt length: the engine's and the naive way's medians (the engine's with min, max and
+    batch size), naive / engine, the two ways' largest recovery and logit differences, and the
+    strong baselines run (`baselines`) and not run, with the reason (`skipped`)."""
+
     tokens: int
     n_patches: int
     engine_s: float
+    engine_min_s: float
+    engine_max_s: float
+    engine_batch: int
     naive_s: float
-    ratio: float
+    ratio: float  # naive_s / engine_s
     max_recovery_diff: float
     max_logit_diff: float
+    repeats: int
+    baselines: list[BaselineResult] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SweepResult:
+        old = {  # reports written before the baselines: one timing, batch 16
+            "engine_min_s": d["engine_s"],
+            "engine_max_s": d["engine_s"],
+            "engine_batch": ENGINE_BATCH,
+            "repeats": 1,
+        }
+        return cls(**{**old, **d, "baselines": [BaselineResult(**b) for b in d.get("baselines", [])]})
 
 
 class BenchReport(Displayable):
@@ -62,17 +113,31 @@ class SweepReport(BenchReport):
     machine: str
     results: list[SweepResult]
 
+    @classmethod
+    def from_dict(cls, d: dict) -> SweepReport:
+        return cls(**{**d, "results": [SweepResult.from_dict(r) for r in d["results"]]})
+
     def table(self) -> str:
-        lines = [
-            f"patch sweep — {self.model} — {self.machine}",
-            f"{'tokens':>7}{'patches':>8}{'engine s':>10}{'naive s':>10}{'ratio':>9}"
-            f"{'max |Δrecovery|':>17}{'max |Δlogit|':>14}",
-        ]
+        reps = self.results[0].repeats if self.results else 1
+        lines = [f"patch sweep — {self.model} — {self.machine} — median of {reps} (min–max)"]
         for r in self.results:
-            lines.append(
-                f"{r.tokens:>7}{r.n_patches:>8}{r.engine_s:>10.3f}{r.naive_s:>10.2f}"
-                f"{r.ratio:>8.1f}x{r.max_recovery_diff:>17.2e}{r.max_logit_diff:>14.2e}"
-            )
+            lines += [
+                "",
+                f"{r.tokens} tokens, {r.n_patches} patches; engine vs naive: max |Δrecovery| "
+                f"{r.max_recovery_diff:.2e}, max |Δlogit| {r.max_logit_diff:.2e}",
+                f"  {'way':<22}{'batch':>6}{'seconds':>10}  {'(min–max)':<17}{'× engine':>9}"
+                f"{'max |Δlogit|':>14}",
+                f"  {'engine':<22}{r.engine_batch:>6}{r.engine_s:>10.3f}  "
+                f"{f'({r.engine_min_s:.3f}–{r.engine_max_s:.3f})':<17}{1.0:>9.2f}{'—':>14}",
+                f"  {'naive (one per patch)':<22}{1:>6}{r.naive_s:>10.3f}  {'':<17}{r.ratio:>9.2f}"
+                f"{r.max_logit_diff:>14.2e}",
+            ]
+            for b in r.baselines:
+                lines.append(
+                    f"  {b.name:<22}{b.batch_size:>6}{b.seconds:>10.3f}  "
+                    f"{f'({b.min_s:.3f}–{b.max_s:.3f})':<17}{b.ratio:>9.2f}{b.max_abs_logit_diff:>14.2e}"
+                )
+            lines += [f"  {name:<22}skipped: {why}" for name, why in r.skipped.items()]
         return "\n".join(lines)
 
 
@@ -116,9 +181,34 @@ def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[in
 
 
 def patch_sweep(
-    model: KVModel, n_tokens: int, *, n_slots: int = 64, batch_size: int = 16, progress: bool = True
+    model: KVModel,
+    n_tokens: int,
+    *,
+    n_slots: int = 64,
+    batch_size: int | None = None,
+    repeats: int = 3,
+    baselines: Sequence[str] = tuple(WAYS),
+    twin: HFTwin | None = None,
+    progress: bool = True,
 ) -> SweepResult:
-    """Time the per-slot transplant sweep both ways on a prompt of about `n_tokens` tokens."""
+    """Time the per-slot transplant sweep every way on a prompt of about `n_tokens` tokens.
+
+    batch_size: every batched way's batch size; None picks each way's own by a short probe
+    (`best_batch_size`). baselines: the strong baselines to run (`kvnotes.baselines.WAYS`).
+    twin: `hf_twin(model)`'s result, to load the Hugging Face counterpart once for several lengths.
+
+    >>> from kvnotes import load_model
+    >>> r = patch_sweep(load_model("tiny-gqa"), 40, n_slots=4, repeats=1, progress=False)
+    >>> [b.name for b in r.baselines], sorted(r.skipped)
+    (['tl_full_batched', 'tl_kv_cache'], ['nnsight_full_batched', 'nnsight_hf_cache'])
+    """
+    bad = [n for n in baselines if n not in WAYS]
+    if bad:
+        raise BadOption(f"unknown baseline(s) {bad}; the baselines are {', '.join(WAYS)}")
+    wanted = [WAYS[n] for n in WAYS if n in baselines]
+    twin = twin if twin is not None else hf_twin(model, need=any(w.hf for w in wanted))
+    skipped = {w.name: why for w in wanted if (why := unavailable(w, model, twin))}
+    skipped |= {n: "not asked for (the baselines option)" for n in WAYS if n not in baselines}
     old, new = sweep_prompts(model, n_tokens)
     with torch.no_grad():
         nb_old, nb_new = ops.prefill(model, old), ops.prefill(model, new)
@@ -129,43 +219,90 @@ def patch_sweep(
         a, b = int(shift.argmax()), int(shift.argmin())
         ld_old, ld_new = logit_diff(ref_old, a, b), logit_diff(ref_new, a, b)
         slots = list(range(stop - n_slots, stop))
-        specs = [ops.Patch(positions=(p,)) for p in slots]
 
-        ops.decide_patched(model, nb_old, nb_new, specs[:batch_size], new, batch_size=batch_size)
-        _naive_logits(model, new, nb_old, stop, (a, b))  # warm both paths before timing either
-        t0 = time.perf_counter()
-        engine = ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=batch_size, vocab=(a, b))
-        engine_s = time.perf_counter() - t0
+        def engine(batch: Sequence[int]) -> torch.Tensor:
+            specs = [ops.Patch(positions=(p,)) for p in batch]
+            return ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=len(specs), vocab=(a, b))
 
-        naive = []
-        t0 = time.perf_counter()
-        for spec in tqdm(specs, desc=f"naive sweep ({len(old)} tokens)", disable=not progress):
-            naive.append(_naive_logits(model, new, ops.patch(nb_old, nb_new, spec), stop, (a, b))[0])
-        naive_s = time.perf_counter() - t0
-    naive_ab = torch.stack(naive)
-    rec_engine = recovery(logit_diff(engine, 0, 1), ld_old, ld_new)
+        def naive(batch: Sequence[int]) -> torch.Tensor:
+            (p,) = batch
+            return _naive_logits(
+                model, new, ops.patch(nb_old, nb_new, ops.Patch(positions=(p,))), stop, (a, b)
+            )
+
+        # the baselines patch the old prompt's cache with the new prompt's slot, as `engine` does
+        pair = PatchPair(
+            model=model, dst_ids=old.ids, src_ids=new.ids, stop=stop, vocab=(a, b), hf=twin.hf, lm=twin.lm
+        )
+        runs = {"engine": engine, **{w.name: w.make(pair) for w in wanted if w.name not in skipped}}
+        candidates = (batch_size,) if batch_size else BATCH_SIZES  # a given size is only warmed up
+        sizes = {
+            name: best_batch_size(run, slots, candidates)
+            for name, run in tqdm(runs.items(), desc="choosing batch sizes", disable=not progress)
+        }
+        naive(slots[:1])  # warm-up
+        ways = {name: partial(sweep, run, slots, sizes[name]) for name, run in runs.items()}
+        timed = time_side_by_side(
+            {**ways, "naive": partial(sweep, naive, slots, 1)},
+            repeats,
+            desc=f"patch sweep ({len(old)} tokens)",
+            progress=progress,
+        )
+    (eng, eng_ab), (nai, naive_ab) = timed.pop("engine"), timed.pop("naive")
+    rec_engine = recovery(logit_diff(eng_ab, 0, 1), ld_old, ld_new)
     rec_naive = recovery(logit_diff(naive_ab, 0, 1), ld_old, ld_new)
     return SweepResult(
         tokens=len(old),
-        n_patches=len(specs),
-        engine_s=engine_s,
-        naive_s=naive_s,
-        ratio=naive_s / engine_s,
+        n_patches=len(slots),
+        engine_s=eng.median,
+        engine_min_s=eng.min,
+        engine_max_s=eng.max,
+        engine_batch=sizes["engine"],
+        naive_s=nai.median,
+        ratio=nai.median / eng.median,
         max_recovery_diff=float((rec_engine - rec_naive).abs().max()),
-        max_logit_diff=float((engine - naive_ab).abs().max()),
+        max_logit_diff=float((eng_ab - naive_ab).abs().max()),
+        repeats=max(1, repeats),
+        baselines=[
+            BaselineResult(
+                name=name,
+                seconds=t.median,
+                min_s=t.min,
+                max_s=t.max,
+                batch_size=sizes[name],
+                ratio=t.median / eng.median,
+                max_abs_logit_diff=float((logits - eng_ab).abs().max()),
+            )
+            for name, (t, logits) in timed.items()
+        ],
+        skipped=skipped,
     )
 
 
-def patch_sweep_report(model: KVModel, lengths: list[int], **kwargs) -> SweepReport:
+def patch_sweep_report(
+    model: KVModel, lengths: list[int], *, baselines: Sequence[str] = tuple(WAYS), **kwargs
+) -> SweepReport:
+    """`patch_sweep` at each length; the Hugging Face counterpart, if a baseline needs it, loads once."""
+    twin = hf_twin(model, need=any(WAYS[n].hf for n in baselines if n in WAYS))
     return SweepReport(
-        model=model.name, machine=machine(), results=[patch_sweep(model, n, **kwargs) for n in lengths]
+        model=model.name,
+        machine=machine(),
+        results=[patch_sweep(model, n, baselines=baselines, twin=twin, **kwargs) for n in lengths],
     )
 
 
 @dataclass(frozen=True)
-class SweepConfig:
+class SweepConfig(Options):
     tokens: tuple[int, ...] = option((256, 1024), "prompt lengths")
-    slots: int = option(64, "how many trailing slots to sweep")
+    slots: int = option(64, "how many trailing slots to sweep", least=1)
+    repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
+    baselines: tuple[str, ...] = option(tuple(WAYS), "strong baselines to run (kvnotes.baselines)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        bad = [n for n in self.baselines if n not in WAYS]
+        if bad:
+            raise BadOption(f"unknown baseline(s) {bad}; the baselines are {', '.join(WAYS)}")
 
 
 register_section(Section("bench", "Benchmarks", level=MODEL, command="bench", order=60))
@@ -173,5 +310,12 @@ register_section(Section("bench", "Benchmarks", level=MODEL, command="bench", or
 
 @analysis("patch_sweep", "bench", SweepConfig, SweepReport, in_report=False)
 def _run_patch_sweep(ctx: Context, cfg: SweepConfig) -> SweepReport:
-    """Per-slot transplant sweep: engine vs naive full forwards."""
-    return patch_sweep_report(ctx.model, list(cfg.tokens), n_slots=cfg.slots, progress=ctx.progress)
+    """Per-slot transplant sweep: engine vs naive full forwards and the strong baselines."""
+    return patch_sweep_report(
+        ctx.model,
+        list(cfg.tokens),
+        n_slots=cfg.slots,
+        repeats=cfg.repeats,
+        baselines=cfg.baselines,
+        progress=ctx.progress,
+    )

@@ -1,19 +1,74 @@
-"""The patch-sweep benchmark's two ways compute the same recoveries (timings are reported, never asserted)."""
+"""The patch-sweep benchmark: every way (engine, naive, the strong baselines) computes the same
+logits; the JSON round-trips. Timings are reported, never asserted."""
 
 from __future__ import annotations
 
 import json
 
-from kvnotes.bench import SweepReport, patch_sweep, sweep_prompts
+import pytest
+import torch
+import transformers as tf
+
+from kvnotes.baselines import WAYS
+from kvnotes.bench import SweepReport, SweepResult, patch_sweep, sweep_prompts
 from kvnotes.cli import main
+from kvnotes.models.hf import tl_from_hf_model
+from kvnotes.models.model import HFSource
+from kvnotes.models.tiny import tiny_tokenizer
+from tests.models.test_hf_families import FAMILIES, WINDOW, _config, _randomize
+
+ATOL = 1e-4
+RESULT_KEYS = {
+    "tokens",
+    "n_patches",
+    "engine_s",
+    "engine_min_s",
+    "engine_max_s",
+    "engine_batch",
+    "naive_s",
+    "ratio",
+    "max_recovery_diff",
+    "max_logit_diff",
+    "repeats",
+    "baselines",
+    "skipped",
+}
+BASELINE_KEYS = {"name", "seconds", "min_s", "max_s", "batch_size", "ratio", "max_abs_logit_diff"}
 
 
-def test_engine_and_naive_sweeps_agree(gemma3):
-    r = patch_sweep(gemma3, 80, n_slots=12, batch_size=5, progress=False)
+@pytest.fixture(scope="module")
+def hf_gemma3():
+    """A tiny random Gemma 3 checkpoint (sliding window 8, one global layer) and its TL twin, so the
+    Hugging Face baselines run and prompts reach past the window."""
+    cls, extra = FAMILIES["gemma3-text"]
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(_config(cls, extra), attn_implementation="sdpa")
+    _randomize(hf, seed=0)
+    source = HFSource(what="a tiny random Gemma3ForCausalLM", load=lambda: hf)
+    return tl_from_hf_model(hf.eval(), tiny_tokenizer(), "tiny-hf-gemma3", hf_source=source)
+
+
+def test_every_baseline_equals_the_engine_on_a_model_with_a_hugging_face_twin(hf_gemma3):
+    """12 slots before the decision, the first 4 or more outside the sliding window: a Hugging Face
+    sliding layer no longer holds them, and the patch must act in the global layer only."""
+    r = patch_sweep(hf_gemma3, 80, n_slots=12, batch_size=5, repeats=1, progress=False)
+    assert r.n_patches == 12 > WINDOW and r.skipped == {}
+    assert [b.name for b in r.baselines] == list(WAYS)
+    for b in r.baselines:
+        assert b.max_abs_logit_diff <= ATOL, b.name
+        assert b.batch_size == 5 and b.seconds > 0
+    assert r.max_logit_diff <= ATOL and r.max_recovery_diff <= ATOL
+
+
+def test_tl_baselines_on_tiny_gemma3_and_hf_ones_skipped_by_name(gemma3):
+    r = patch_sweep(gemma3, 80, n_slots=12, batch_size=5, repeats=1, progress=False)
     assert r.tokens >= 80 and r.n_patches == 12
-    assert r.max_recovery_diff <= 1e-4
-    assert r.max_logit_diff <= 1e-4
-    assert r.engine_s > 0 and r.naive_s > 0
+    assert r.max_recovery_diff <= ATOL and r.max_logit_diff <= ATOL
+    assert r.engine_s > 0 and r.naive_s > 0 and r.engine_batch == 5
+    assert [b.name for b in r.baselines] == ["tl_full_batched", "tl_kv_cache"]
+    assert all(b.max_abs_logit_diff <= ATOL for b in r.baselines)
+    assert set(r.skipped) == {"nnsight_full_batched", "nnsight_hf_cache"}
+    assert all("no Hugging Face counterpart" in why for why in r.skipped.values())
 
 
 def test_sweep_prompts_are_aligned_and_close_to_the_asked_length(gemma3):
@@ -22,28 +77,39 @@ def test_sweep_prompts_are_aligned_and_close_to_the_asked_length(gemma3):
     assert old.values != new.values
 
 
-def test_cli_patch_sweep_writes_json(tmp_path):
+def test_cli_patch_sweep_writes_json(tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    assert (
-        main(
-            [
-                "bench",
-                "patch-sweep",
-                "--model",
-                "tiny-gqa",
-                "--tokens",
-                "60,90",
-                "--slots",
-                "8",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    args = "bench patch-sweep --model tiny-gqa --tokens 60,90 --slots 8 --repeats 2 --json".split()
+    assert main([*args, str(out)]) == 0
     d = json.loads(out.read_text())
     assert SweepReport.from_dict(d).to_dict() == d
+    assert set(d) == {"model", "machine", "results"}
     assert d["model"] == "tiny-gqa" and all(r["tokens"] >= t for r, t in zip(d["results"], (60, 90)))
     for r in d["results"]:
-        assert {"tokens", "engine_s", "naive_s", "ratio", "max_recovery_diff"} <= set(r)
-        assert r["max_recovery_diff"] <= 1e-4
+        assert set(r) == RESULT_KEYS and r["repeats"] == 2
+        assert r["engine_min_s"] <= r["engine_s"] <= r["engine_max_s"]
+        assert r["max_recovery_diff"] <= ATOL
+        assert [b["name"] for b in r["baselines"]] == ["tl_full_batched", "tl_kv_cache"]
+        for b in r["baselines"]:
+            assert set(b) == BASELINE_KEYS and b["max_abs_logit_diff"] <= ATOL
+            assert b["batch_size"] in (4, 8) and b["min_s"] <= b["seconds"] <= b["max_s"]
+        assert sorted(r["skipped"]) == ["nnsight_full_batched", "nnsight_hf_cache"]
+    table = capsys.readouterr().out
+    for way in ("engine", "naive", *WAYS):
+        assert way in table
+
+
+def test_cli_runs_only_the_baselines_asked_for(tmp_path):
+    out = tmp_path / "sweep.json"
+    args = "bench patch-sweep --model tiny-llama --tokens 40 --slots 4 --repeats 1"
+    assert main([*args.split(), "--baselines", "tl_kv_cache", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert [b["name"] for b in r["baselines"]] == ["tl_kv_cache"]
+    assert r["skipped"]["tl_full_batched"].startswith("not asked for")
+    assert main([*args.split(), "--baselines", "no_such_way"]) != 0
+
+
+def test_a_report_written_before_the_baselines_still_loads():
+    old = {"tokens": 272, "n_patches": 64, "engine_s": 0.59, "naive_s": 28.5, "ratio": 48.3}
+    r = SweepResult.from_dict({**old, "max_recovery_diff": 1e-5, "max_logit_diff": 1e-5})
+    assert (r.engine_min_s, r.repeats, r.baselines, r.skipped) == (0.59, 1, [], {})

@@ -1,0 +1,390 @@
+"""The strong baselines of the patch sweep: the same per-slot transplants done the ways a
+TransformerLens or nnsight user would do them without kvnotes.
+
+Every way computes what `ops.decide_patched(model, dst, src, [Patch(positions=(p,))], ...)`
+computes: the decision tokens attend to the destination prompt's K/V at every prefix slot except
+slot `p`, whose K and V at every layer are the source prompt's; the result is the logits of the two
+answer tokens at the last position (only those two columns are unembedded, as the engine does).
+
+- `tl_full_batched`: one TransformerLens forward over B copies of the whole prompt, hooks on
+  `hook_rot_k`/`hook_v`.
+- `tl_kv_cache`: TransformerLens's own `TransformerLensKeyValueCache`, prefilled once, copied B
+  times and patched; only the decision tokens run.
+- `nnsight_full_batched`: one nnsight trace of the Hugging Face model over B copies of the whole
+  prompt, `k_proj`/`v_proj` outputs set.
+- `nnsight_hf_cache`: Hugging Face's `DynamicCache`, prefilled once, copied B times and patched;
+  only the decision tokens run, traced by nnsight.
+
+A way is built in two steps: its function (above) does the work done once per prompt pair
+(capturing the source K/V, prefilling a cache; not timed, as the engine's prefills are not) and
+returns a `PatchFn`, which computes one batch of patches, one per slot given, and returns their
+answer logits `[n, 2]`. `sweep` runs a `PatchFn` over
+all the slots in batches, `best_batch_size` picks the batch size by a short probe, and
+`time_side_by_side` times several ways in turn.
+
+The Hugging Face ways run the model's Hugging Face counterpart (`KVModel.hf_source`, with SDPA
+attention) wrapped by nnsight; a model without one (the tiny and organism models) or a machine
+without nnsight skips them, and `unavailable` says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kvnotes.engine import final_logits
+from kvnotes.errors import BadArgument
+from kvnotes.hooks import hook_name
+from kvnotes.models.model import KVModel
+from kvnotes.types import Float, Tensor
+
+PatchFn = Callable[[Sequence[int]], Tensor]  # slots -> answer logits [len(slots), 2]
+BATCH_SIZES = (4, 8, 16, 32, 64)  # the candidates `best_batch_size` probes
+_INSTALL_NNSIGHT = "pip install 'nnsight>=0.8'"
+
+
+@dataclass(frozen=True, eq=False)
+class PatchPair:
+    """What every way shares: the destination prompt (whose K/V the decision reads) and the source
+    prompt (where a patched slot's K/V come from) as token ids, aligned, with the same decision
+    tokens `dst_ids[stop:]`; the two answer ids; and for the Hugging Face ways the model's Hugging
+    Face counterpart and its nnsight wrapper (None when there is none)."""
+
+    model: KVModel
+    dst_ids: tuple[int, ...]
+    src_ids: tuple[int, ...]
+    stop: int
+    vocab: tuple[int, int]
+    hf: torch.nn.Module | None = None
+    lm: object | None = None  # nnsight's TransformersModel around `hf`
+
+    def __post_init__(self):
+        if len(self.dst_ids) != len(self.src_ids) or self.dst_ids[self.stop :] != self.src_ids[self.stop :]:
+            raise BadArgument(
+                f"the two prompts must be aligned ({len(self.dst_ids)} vs {len(self.src_ids)} tokens) and "
+                f"share the decision tokens after position {self.stop}; build them with filled_pair"
+            )
+
+
+# --- TransformerLens ---------------------------------------------------------------------------
+def _last_resid(model: KVModel) -> tuple[tuple[str, Callable], dict]:
+    """A hook that keeps the last block's residual stream at the last position, and its store."""
+    saved: dict[str, Tensor] = {}
+
+    def grab(x, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
+        saved["x"] = x[:, -1]
+
+    return (hook_name(model.n_layers - 1, "hook_resid_post"), grab), saved
+
+
+def _rows_and_slots(slots: Sequence[int]) -> tuple[Tensor, Tensor]:
+    return torch.arange(len(slots)), torch.tensor(list(slots), dtype=torch.long)
+
+
+@torch.no_grad()
+def tl_full_batched(pair: PatchPair) -> PatchFn:
+    """B full TransformerLens forwards of the destination prompt as one batch. Hooks on every
+    layer's `hook_rot_k` (post-RoPE) and `hook_v` set the prefix to the destination's K/V and row
+    i's slot to the source's; without freezing the rest of the prefix, the patched slot would also
+    change every later slot's K/V, which is another experiment than the engine's."""
+    model, stop = pair.model, pair.stop
+    names = lambda n: n.endswith(("attn.hook_rot_k", "attn.hook_v"))  # noqa: E731
+    kv = {}
+    for which, ids in (("src", pair.src_ids), ("dst", pair.dst_ids)):
+        _, cache = model.tl.run_with_cache(torch.tensor([ids]), names_filter=names, return_type=None)
+        kv[which] = {name: act[0, :stop] for name, act in cache.items()}  # [slot, kv_head, d_head]
+    tokens = torch.tensor([pair.dst_ids])
+    slots_now: list[int] = []  # the batch being run, read by the hook
+
+    def patch(x, hook):
+        rows, at = _rows_and_slots(slots_now)
+        x[:, :stop] = kv["dst"][hook.name]
+        x[rows, at] = kv["src"][hook.name][at]
+        return x
+
+    grab, saved = _last_resid(model)
+    hooks = [(lambda n: n in kv["dst"], patch), grab]
+    vocab = torch.tensor(pair.vocab)
+
+    def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
+        slots_now[:] = slots
+        model.tl.run_with_hooks(tokens.expand(len(slots), -1), return_type=None, fwd_hooks=hooks)
+        return final_logits(model, saved["x"], vocab)
+
+    return run
+
+
+@torch.no_grad()
+def tl_kv_cache(pair: PatchPair) -> PatchFn:
+    """TransformerLens's own KV cache: each prompt's prefix prefilled once into a
+    `TransformerLensKeyValueCache`; per batch the destination's cache is copied B times, row i's
+    slot overwritten with the source's entry, and only the decision tokens run.
+
+    TL caches keys *before* RoPE (after any qk-norm) and rotates every cached key again on each
+    call, from position 0; the patched slot keeps its position, so the source's pre-RoPE key is
+    copied as it is. TL masks sliding windows by position, so slots outside a window need nothing.
+    """
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache as KVCache
+    from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry as Entry
+
+    model, stop, tl = pair.model, pair.stop, pair.model.tl
+
+    def prefill(ids: Sequence[int]) -> KVCache:
+        cache = KVCache.init_cache(tl.cfg, tl.cfg.device, 1)
+        prefix = torch.tensor([list(ids[:stop])])
+        tl(prefix, past_kv_cache=cache, attention_mask=torch.ones_like(prefix), return_type=None)
+        return cache
+
+    src, dst = prefill(pair.src_ids), prefill(pair.dst_ids)
+    decision = torch.tensor([list(pair.dst_ids[stop:])])
+    grab, saved = _last_resid(model)
+    vocab = torch.tensor(pair.vocab)
+
+    def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
+        rows, at = _rows_and_slots(slots)
+        b = len(slots)
+        entries = []
+        for d, s in zip(dst.entries, src.entries):
+            k = d.past_keys.expand(b, -1, -1, -1).clone()  # [batch, slot, kv_head, d_head]
+            v = d.past_values.expand(b, -1, -1, -1).clone()
+            k[rows, at] = s.past_keys[0, at]
+            v[rows, at] = s.past_values[0, at]
+            entries.append(Entry(past_keys=k, past_values=v, frozen=True))
+        cache = KVCache(entries, torch.ones(b, stop, dtype=torch.int), frozen=True)
+        tokens = decision.expand(b, -1)
+        tl.run_with_hooks(
+            tokens,
+            past_kv_cache=cache,
+            attention_mask=torch.ones_like(tokens),
+            return_type=None,
+            fwd_hooks=[grab],
+        )
+        return final_logits(model, saved["x"], vocab)
+
+    return run
+
+
+# --- Hugging Face through nnsight --------------------------------------------------------------
+def _hf_answer_logits(hf: torch.nn.Module, h: Tensor, vocab: tuple[int, int]) -> Float[Tensor, "n 2"]:
+    """The Hugging Face head on final-norm states `h` [n, d_model], only the `vocab` columns."""
+    head = hf.get_output_embeddings()
+    logits = h @ head.weight[list(vocab)].T
+    if getattr(head, "bias", None) is not None:
+        logits = logits + head.bias[list(vocab)]
+    cap = getattr(hf.config.get_text_config(), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _projections(lm, ids: Sequence[int], stop: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Every layer's `k_proj` and `v_proj` outputs over the first `stop` tokens of `ids`."""
+    ks: list[Tensor] = []
+    vs: list[Tensor] = []
+    with lm.trace(torch.tensor([list(ids)])) as tracer:
+        for layer in lm.model.layers:
+            ks.append(layer.self_attn.k_proj.output[0, :stop].clone())  # [slot, n_kv_heads * d_head]
+            vs.append(layer.self_attn.v_proj.output[0, :stop].clone())
+        tracer.stop()
+    return ks, vs
+
+
+@torch.no_grad()
+def nnsight_full_batched(pair: PatchPair) -> PatchFn:
+    """B full forwards of the Hugging Face model as one nnsight trace over a batch of B copies of
+    the destination prompt. Each layer's `k_proj` and `v_proj` outputs (before qk-norm and RoPE,
+    which the model then applies by position) are set to the destination's over the prefix and row
+    i's slot to the source's, so the keys the decision reads are the source's post-RoPE keys at that
+    slot. Sliding windows are the model's own masks. The trace stops at the final norm."""
+    lm, hf, stop = pair.lm, pair.hf, pair.stop
+    src_k, src_v = _projections(lm, pair.src_ids, stop)
+    dst_k, dst_v = _projections(lm, pair.dst_ids, stop)
+    tokens = torch.tensor([pair.dst_ids])
+
+    def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
+        rows, at = _rows_and_slots(slots)
+        with lm.trace(tokens.expand(len(slots), -1)) as tracer:
+            for l, layer in enumerate(lm.model.layers):
+                k = layer.self_attn.k_proj.output
+                k[:, :stop] = dst_k[l]
+                k[rows, at] = src_k[l][at]
+                v = layer.self_attn.v_proj.output
+                v[:, :stop] = dst_v[l]
+                v[rows, at] = src_v[l][at]
+            h = lm.model.norm.output[:, -1].save()
+            tracer.stop()
+        return _hf_answer_logits(hf, h, pair.vocab)
+
+    return run
+
+
+@torch.no_grad()
+def nnsight_hf_cache(pair: PatchPair) -> PatchFn:
+    """Hugging Face's own cache: each prompt's prefix prefilled once by the Hugging Face model into
+    a `DynamicCache`; per batch the destination's cache is copied and repeated B times, row i's slot
+    overwritten with the source's entry, and only the decision tokens run, traced by nnsight with
+    `cache=` (transformers 5.24's name; `past_key_values=` is deprecated) and an attention mask over
+    the cache and the tokens (without one, nnsight supplies a mask of the tokens alone whenever the
+    cache is not passed as `past_key_values`, and the logits come out wrong).
+
+    The cache holds keys *after* RoPE, which the slot keeps (same position). A sliding-window layer
+    keeps only its last `sliding_window - 1` positions; a slot before them is not patched there:
+    no decision token can attend to it in that layer, so the patch has no effect in it."""
+    from transformers import DynamicCache
+
+    lm, hf, stop = pair.lm, pair.hf, pair.stop
+
+    def prefill(ids: Sequence[int]) -> DynamicCache:
+        cache = DynamicCache(config=hf.config)
+        hf(torch.tensor([list(ids[:stop])]), cache=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    src, dst = prefill(pair.src_ids), prefill(pair.dst_ids)
+    decision = torch.tensor([list(pair.dst_ids[stop:])])
+
+    def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
+        rows, at = _rows_and_slots(slots)
+        cache = copy.deepcopy(dst)
+        cache.batch_repeat_interleave(len(slots))
+        for layer, s in zip(cache.layers, src.layers):
+            first = layer.get_seq_length() - layer.keys.shape[-2]  # first position the layer holds
+            keep = at >= first  # sliding layers: only slots still inside the window
+            j = at[keep] - first
+            layer.keys[rows[keep], :, j] = s.keys[0].transpose(0, 1)[j]  # [slot, kv_head, d_head]
+            layer.values[rows[keep], :, j] = s.values[0].transpose(0, 1)[j]
+        tokens = decision.expand(len(slots), -1)
+        mask = torch.ones(len(slots), stop + tokens.shape[1], dtype=torch.long)  # cache + tokens
+        with lm.trace(tokens, attention_mask=mask, cache=cache) as tracer:
+            h = lm.model.norm.output[:, -1].save()
+            tracer.stop()
+        return _hf_answer_logits(hf, h, pair.vocab)
+
+    return run
+
+
+# --- the registry of ways ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Way:
+    name: str
+    make: Callable[[PatchPair], PatchFn]
+    hf: bool  # runs the Hugging Face counterpart through nnsight
+
+
+WAYS: dict[str, Way] = {
+    w.name: w
+    for w in (
+        Way("tl_full_batched", tl_full_batched, hf=False),
+        Way("tl_kv_cache", tl_kv_cache, hf=False),
+        Way("nnsight_full_batched", nnsight_full_batched, hf=True),
+        Way("nnsight_hf_cache", nnsight_hf_cache, hf=True),
+    )
+}
+
+
+@dataclass(frozen=True, eq=False)
+class HFTwin:
+    """A model's Hugging Face counterpart and nnsight's wrapper of it, or why there is none."""
+
+    hf: torch.nn.Module | None = None
+    lm: object | None = None  # nnsight's TransformersModel around `hf`
+    problem: str | None = None
+
+
+def hf_twin(model: KVModel, *, need: bool = True) -> HFTwin:
+    """`model`'s Hugging Face counterpart (SDPA attention, eval mode), wrapped by nnsight, when a
+    baseline `need`s it. Loading can take a minute (Gemma's GGUF is dequantized again).
+
+    nnsight 0.8 deprecates `LanguageModel` for `TransformersModel(..., task="text-generation")`,
+    the same class without the warning; it wraps the loaded module in a transformers pipeline."""
+    if not need or model.hf_source is None:
+        return HFTwin()
+    try:
+        from nnsight.modeling.transformers import TransformersModel
+    except ImportError:
+        return HFTwin(problem=f"nnsight is not installed: {_INSTALL_NNSIGHT}")
+    hf = model.hf_source.load()
+    hf.set_attn_implementation("sdpa")
+    if not hasattr(getattr(hf, "model", None), "layers"):
+        return HFTwin(problem=f"{type(hf).__name__} keeps its decoder layers elsewhere than model.layers")
+    lm = TransformersModel(hf.eval(), tokenizer=model.tokenizer, task="text-generation")
+    return HFTwin(hf=hf, lm=lm)
+
+
+def unavailable(way: Way, model: KVModel, twin: HFTwin) -> str | None:
+    """Why `way` cannot run on `model` with `twin` (None: it can)."""
+    if not way.hf:
+        return None
+    if model.hf_source is None:
+        return (
+            f"{model.name} has no Hugging Face counterpart (a TransformerLens-only model); "
+            "models loaded from a checkpoint (load_hf) and gemma-3-270m have one"
+        )
+    if twin.lm is None:
+        return twin.problem or "its Hugging Face counterpart was not loaded (hf_twin(model))"
+    return None
+
+
+# --- running and timing ------------------------------------------------------------------------
+def sweep(run: PatchFn, slots: Sequence[int], batch_size: int) -> Float[Tensor, "n 2"]:
+    """`run` over `slots` in batches of `batch_size`, concatenated in slot order."""
+    with torch.no_grad():
+        return torch.cat([run(slots[i : i + batch_size]) for i in range(0, len(slots), batch_size)])
+
+
+def best_batch_size(
+    run: PatchFn, slots: Sequence[int], candidates: Sequence[int] = BATCH_SIZES, *, budget_s: float = 5.0
+) -> int:
+    """The candidate batch size with the least time per patch, by one call per candidate after a
+    warm-up call (these calls are not part of any reported timing). Candidates are tried in
+    increasing order; the probe stops at one 10% slower per patch than the best so far (a larger
+    batch only costs memory from there) or after a call longer than `budget_s` (per-call overheads
+    are long amortised by then: a full forward of a long prompt)."""
+    sizes = sorted({min(max(1, c), len(slots)) for c in candidates})
+    sweep(run, slots[: sizes[0]], sizes[0])  # warm-up: first calls allocate
+    best, best_t = sizes[0], float("inf")
+    for b in sizes:
+        t0 = time.perf_counter()
+        sweep(run, slots[:b], b)
+        took = time.perf_counter() - t0
+        if took / b < best_t:
+            best, best_t = b, took / b
+        elif took / b > 1.1 * best_t:
+            break
+        if took > budget_s:
+            break
+    return best
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds over repeats: median, min and max."""
+
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Timing:
+        return cls(statistics.median(seconds), min(seconds), max(seconds))
+
+
+def time_side_by_side(
+    ways: dict[str, Callable[[], Tensor]], repeats: int, *, desc: str = "timing", progress: bool = True
+) -> dict[str, tuple[Timing, Tensor]]:
+    """Time each zero-argument callable `repeats` times, the ways in turn within each repeat (so a
+    slow spell of the machine hits them alike); each way's timing and its last result."""
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    last: dict[str, Tensor] = {}
+    with tqdm(total=max(1, repeats) * len(ways), desc=desc, disable=not progress) as bar:
+        for r in range(max(1, repeats)):
+            for name, fn in ways.items():
+                bar.set_postfix_str(f"repeat {r + 1}: {name}")
+                t0 = time.perf_counter()
+                last[name] = fn()
+                seconds[name].append(time.perf_counter() - t0)
+                bar.update()
+    return {name: (Timing.of(s), last[name]) for name, s in seconds.items()}

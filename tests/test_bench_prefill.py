@@ -1,0 +1,120 @@
+"""The prefill benchmark: kvnotes, transformers and TransformerLens prefill the same context and
+agree on it (logits and K/V), the report has the documented JSON shape, and a way that cannot run
+is skipped with its reason. (No timing is asserted: speed is a benchmark.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvnotes import bench_prefill as bp
+from kvnotes.analysis import get
+from kvnotes.bench_prefill import PrefillReport, context_ids, prefill_bench
+from kvnotes.cli import main
+from kvnotes.models.hf import load_hf
+from tests.helpers import get_model
+from tests.test_verify import _checkpoint
+
+POINT_KEYS = {"tokens", "ways", "skipped"}
+WAY_KEYS = {"name", "seconds", "min_s", "max_s", "tokens_per_s", "peak_mib", "max_abs_logit_diff"}
+
+
+@pytest.fixture(scope="module")
+def hf_gemma3(tmp_path_factory):
+    """A tiny Gemma 3 checkpoint (sliding windows of 8, one global layer, local/global RoPE bases)
+    loaded as a KVModel; its Hugging Face twin is the checkpoint itself."""
+    return load_hf(str(_checkpoint(tmp_path_factory, "gemma3-text")))
+
+
+@pytest.fixture(scope="module")
+def report(hf_gemma3) -> PrefillReport:
+    return prefill_bench(hf_gemma3, [96], repeats=1, progress=False)
+
+
+def test_the_three_ways_agree_on_a_gemma3_checkpoint(hf_gemma3, report):
+    (point,) = report.results
+    assert point.tokens == 96 and point.skipped == {}
+    ways = {w.name: w for w in point.ways}
+    assert list(ways) == list(bp.WAYS)
+    assert ways["kvnotes"].max_abs_logit_diff is None  # the reference the others are read against
+    for name in ("transformers", "transformer_lens"):
+        assert ways[name].max_abs_logit_diff < 1e-3, name
+        assert ways[name].max_abs_kv_diff < 1e-4, name
+    windows = [hf_gemma3.window(l) for l in report.compared_layers]
+    assert windows[0] is not None and windows[1] is None  # a sliding layer and a global one
+
+
+def test_transformers_keeps_only_the_window_in_a_sliding_layer(hf_gemma3):
+    """So the K/V comparison is over the last slots both hold, not over an unequal pair."""
+    ids = context_ids(hf_gemma3, 40)
+    layers = bp.compared_layers(hf_gemma3)
+    hf = bp.load_hf_twin(hf_gemma3)
+    out = bp._transformers(hf_gemma3, hf, ids)
+    theirs = bp._transformers_readout(hf_gemma3, out, ids, layers)
+    ours = bp._kvnotes_readout(hf_gemma3, bp._kvnotes(hf_gemma3, None, ids), ids, layers)
+    window = hf_gemma3.window(layers[0])
+    assert [k.shape[1] for k in theirs.keys] == [window - 1, 40]
+    assert [k.shape[1] for k in ours.keys] == [40, 40]
+    logit, kv = bp._diffs(theirs, ours)
+    assert logit < 1e-3 and kv < 1e-4
+
+
+def test_the_report_has_the_documented_keys_and_round_trips(report):
+    d = json.loads(json.dumps(report.to_dict()))
+    assert {"model", "machine", "memory_method", "results", "exponents"} <= set(d)
+    assert all(POINT_KEYS <= set(p) for p in d["results"])
+    assert all(WAY_KEYS <= set(w) for p in d["results"] for w in p["ways"])
+    assert set(d["exponents"]) == set(bp.WAYS)  # None with a single length
+    for w in report.results[0].ways:
+        assert w.min_s <= w.seconds <= w.max_s and w.peak_mib >= 0 and w.tokens_per_s > 0
+    back = PrefillReport.from_dict(d)
+    assert back == report and back.to_dict() == d
+    assert "transformer_lens" in report.table()
+
+
+def test_context_starts_with_bos_and_has_the_length(hf_gemma3):
+    ids = context_ids(hf_gemma3, 96)
+    assert len(ids) == 96 and ids[0] == hf_gemma3.tokenizer.bos_token_id
+
+
+def test_cli_writes_the_json_with_the_transformers_way_skipped_and_named(tmp_path):
+    out = tmp_path / "prefill.json"
+    argv = ["bench", "prefill", "--model", "tiny-gemma3", "--lengths", "64,128", "--repeats", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [p["tokens"] for p in d["results"]] == [64, 128]
+    for p in d["results"]:
+        assert [w["name"] for w in p["ways"]] == ["kvnotes", "transformer_lens"]
+        assert "no Hugging Face twin" in p["skipped"]["transformers"]
+    # two lengths: a growth exponent for each way that ran, none for the skipped one
+    assert d["exponents"]["transformers"] is None
+    assert all(isinstance(d["exponents"][w], float) for w in ("kvnotes", "transformer_lens"))
+    assert PrefillReport.from_dict(d).to_dict() == d
+
+
+def test_lengths_beyond_the_context_or_free_memory_are_skipped_with_the_reason(monkeypatch):
+    model = get_model("tiny-llama")
+    monkeypatch.setattr(bp, "available_bytes", lambda device: 2**20)  # 1 MiB free
+    report = prefill_bench(model, [64, model.n_ctx + 1], repeats=1, progress=False)
+    short, long = report.results
+    assert [w.name for w in short.ways] == ["kvnotes"]
+    assert "run_with_cache would need about" in short.skipped["transformer_lens"]
+    assert long.ways == [] and set(long.skipped) == set(bp.WAYS)
+    assert all("n_ctx=512" in long.skipped[w] for w in ("kvnotes", "transformer_lens"))
+
+
+def test_the_subprocess_fallback_measures_where_the_peak_cannot_be_reset(monkeypatch):
+    """Where /proc/self/clear_refs is not writable: one spawned process per way and length."""
+    monkeypatch.setattr(bp, "memory_method", lambda device: bp.RUSAGE)
+    report = prefill_bench(get_model("tiny-llama"), [64], repeats=1, progress=False)
+    assert report.memory_method == bp.RUSAGE
+    kvnotes, tl = report.results[0].ways
+    assert (kvnotes.name, tl.name) == ("kvnotes", "transformer_lens")
+    assert tl.max_abs_logit_diff < 1e-4 and tl.peak_mib >= 0
+
+
+def test_bench_prefill_is_a_registered_benchmark():
+    a = get("prefill")
+    assert a.section == "bench" and not a.in_report and a.result is PrefillReport
+    assert a.make_config().lengths == (1024, 4096, 8192) and a.make_config().repeats == 3
