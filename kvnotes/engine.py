@@ -275,9 +275,7 @@ def _key_plans(model: KVModel, nb: Notebook, overlay: Notebook | None, pos: Tens
         kept_live = live_nb if take is None else live_nb[take]
         key_pos = torch.cat([kept_pos, ov_pos, pos])
         live = torch.cat([kept_live, live_ov, torch.ones_like(pos, dtype=torch.bool)])
-        mask = (key_pos[None, :] <= pos[:, None]) & live[None, :]
-        if window is not None:
-            mask &= key_pos[None, :] > pos[:, None] - window
+        mask = _mask(key_pos, live, pos, window)
         if isinstance(take, Tensor):
             take = take.to(device)
         mask = mask.to(device)
@@ -286,6 +284,14 @@ def _key_plans(model: KVModel, nb: Notebook, overlay: Notebook | None, pos: Tens
         return plans[window, fast]
 
     return plan
+
+
+def _mask(key_pos: Tensor, live: Tensor, pos: Tensor, window: int | None) -> Tensor:
+    """Boolean `[query, key]`: causal by position, live keys only, inside the sliding window."""
+    mask = (key_pos[None, :] <= pos[:, None]) & live[None, :]
+    if window is not None:
+        mask &= key_pos[None, :] > pos[:, None] - window
+    return mask
 
 
 def _forward(model: KVModel, nb: Notebook, overlay: Notebook | None, tok: Tensor, pos: Tensor):

@@ -70,43 +70,30 @@ def test_unknown_invariant_and_missing_reference_say_the_way_out(gemma3):
 
 # --- sabotage: each invariant must catch its bug -------------------------------------------------
 def _window_off_by_one(mp, model=None):
-    def masks(model, nb, pos):
-        key_pos = torch.cat([nb.positions, pos])
-        live = torch.cat([~torch.isin(nb.positions, pos), torch.ones_like(pos, dtype=torch.bool)])
-        causal = (key_pos[None, :] <= pos[:, None]) & live[None, :]
-        out = {None: causal}
-        for l in range(model.n_layers):
-            w = model.window(l)
-            if w is not None:
-                out[w] = causal & (key_pos[None, :] > pos[:, None] - w - 1)  # one slot too many
+    def mask(key_pos, live, pos, window):
+        out = (key_pos[None, :] <= pos[:, None]) & live[None, :]
+        if window is not None:
+            out &= key_pos[None, :] > pos[:, None] - window - 1  # one slot too many
         return out
 
-    mp.setattr(RUN, "_masks", masks)
+    mp.setattr(RUN, "_mask", mask)
 
 
 def _causal_leak(mp, model=None):
-    real = RUN._masks
+    real = RUN._mask
 
-    def masks(model, nb, pos):
-        out = real(model, nb, pos)
-        key_pos = torch.cat([nb.positions, pos])
-        leak = key_pos[None, :] == pos[:, None] + 1  # each token also sees the next one
-        return {w: m | leak for w, m in out.items()}
+    def mask(key_pos, live, pos, window):
+        return real(key_pos, live, pos, window) | (key_pos[None, :] == pos[:, None] + 1)  # sees the next
 
-    mp.setattr(RUN, "_masks", masks)
+    mp.setattr(RUN, "_mask", mask)
 
 
 def _stale_slot_attended(mp, model=None):
-    real = RUN._masks
-
-    def masks(model, nb, pos):
-        out = real(model, nb, pos)
-        stale = torch.cat([torch.isin(nb.positions, pos), torch.zeros_like(pos, dtype=torch.bool)])
-        key_pos = torch.cat([nb.positions, pos])
-        see = stale[None, :] & (key_pos[None, :] <= pos[:, None])
-        return {w: m | see for w, m in out.items()}
-
-    mp.setattr(RUN, "_masks", masks)
+    real = RUN._mask
+    # a slot whose position is being recomputed stays visible beside its fresh replacement
+    mp.setattr(
+        RUN, "_mask", lambda key_pos, live, pos, window: real(key_pos, torch.ones_like(live), pos, window)
+    )
 
 
 def _rope_plus_one(mp, model=None):
@@ -131,8 +118,9 @@ def _local_base_in_global_layers(mp, model):
 def _notebook_keys_off(mp, model=None):
     real = RUN._attention
 
-    def attention(model, layer, x, old_k, old_v, pos, mask):
-        return real(model, layer, x, old_k * 1.001, old_v, pos, mask)  # keys read 0.1% off
+    def attention(model, layer, x, segments, pos, keys, fast):
+        (old_k, old_v), *rest = segments
+        return real(model, layer, x, [(old_k * 1.001, old_v), *rest], pos, keys, fast)  # keys read 0.1% off
 
     mp.setattr(RUN, "_attention", attention)
 
@@ -143,27 +131,27 @@ def _truncate_one_early(mp, model=None):
 
 
 def _patch_skips_last_layer(mp, model=None):
-    real = OPS.patch_batch
+    real = OPS.patched_slots
 
-    def patch_batch(dst, src, specs):
+    def patched_slots(dst, src, specs):
         out = real(dst, src, specs)
-        keys = (*out.keys[:-1], dst.keys[-1].expand_as(out.keys[-1]))
-        return type(out)(**{**vars(out), "keys": keys})
+        last = dst.keys[-1][:, :, dst.slot_index(out.positions)].expand_as(out.keys[-1])
+        return type(out)(**{**vars(out), "keys": (*out.keys[:-1], last)})
 
-    mp.setattr(OPS, "patch_batch", patch_batch)
+    mp.setattr(OPS, "patched_slots", patched_slots)
 
 
 def _batch_shuffled(mp, model=None):
-    real = OPS.patch_batch
+    real = OPS.patched_slots
 
-    def patch_batch(dst, src, specs):
+    def patched_slots(dst, src, specs):
         out = real(dst, src, specs)
         if len(specs) == 1:
             return out
         roll = lambda ts: tuple(t.roll(1, dims=0) for t in ts)  # noqa: E731
         return type(out)(**{**vars(out), "keys": roll(out.keys), "values": roll(out.values)})
 
-    mp.setattr(OPS, "patch_batch", patch_batch)
+    mp.setattr(OPS, "patched_slots", patched_slots)
 
 
 SABOTAGES = {
