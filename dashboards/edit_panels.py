@@ -189,42 +189,82 @@ def ttft_panels(b, key: str) -> list[Panel]:
     if not pts:
         return [Panel(title="Time to first token", reading="Not measured.", key=f"{key}/ttft")]
     xs = [p.tokens for p in pts]
-    fig = ci_curves(
-        [
-            {"name": "full prefill", "x": xs, "mean": [p.full_s for p in pts]},
-            {
-                "name": f"composed (spliced chunk, seam {b.seam})",
-                "x": xs,
-                "mean": [p.composed_s for p in pts],
-            },
-        ],
-        title="Time to first token: composed vs full prefill",
+    last = pts[-1]
+    k = last.timed_hosts
+    paths = [
+        ("full prefill", "full_s"),
+        ("prefix-cached (host + chunk cached)", "prefix_cached_s"),
+        (f"composed, same host (seam {b.seam})", "composed_s"),
+        (f"composed, {k} different hosts", "multi_host_composed_s"),
+        (f"prefix-cached, {k} different hosts", "multi_host_prefix_cached_s"),
+        (f"full prefill, {k} different hosts", "multi_host_full_s"),
+    ]
+    fig = ci_curves(  # series with no values (reports from before the four paths) are left out
+        [{"name": name, "x": xs, "mean": [getattr(p, attr) for p in pts]} for name, attr in paths],
+        title="Time to first token per request: four paths",
         x_title="context tokens",
         y_title="seconds",
         log_x=True,
         log_y=True,
     )
-    last = pts[-1]
     reading = (
         f"At {last.tokens} tokens composing takes {last.composed_s:.3f} s against {last.full_s:.3f} s "
-        f"({last.ratio:.1f}×); fitted growth exponents: composed {fmt(b.exponent_composed)}, full "
-        f"{fmt(b.exponent_full)}; top-1 agrees at {sum(p.top1_agree for p in pts)}/{len(pts)} lengths."
+        f"for full prefill ({last.ratio:.1f}×)"
+    )
+    if last.prefix_cached_s is not None:
+        reading += (
+            f"; with the same host every time, prefix caching is exact and takes {last.prefix_cached_s:.3f} s"
+        )
+    reading += (
+        f". Fitted growth exponents: composed {fmt(b.exponent_composed)}, full {fmt(b.exponent_full)}; "
+        f"top-1 agrees at {sum(p.top1_agree for p in pts)}/{len(pts)} lengths."
     )
     if last.null_cosine is not None:  # reports written before the null baseline have none
         reading += (
             f" Logit cosine to full prefill {last.logit_cosine:.5f}, against {last.null_cosine:.5f} "
             "between the full logits of two unrelated contexts of that length."
         )
-    return [
-        Panel(
-            title="TTFT curves",
-            reading=reading,
-            figure=fig,
-            note=f"median of {last.repeats} side-by-side timing(s) per point, {b.machine}; no CI: a "
-            "benchmark, not an estimate over prompts",
-            key=f"{key}/ttft",
-        )
-    ]
+    note = (
+        f"median of {last.repeats} side-by-side timing(s) per point, {b.machine}; no CI: a "
+        "benchmark, not an estimate over prompts"
+    )
+    panels = [Panel(title="TTFT curves", reading=reading, figure=fig, note=note, key=f"{key}/ttft")]
+    multi = [p for p in pts if p.multi_host_ratio is not None]
+    if multi:
+        panels.append(_multi_host_panel(b, multi, key, note))
+    return panels
+
+
+def _multi_host_panel(b, pts: list, key: str, note: str) -> Panel:
+    """The case splicing exists for: one precompiled chunk after different hosts, against prefix
+    caching (which reuses only BOS there) and full prefill, with the decision checked."""
+    xs = [p.tokens for p in pts]
+    fig = ci_curves(
+        [
+            {"name": "prefix-cached / composed", "x": xs, "mean": [p.multi_host_ratio for p in pts]},
+            {"name": "full prefill / composed", "x": xs, "mean": [p.multi_host_full_ratio for p in pts]},
+        ],
+        title=f"One chunk after {pts[-1].timed_hosts} different hosts: speed-up of composing",
+        x_title="context tokens",
+        y_title="× (per request, medians)",
+        log_x=True,
+    )
+    last = pts[-1]
+    reading = (
+        f"After {last.timed_hosts} different host lines, at {last.tokens} tokens a request takes "
+        f"{last.multi_host_composed_s:.3f} s composed, {last.multi_host_prefix_cached_s:.3f} s with "
+        f"prefix caching ({last.multi_host_ratio:.1f}×; it can reuse only what the hosts share) and "
+        f"{last.multi_host_full_s:.3f} s with full prefill ({last.multi_host_full_ratio:.1f}×); growth "
+        f"exponent of the composed path {fmt(b.exponent_multi_host_composed)}. Over {last.hosts} hosts "
+        f"at seam {b.seam} the composed decision is full recompute's for "
+        f"{fmt(last.decision_agreement)} of them (top-1 {fmt(last.multi_host_top1_rate)}, logit cosine "
+        f"{fmt(last.multi_host_cosine, 5)}); {fmt(last.decision_balance)} of full recompute's decisions "
+        f"are the first answer and the closest is {fmt(last.decision_min_margin)} logits from flipping, "
+        "so agreement means most where decisions differ and margins are small."
+    )
+    return Panel(
+        title="Multi-host splice", reading=reading, figure=fig, note=note, key=f"{key}/ttft_multi_host"
+    )
 
 
 @panel("edit_cost")
@@ -274,20 +314,41 @@ def edit_cost_panels(b, key: str) -> list[Panel]:
 
 @panel("patch_sweep")
 def sweep_panels(b, key: str) -> list[Panel]:
+    """Each way's time over the engine's, per prompt length: the naive way first, then every strong
+    baseline that ran (> 1: the engine is faster)."""
     xs = [p.tokens for p in b.results]
+    names = list(dict.fromkeys(x.name for p in b.results for x in p.baselines))
+    curves = [{"name": "naive, one forward per patch", "x": xs, "mean": [p.ratio for p in b.results]}]
+    for name in names:
+        ratios = [next((x.ratio for x in p.baselines if x.name == name), None) for p in b.results]
+        curves.append({"name": name.replace("_", " "), "x": xs, "mean": ratios})
     fig = ci_curves(
-        [{"name": "speedup (naive / engine)", "x": xs, "mean": [p.ratio for p in b.results]}],
-        title="Per-slot transplant sweep: engine vs naive full forwards",
+        curves,
+        title="Per-slot transplant sweep: each way's time over the engine's",
         x_title="prompt tokens",
-        y_title="×",
+        y_title="× engine time",
+        log_y=True,
     )
+    readings = []
+    for p in b.results:
+        text = f"{p.tokens} tokens: engine {p.engine_s:.2f} s, naive {p.ratio:.0f}× slower"
+        if p.baselines:
+            best = min(p.baselines, key=lambda x: x.seconds)
+            name = best.name.replace("_", " ")
+            text += f", fastest baseline {name} {best.seconds:.2f} s ({best.ratio:.2f}×)"
+        readings.append(text)
+    skipped = sorted({n for p in b.results for n in p.skipped})
+    reps = b.results[0].repeats if b.results else 1
+    note = f"median of {reps} timing(s) per way, {b.machine}"
+    if skipped:
+        note += "; not run: " + ", ".join(skipped)
     return [
         Panel(
             title="Patch-sweep speedup",
             figure=fig,
             key=key,
-            note=b.machine,
-            reading=", ".join(f"{p.tokens} tokens: {p.ratio:.0f}×" for p in b.results) + ".",
+            note=note,
+            reading="; ".join(readings) + ".",
         )
     ]
 
