@@ -78,6 +78,7 @@ class Analysis:
     flag: str | None = None
     title: str = ""  # a model-level analysis's heading in a report (default: its name)
     order: int = 100  # place within its section (runs, pages and JSON follow it)
+    needs_model: bool = True  # False: run gets ctx.model None and ctx.model_name (a server does the work)
 
     def __post_init__(self):
         if not dataclasses.is_dataclass(self.config):
@@ -286,6 +287,7 @@ class Context:
 
     model: Any
     task: Any = None
+    model_name: str | None = None  # the name the model was asked for by (set when model is not loaded)
     seed: int = 0
     min_effect: float = MIN_EFFECT
     progress: bool = True

@@ -97,7 +97,11 @@ class Template:
 
     def fill(self, **values: str) -> str:
         """The template's text with its fields filled (no tokenizer: for text inside a prompt)."""
-        return self._parse({f: str(values[f]) for f in self.fields})[0]
+        return self.layout(**values)[0]
+
+    def layout(self, **values: str) -> tuple[str, dict[str, tuple[int, int]]]:
+        """The filled text and every span's character range `[start, end)` (no tokenizer)."""
+        return self._parse({f: str({**self.defaults, **values}[f]) for f in self.fields})
 
     def render(self, model, **values: str) -> Prompt:
         """Fill the fields and tokenize with `model`'s tokenizer (BOS first when it has one)."""

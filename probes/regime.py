@@ -17,33 +17,17 @@ from kvnotes.analysis import Context, analysis, option
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task, TaskError, load_task
+from kvnotes.tasks.sampler import fit_notes
 from probes.causal import field_refresh, notes_transplant
 from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, clusters_of, make_trials
 
 DISTANCES = (0, 16, 32, 64, 128, 256, 512, 768)
 
-_SENTENCES = (
-    "The warehouse restocks its shelves every morning before the doors open.",
-    "Parcels are weighed and labelled at the packing station near the loading dock.",
-    "Our support team answers messages from nine in the morning until five in the evening.",
-    "Gift wrapping is available for most items at a small extra charge.",
-    "Seasonal catalogues are printed twice a year and mailed to subscribers.",
-    "The loyalty programme awards one point for every dollar spent in the store.",
-    "Store managers review the inventory reports at the end of each week.",
-    "Delivery vans leave the depot in the afternoon and return by nightfall.",
-)
-
 
 def filler_text(model: KVModel, n_tokens: int) -> str:
     """Neutral notes ("Note 1: ...\\n") adding about `n_tokens` tokens (at least that many), or ""."""
-    if n_tokens <= 0:
-        return ""
-    lines, i = [], 0
-    while len(model.encode("".join(lines), bos=False)) < n_tokens:
-        lines.append(f"Note {i + 1}: {_SENTENCES[i % len(_SENTENCES)]}\n")
-        i += 1
-    return "".join(lines)
+    return fit_notes(lambda text: len(model.encode(text, bos=False)), n_tokens)
 
 
 def regime(

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def building(root: Path) -> Iterator[None]:
+    """Hold an exclusive lock on building `root` (a file lock beside it), so that processes starting
+    together (test workers, jobs on one machine) build a cache once: the others wait, then find it.
+    Where locks are unavailable (no fcntl, a read-only directory) it does nothing."""
+    try:
+        import fcntl
+
+        root.parent.mkdir(parents=True, exist_ok=True)
+        f = open(root.parent / f".{root.name}.lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def publish(root: Path, what: str, again: str, fill: Callable[[Path], None]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvnotes.errors import MissingDependency
-from kvnotes.models.cache import publish
+from kvnotes.models.cache import building, publish
 from kvnotes.models.hf import hooked_from_state_dict, tl_from_hf_model, tl_kwargs
 from kvnotes.models.model import HFSource, KVModel
 
@@ -36,8 +36,11 @@ def load_gemma_270m(cache_dir: str | Path | None = None, progress: bool = True) 
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / NAME
     model = _from_cache(root, progress)
     if model is None:
-        model, cfg = _from_gguf(root, progress)
-        _write_cache(root, model, cfg)
+        with building(root):
+            model = _from_cache(root, progress)  # built by another process while this one waited
+            if model is None:
+                model, cfg = _from_gguf(root, progress)
+                _write_cache(root, model, cfg)
     return model
 
 

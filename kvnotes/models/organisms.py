@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvnotes.errors import BadArgument, TaskError
-from kvnotes.models.cache import publish
+from kvnotes.models.cache import building, publish
 from kvnotes.models.model import KVModel
 from kvnotes.models.tiny import tiny_tokenizer
 from kvnotes.prompt import Prompt
@@ -514,9 +514,12 @@ def load_organism(
     root = cache_path(name, config=cfg, cache_dir=cache_dir)
     tl = _from_cache(root, cfg, progress)
     if tl is None:
-        _say(progress, f"kvnotes: training {cfg.name} (first use; cached in {root})")
-        tl, metrics = train_converged(name, config=cfg, progress=progress)
-        _write_cache(root, tl, cfg, metrics)
+        with building(root):
+            tl = _from_cache(root, cfg, progress)  # trained by another process while this one waited
+            if tl is None:
+                _say(progress, f"kvnotes: training {cfg.name} (first use; cached in {root})")
+                tl, metrics = train_converged(name, config=cfg, progress=progress)
+                _write_cache(root, tl, cfg, metrics)
     return KVModel.wrap(cfg.name, tl, tiny_tokenizer())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvnotes.errors import BadArgument
@@ -56,6 +57,45 @@ def values_for(task: Task, rng: random.Random) -> dict[str, str]:
         else:
             out[k] = rng.choice(v)
     return out
+
+
+NEUTRAL = (
+    "The warehouse restocks its shelves every morning before the doors open.",
+    "Parcels are weighed and labelled at the packing station near the loading dock.",
+    "Our support team answers messages from nine in the morning until five in the evening.",
+    "Gift wrapping is available for most items at a small extra charge.",
+    "Seasonal catalogues are printed twice a year and mailed to subscribers.",
+    "The loyalty programme awards one point for every dollar spent in the store.",
+    "Store managers review the inventory reports at the end of each week.",
+    "Delivery vans leave the depot in the afternoon and return by nightfall.",
+)
+
+
+def neutral_notes(n_lines: int) -> str:
+    """`n_lines` lines of neutral store notes ("Note 1: ...\\n"), for filler that decides nothing."""
+    return "".join(f"Note {i + 1}: {NEUTRAL[i % len(NEUTRAL)]}\n" for i in range(n_lines))
+
+
+def fit_notes(measure: Callable[[str], int], n_tokens: int) -> str:
+    """The fewest neutral notes for which `measure(notes) >= n_tokens` ("" when "" already does).
+    `measure` must grow with the notes; it is called O(log n) times (it may be a server round trip).
+
+    >>> fit_notes(lambda s: len(s.split()), 25).count("\\n")
+    2
+    """
+    if measure("") >= n_tokens:
+        return ""
+    hi = 1
+    while measure(neutral_notes(hi)) < n_tokens:
+        hi *= 2
+    lo = hi // 2  # measure(neutral_notes(lo)) < n_tokens, or lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if measure(neutral_notes(mid)) >= n_tokens:
+            hi = mid
+        else:
+            lo = mid
+    return neutral_notes(hi)
 
 
 def shots_text(task: Task, rng: random.Random, filler: str = "") -> str:
