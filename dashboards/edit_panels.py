@@ -398,3 +398,88 @@ def verify_panels(v, key: str) -> list[Panel]:
             note="prompts: " + ", ".join(f"{k} ({n} tokens)" for k, n in v.prompts.items()),
         )
     ]
+
+
+@panel("serve")
+def serve_panels(b, key: str) -> list[Panel]:
+    """The online serving bench: TTFT and prefix-cache hit rate per prompt strategy and arrival rate,
+    and the agent loop's decisions and cumulative TTFT against recomputing every turn."""
+    pts = b.results
+    if not pts:
+        return [Panel(title="Serving", reading="Not measured.", key=f"{key}/serve")]
+    strategies = list(dict.fromkeys(p.strategy for p in pts))
+    rates = sorted({p.rate for p in pts})
+    fig = ci_curves(
+        [
+            {
+                "name": f"{s} p90",
+                "x": rates,
+                "mean": [b.point(s, r).ttft_p90 if b.point(s, r) else None for r in rates],
+            }
+            for s in strategies
+        ],
+        title="p90 time to first token against the arrival rate",
+        x_title="requests per second offered",
+        y_title="seconds",
+        log_y=True,
+    )
+    top = rates[-1]
+    e, i = b.point("erratum", top), b.point("in_place", top)
+    reading = f"At {top:g} requests/s: " + "; ".join(
+        f"{s} p90 {b.point(s, top).ttft_p90:.3f} s, hit rate "
+        f"{'n/a' if b.point(s, top).hit_rate is None else f'{100 * b.point(s, top).hit_rate:.1f}%'}"
+        for s in strategies
+        if b.point(s, top)
+    )
+    if e and i and e.ttft_p90 > 0:
+        reading += f". In place / erratum p90: {i.ttft_p90 / e.ttft_p90:.1f}×."
+    note = (
+        f"{b.sessions} sessions of ~{b.tokens} tokens ({b.task}), {pts[0].requests} Poisson arrivals "
+        f"per point, {b.server.get('vllm', 'vLLM')} with prefix blocks of {b.server.get('block_size')} "
+        f"tokens, {b.machine}"
+    )
+    bars = ci_bars(
+        [
+            {"name": f"{p.strategy} @ {p.rate:g}/s", "mean": p.hit_rate, "ci": None, "group": p.strategy}
+            for p in pts
+        ],
+        title="prefix-cache hit rate (tokens hit / tokens queried)",
+        y_title="hit rate",
+    )
+    agree = "; ".join(f"{p.strategy} @ {p.rate:g}/s agrees on {fmt(p.decision_agreement)}" for p in pts)
+    panels = [
+        Panel(title="Serving: TTFT", reading=reading, figure=fig, note=note, key=f"{key}/serve"),
+        Panel(
+            title="Serving: prefix-cache hits and decisions",
+            reading=f"Decisions against the freshly rendered prompt: {agree}.",
+            figure=bars,
+            note=note,
+            key=f"{key}/serve_hits",
+        ),
+    ]
+    if b.agent:
+        turns = b.agent[0].turns
+        curves = ci_curves(
+            [
+                {"name": a.strategy, "x": list(range(1, turns + 1)), "mean": a.per_turn_agreement}
+                for a in b.agent
+            ],
+            title="agent loop: agreement with recompute-every-turn per turn",
+            x_title="turn",
+            y_title="share of prompts",
+        )
+        reading = "; ".join(
+            f"{a.strategy}: agreement {fmt(a.agreement)}, follows the rule {fmt(a.follows)}, "
+            f"cumulative TTFT {a.cumulative_ttft:.2f} s"
+            for a in b.agent
+        )
+        panels.append(
+            Panel(
+                title="Serving: agent loop",
+                reading=reading,
+                figure=curves,
+                note=note,
+                key=f"{key}/serve_agent",
+            )
+        )
+    return panels

