@@ -66,12 +66,24 @@ def lookup_organism():
     return load_organism("lookup-organism")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # The real-server test first: on two workers it then serves (vLLM on one core, the client
+    # waiting) while the other worker runs the rest, instead of running alone at the end.
+    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_vllm.py")
+
+
+def _workers() -> int:
+    """How many pytest-xdist workers share this machine (1 without xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 @pytest.fixture(scope="module")
 def gemma():
-    """Gemma 3 270M, with every core while a module uses it (one real model)."""
+    """Gemma 3 270M, with this worker's share of the cores while a module uses it (one real model);
+    more threads than cores would make both workers spin."""
     from kvnotes.models import load_model
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers()))
     yield load_model("gemma-3-270m")
     torch.set_num_threads(threads)
