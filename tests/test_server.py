@@ -91,29 +91,25 @@ def assert_all_stopped(pids: Path) -> None:
     assert gone(server) and gone(worker), "a server process outlived launch()"
 
 
-def test_a_server_that_never_becomes_ready_times_out_with_its_log_and_is_stopped(fake, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "mode, timeout, error",
+    [
+        # never ready: a timeout naming the option to raise it, with the server's own last lines
+        ("hang", 3, r"not ready after 3 s.*--ready-timeout(.|\n)*INFO loading model"),
+        # a model vLLM cannot load: the exit code and the reason from its log
+        ("crash", 60, r"exited with code 2(.|\n)*no config.json in the model directory"),
+        # up and answering, but with prefix caching off: refused, naming the flag
+        ("serve", 60, "prefix caching off.*--enable-prefix-caching"),
+    ],
+    ids=["never-ready", "cannot-load", "no-prefix-caching"],
+)
+def test_a_failed_launch_is_a_clear_error_and_leaves_no_process(
+    fake, tmp_path, monkeypatch, mode, timeout, error
+):
     python, pids = fake
-    monkeypatch.setenv("FAKE_VLLM", "hang")
-    with pytest.raises(ServerError, match=r"not ready after 3 s.*--ready-timeout(.|\n)*INFO loading model"):
-        with launch(tmp_path / "model", python=str(python), ready_timeout=3, progress=False):
-            pass
-    assert_all_stopped(pids)
-
-
-def test_a_model_vllm_cannot_load_is_an_error_with_the_servers_last_lines(fake, tmp_path, monkeypatch):
-    python, pids = fake
-    monkeypatch.setenv("FAKE_VLLM", "crash")
-    with pytest.raises(ServerError, match=r"exited with code 2(.|\n)*no config.json in the model directory"):
-        with launch(tmp_path / "model", python=str(python), ready_timeout=60, progress=False):
-            pass
-    assert_all_stopped(pids)
-
-
-def test_a_server_without_prefix_caching_is_refused_and_stopped(fake, tmp_path, monkeypatch):
-    python, pids = fake
-    monkeypatch.setenv("FAKE_VLLM", "serve")
-    with pytest.raises(ServerError, match="prefix caching off.*--enable-prefix-caching"):
-        with launch(tmp_path / "model", python=str(python), ready_timeout=60, progress=False):
+    monkeypatch.setenv("FAKE_VLLM", mode)
+    with pytest.raises(ServerError, match=error):
+        with launch(tmp_path / "model", python=str(python), ready_timeout=timeout, progress=False):
             pass
     assert_all_stopped(pids)
 
