@@ -223,7 +223,8 @@ class ServePoint:
     hit_tokens: float = 0.0
     seconds: float = 0.0  # the run's wall time
     compactions: int = 0
-    saturated: bool = False  # requests queued: the last finished after arrivals stopped by > 2 service times
+    arrival_rate: float | None = None  # requests / time of the last arrival: the Poisson draw's own rate
+    saturated: bool = False  # finished fewer than 90% of the requests per second that arrived
 
 
 @dataclass(frozen=True)
@@ -278,12 +279,14 @@ class ServeReport(BenchReport):
         lines = [
             f"serve — {self.model} on {s.get('vllm', 'vLLM')} (block {s.get('block_size')}) — {self.machine}",
             f"task {self.task}, {self.sessions} sessions, prompts of ~{self.tokens} tokens; TTFT in seconds",
-            f"{'rate':>6}  {'strategy':<9}{'hit rate':>9}{'p50':>9}{'p90':>9}{'p99':>9}{'req/s':>8}"
+            f"{'rate':>6}{'drawn':>7}  {'strategy':<9}{'hit rate':>9}{'p50':>9}{'p90':>9}{'p99':>9}"
+            f"{'req/s':>8}"
             f"{'agree':>7}{'|Δld|':>7}{'follows':>8}{'fresh':>7}",
         ]
         for p in self.results:
             lines.append(
-                f"{p.rate:>6.2f}  {p.strategy:<9}{pct(p.hit_rate):>9}{num(p.ttft_p50):>9}{num(p.ttft_p90):>9}"
+                f"{p.rate:>6.2f}{num(p.arrival_rate, '.2f'):>7}  {p.strategy:<9}{pct(p.hit_rate):>9}"
+                f"{num(p.ttft_p50):>9}{num(p.ttft_p90):>9}"
                 f"{num(p.ttft_p99):>9}{p.throughput:>8.2f}{num(p.decision_agreement, '.2f'):>7}"
                 f"{num(p.ld_gap, '.2f'):>7}{num(p.follows, '.2f'):>8}{num(p.fresh_follows, '.2f'):>7}"
                 + ("  saturated" if p.saturated else "")
@@ -421,8 +424,8 @@ def run_point(
     fresh = [c.decision for c in refs]
     gaps = [abs(_ld(a) - _ld(b)) for a, b in zip(done, refs) if _ld(a) is not None and _ld(b) is not None]
     mine = [c.decision for c in done]
-    service = statistics.median(ttfts)  # a run whose tail waits many service times has queued
-    last_arrival = planned[-1].at
+    arrived = len(planned) / planned[-1].at
+    throughput = len(done) / wall if wall > 0 else math.inf
     return ServePoint(
         strategy=strategy,
         rate=rate,
@@ -431,7 +434,7 @@ def run_point(
         ttft_p50=quantile(ttfts, 0.5),
         ttft_p90=quantile(ttfts, 0.9),
         ttft_p99=quantile(ttfts, 0.99),
-        throughput=len(done) / wall if wall > 0 else math.inf,
+        throughput=throughput,
         decision_agreement=_share([None if a is None or b is None else a == b for a, b in zip(mine, fresh)]),
         ld_gap=statistics.mean(gaps) if gaps else None,
         follows=_share([None if a is None else a == p.expected for a, p in zip(mine, planned)]),
@@ -441,7 +444,8 @@ def run_point(
         hit_tokens=delta.hits,
         seconds=wall,
         compactions=sum(p.action == "compacted" for p in planned),
-        saturated=wall - last_arrival > 2 * max(service, 1e-3) and quantile(ttfts, 0.9) > 4 * service,
+        arrival_rate=arrived,
+        saturated=throughput < 0.9 * arrived,
     )
 
 
