@@ -473,12 +473,16 @@ def serve_panels(b, key: str) -> list[Panel]:
             f"cumulative TTFT {a.cumulative_ttft:.2f} s"
             for a in b.agent
         )
+        agent_note = (
+            f"{b.agent_task}, {b.agent[0].prompts} prompt(s) × {turns} turns, one request at a time, "
+            f"{b.server.get('vllm', 'vLLM')}, {b.machine}"
+        )
         panels.append(
             Panel(
                 title="Serving: agent loop",
                 reading=reading,
                 figure=curves,
-                note=note,
+                note=agent_note,
                 key=f"{key}/serve_agent",
             )
         )
