@@ -564,7 +564,7 @@ def serve_bench(
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
         raise BadOption(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
-    task = load_task(task)
+    task, agent_task = load_task(task), load_task(agent_task)
     answers = answer_ids(server, task.answers)
     say = (lambda s: tqdm.write(s, file=sys.stderr)) if progress else (lambda s: None)
     the_sessions = sessions(task, server.count_tokens, tokens, sessions_n, seed=seed)
@@ -601,8 +601,8 @@ def serve_bench(
     if agent_turns > 0:
         agent = agent_loop(
             server,
-            load_task(agent_task),
-            answer_ids(server, load_task(agent_task).answers),
+            agent_task,
+            answer_ids(server, agent_task.answers),
             prompts=agent_prompts,
             turns=agent_turns,
             tokens=agent_tokens or tokens,
@@ -618,7 +618,7 @@ def serve_bench(
         sessions=sessions_n,
         results=points,
         agent=agent,
-        agent_task=load_task(agent_task).name,
+        agent_task=agent_task.name,
         notes=notes,
     )
 

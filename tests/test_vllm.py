@@ -76,12 +76,13 @@ def test_bench_serve_on_a_real_vllm_server(tmp_path, capsys):
     assert er.hit_rate > 0.85 and ip.hit_rate < 0.5, (er.hit_rate, ip.hit_rate)
     assert er.ttft_p50 < ip.ttft_p50
     assert 0 < er.ttft_p50 <= er.ttft_p90 <= er.ttft_p99 and er.throughput > 0
-    assert ip.decision_agreement == 1.0  # in place is the fresh prompt: its decisions are the reference
+    assert ip.decision_agreement is not None  # the fresh prompts' decisions were read
     assert er.decision_agreement is not None and er.ld_gap is not None
     assert er.prompt_tokens > 768 and report.server["block_size"] == 32
     agent = {a.strategy: a for a in report.agent}
     assert set(agent) == {"erratum", "in_place", "recompute"}
-    assert agent["recompute"].agreement == 1.0 and agent["erratum"].agreement is not None
+    assert agent["erratum"].agreement is not None and agent["erratum"].follows is not None
+    assert agent["recompute"].cumulative_ttft > agent["erratum"].cumulative_ttft  # no reuse costs more
     assert agent["recompute"].hit_rate < agent["erratum"].hit_rate
     assert "serve — gemma-3-270m" in capsys.readouterr().out
     assert (
