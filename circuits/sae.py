@@ -250,7 +250,7 @@ def fit_sae(
     d_sae = cfg.expansion * d_in
     if cfg.k > d_sae:
         raise BadArgument(f"k={cfg.k} exceeds the SAE's {d_sae} features; lower k or raise expansion")
-    device = str(next(model.tl.parameters()).device) if model is not None else "cpu"
+    device = str(model.device) if model is not None else "cpu"
     scale = math.sqrt(d_in) / float(x.norm(dim=-1).mean())
     steps = math.ceil(cfg.training_samples / cfg.batch_size)
     per_pass = math.ceil(n / cfg.batch_size)
@@ -326,7 +326,7 @@ def load_sae(
     kvnotes.errors.UnknownSAEError: 'no-such-release' is neither a local directory nor a sae-lens ...
     """
     sl = _sae_lens()
-    device = str(next(model.tl.parameters()).device) if model is not None else "cpu"
+    device = str(model.device) if model is not None else "cpu"
     path = Path(source)
     if path.is_dir():
         if not (path / "cfg.json").is_file():

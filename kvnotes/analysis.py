@@ -288,6 +288,7 @@ class Context:
     model: Any
     task: Any = None
     model_name: str | None = None  # the name the model was asked for by (set when model is not loaded)
+    backend: str = "transformer-lens"  # the backend the model was asked for on (kvnotes.models.BACKENDS)
     seed: int = 0
     min_effect: float = MIN_EFFECT
     progress: bool = True

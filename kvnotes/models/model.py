@@ -6,6 +6,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformer_lens import HookedTransformer
@@ -75,10 +76,12 @@ class KVModel:
     """
 
     name: str
-    tl: HookedTransformer
+    tl: HookedTransformer | None  # None on a backend that runs something else (nnsight)
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
     hf_source: HFSource | None = None  # None: no Hugging Face counterpart (tiny, organisms)
+
+    backend: ClassVar[str] = "transformer-lens"
 
     @classmethod
     def wrap(
@@ -140,6 +143,26 @@ class KVModel:
 
     def rope_base(self, layer: int) -> float:
         return float(self.tl.blocks[layer].attn._rotary_base())
+
+    # --- what a backend supplies beside `run` --------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.tl.embed.W_E.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tl.embed.W_E.dtype
+
+    def rerotate(self, layer: int, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE `keys` `[..., slot, d_head]` of `layer` moved from positions `old` to `new`."""
+        from kvnotes import rope
+
+        return rope.rerotate(self.tl.blocks[layer].attn, keys, old, new)
+
+    def full_logits(self, ids) -> torch.Tensor:
+        """Logits `[pos, vocab]` of one plain forward of the whole sequence `ids` (no notebook)."""
+        with torch.no_grad():
+            return self.tl(torch.tensor([list(ids)], device=self.device))[0]
 
     # --- tokens ------------------------------------------------------------------------------
     def encode(self, text: str, *, bos: bool = True) -> list[int]:

@@ -1,0 +1,452 @@
+"""The nnsight backend: a Hugging Face transformers model, wrapped by nnsight, as a `KVModel`.
+
+A notebook's layout is the layout of a Hugging Face cache: per layer, post-RoPE keys and values
+`[batch, kv_head, slot, d_head]`. So on this backend `run()` is the model's own forward, on its own
+attention kernels (SDPA by default), with a `DynamicCache` made of the notebook's slots, explicit
+`position_ids` and an explicit additive attention mask per layer type (causal *by position*, the
+sliding window where a layer has one). Only the new tokens are computed; their K/V come back out
+of the cache into the notebook. `kvnotes.nn_engine` does that; this module loads models and says
+what a model is (its shape facts, windows, RoPE, and where our hook names live in its modules).
+
+Hook names are TransformerLens's (`blocks.{l}.attn.hook_z`, `blocks.{l}.hook_resid_post`, ...),
+mapped per family to nnsight module paths in `SITES`: the same analysis code runs on both backends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from kvnotes.errors import BadArgument, MissingDependency, UnknownModelError, UnsupportedArchitecture
+from kvnotes.models.model import HFSource, KVModel
+
+_INSTALL = "pip install 'nnsight>=0.8'  (or: pip install 'kvnotes[nnsight]')"
+
+# Layer types whose cache is a plain per-layer K/V over every token (or a window of them).
+_PLAIN_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Model types whose cache is not a per-layer K/V of every token: state-space and recurrent models,
+# hybrids with such layers, and caches that store something else.
+_NOT_KV = {
+    "mamba": "a state-space model: its cache is a recurrent state, not keys and values",
+    "mamba2": "a state-space model: its cache is a recurrent state, not keys and values",
+    "falcon_mamba": "a state-space model: its cache is a recurrent state, not keys and values",
+    "rwkv": "a recurrent model: its cache is a recurrent state, not keys and values",
+    "recurrent_gemma": "a recurrent model (Griffin): most layers keep a recurrent state",
+    "jamba": "a hybrid with Mamba layers, whose cache is a recurrent state",
+    "zamba": "a hybrid with Mamba layers, whose cache is a recurrent state",
+    "zamba2": "a hybrid with Mamba layers, whose cache is a recurrent state",
+    "bamba": "a hybrid with Mamba layers, whose cache is a recurrent state",
+    "falcon_h1": "a hybrid with Mamba layers, whose cache is a recurrent state",
+    "granitemoehybrid": "a hybrid with Mamba layers, whose cache is a recurrent state",
+    "nemotron_h": "a hybrid with Mamba layers, whose cache is a recurrent state",
+    "lfm2": "a hybrid with convolution layers, whose cache is a convolution state",
+    "qwen3_next": "a hybrid with linear-attention layers, whose cache is a recurrent state",
+    "minimax": "a hybrid with linear-attention layers, whose cache is a recurrent state",
+    "xlstm": "a recurrent model: its cache is a recurrent state, not keys and values",
+}
+
+
+# --- where our hook names live -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Site:
+    """Where a TransformerLens hook point lives in a Hugging Face decoder layer.
+
+    path: the module, relative to the decoder layer (`""`: the layer itself).
+    port: "input" (the module's first argument), "output", or "output0" (first of a tuple).
+    heads: view the last axis as `[n_heads, d_head]` ("q"), `[n_kv_heads, d_head]` ("kv"), or not.
+    writable: a hook may return a replacement. A site whose module input is not the residual
+        stream itself (the residual is added outside it) is read-only: writing it would change the
+        next sublayer's input but not the residual, which is not what the TransformerLens point means.
+    """
+
+    path: str
+    port: str
+    heads: str | None = None
+    writable: bool = True
+
+
+_PLAIN: dict[str, Site] = {  # Llama, Mistral, Qwen2/3, Gemma 1: pre-norm, one norm per sublayer
+    "hook_resid_pre": Site("", "input"),
+    "attn.hook_q": Site("self_attn.q_proj", "output", heads="q"),
+    "attn.hook_k": Site("self_attn.k_proj", "output", heads="kv"),
+    "attn.hook_v": Site("self_attn.v_proj", "output", heads="kv"),
+    "attn.hook_z": Site("self_attn.o_proj", "input", heads="q"),
+    "hook_attn_out": Site("self_attn", "output0"),
+    "hook_resid_mid": Site("post_attention_layernorm", "input", writable=False),
+    "mlp.hook_post": Site("mlp.down_proj", "input"),
+    "hook_mlp_out": Site("mlp", "output"),
+    "hook_resid_post": Site("", "output"),
+}
+_SANDWICH: dict[str, Site] = {  # Gemma 2/3: a norm after each sublayer too
+    **_PLAIN,
+    "hook_attn_out": Site("post_attention_layernorm", "output"),
+    "hook_resid_mid": Site("pre_feedforward_layernorm", "input", writable=False),
+    "hook_mlp_out": Site("post_feedforward_layernorm", "output"),
+}
+SITES: dict[str, dict[str, Site]] = {
+    "llama": _PLAIN,
+    "mistral": _PLAIN,
+    "qwen2": _PLAIN,
+    "qwen3": _PLAIN,
+    "gemma": _PLAIN,
+    "gemma2": _SANDWICH,
+    "gemma3_text": _SANDWICH,
+    "gemma3": _SANDWICH,
+}
+# The attention internals, fired by kvnotes' own eager attention function (nn_engine), in the
+# order they fire; a run that hooks or captures one of them runs that call on eager attention.
+ATTENTION_SITES = ("attn.hook_attn_scores", "attn.hook_pattern")
+# Execution order inside a decoder layer (the order nnsight must visit them in).
+ORDER = (
+    "hook_resid_pre",
+    "attn.hook_q",
+    "attn.hook_k",
+    "attn.hook_v",
+    *ATTENTION_SITES,
+    "attn.hook_z",
+    "hook_attn_out",
+    "hook_resid_mid",
+    "mlp.hook_post",
+    "hook_mlp_out",
+    "hook_resid_post",
+)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The shape facts the rest of kvnotes reads off `model.cfg`, in TransformerLens's names."""
+
+    n_layers: int
+    n_heads: int
+    n_key_value_heads: int
+    d_head: int
+    d_model: int
+    d_mlp: int
+    d_vocab: int
+    d_vocab_out: int
+    n_ctx: int
+    model_type: str
+    use_normalization_before_and_after: bool
+    attn_scores_soft_cap: float
+    output_logits_soft_cap: float
+
+
+@dataclass(frozen=True, eq=False)
+class NNsightModel(KVModel):
+    """A Hugging Face causal LM wrapped by nnsight (`lm`), with the `KVModel` contract.
+
+    `tl` is None on this backend: the engine runs `hf` (the transformers module nnsight wraps),
+    and hooks are nnsight interventions on its module tree. `lm` is nnsight's model object, for
+    the user's own interventions (`kvnotes.nn_engine.feed`).
+    """
+
+    lm: Any = None  # nnsight.modeling.transformers.TransformersModel
+    hf: Any = None  # the transformers PreTrainedModel inside it
+    facts: Facts | None = None
+    windows: tuple[int | None, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    source: str = ""
+
+    backend: ClassVar[str] = "nnsight"
+
+    @property
+    def cfg(self) -> Facts:
+        return self.facts
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer]
+
+    def rope_base(self, layer: int) -> float:
+        c = self.text_config
+        params = getattr(c, "rope_parameters", None) or {}
+        if self.layer_types and self.layer_types[layer] in params:
+            params = params[self.layer_types[layer]]
+        return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+
+    @property
+    def text_config(self):
+        return self.hf.config.get_text_config()
+
+    @property
+    def layers(self):
+        return self.hf.model.layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.get_input_embeddings().weight.dtype
+
+    def rerotate(self, layer: int, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Move post-RoPE keys from positions `old` to `new` with the layer's own rotary embedding
+        (its base and scaling, computed as the model's forward computes them): undo the rotation
+        at `old`, apply the one at `new`, each from the model's own cos/sin at those positions, so
+        a moved key equals the key a prefill at `new` writes. A scaled RoPE's magnitude factor
+        (`attention_scaling`: YaRN, LongRoPE) is divided out of both, so only the angle moves."""
+        cfg_rope = getattr(self.text_config, "rope_parameters", None) or {}
+        kinds = {v.get("rope_type") for v in cfg_rope.values() if isinstance(v, dict)} | {
+            cfg_rope.get("rope_type")
+        }
+        if kinds & {"dynamic", "longrope"}:
+            raise UnsupportedArchitecture(
+                f"{self.name}'s RoPE ({', '.join(sorted(k for k in kinds if k))}) changes its frequencies "
+                "with the sequence length, so a stored key cannot be moved to a new position exactly"
+            )
+        cos_old, sin_old = self._cos_sin(layer, old, keys)
+        cos_new, sin_new = self._cos_sin(layer, new, keys)
+        rd = cos_old.shape[-1]
+        k_rot, k_pass = keys[..., :rd].float(), keys[..., rd:]
+        bare = k_rot * cos_old - _rotate_half(k_rot) * sin_old
+        moved = bare * cos_new + _rotate_half(bare) * sin_new
+        return torch.cat([moved.to(keys.dtype), k_pass], dim=-1)
+
+    def _cos_sin(
+        self, layer: int, positions: torch.Tensor, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = self.hf.model.rotary_emb
+        args = (self.layer_types[layer],) if self.layer_types and _takes_layer_type(rotary) else ()
+        probe = like.new_zeros(1, dtype=torch.float32)
+        cos, sin = rotary(probe, positions.to(like.device).reshape(1, -1), *args)  # [1, slot, rotary_dim]
+        scale = _attention_scaling(rotary, args)
+        return cos[0].float() / scale, sin[0].float() / scale
+
+    def full_logits(self, ids) -> torch.Tensor:
+        with torch.no_grad():
+            return self.hf(torch.tensor([list(ids)], device=self.device)).logits[0]
+
+    def site(self, name: str) -> tuple[int, str, Site | None]:
+        """(layer, site name, Site) for a hook name such as `blocks.3.attn.hook_z`; Site is None
+        for the attention internals. Errors name the sites this backend has."""
+        parts = name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit():
+            raise BadArgument(f"hook {name!r} is not a per-layer point; {self._known()}")
+        layer, what = int(parts[1]), parts[2]
+        if not 0 <= layer < self.n_layers:
+            raise BadArgument(f"hook {name!r}: {self.name} has layers 0..{self.n_layers - 1}")
+        if what in ATTENTION_SITES:
+            return layer, what, None
+        sites = SITES.get(self.facts.model_type)
+        if sites is None:
+            raise BadArgument(
+                f"hook {name!r}: kvnotes has no map of {self.facts.model_type!r} modules to hook names; "
+                "write the intervention in nnsight directly (kvnotes.nn_engine.feed), or use a family "
+                f"it maps: {', '.join(sorted(SITES))}"
+            )
+        if what not in sites:
+            raise BadArgument(f"hook {name!r}: {self._known()}")
+        return layer, what, sites[what]
+
+    def hook_names(self) -> list[str]:
+        """Every hook name this model answers to, in execution order."""
+        sites = SITES.get(self.facts.model_type, {})
+        have = [s for s in ORDER if s in sites or s in ATTENTION_SITES]
+        return [f"blocks.{l}.{s}" for l in range(self.n_layers) for s in have]
+
+    def _known(self) -> str:
+        sites = [s for s in ORDER if s in SITES.get(self.facts.model_type, {}) or s in ATTENTION_SITES]
+        return f"the nnsight backend's hook points are blocks.{{layer}}.{{{', '.join(sites)}}}"
+
+    def __repr__(self) -> str:
+        c = self.facts
+        return (
+            f"NNsightModel({self.name!r}, {type(self.hf).__name__}, layers={c.n_layers}, heads={c.n_heads}/"
+            f"{c.n_key_value_heads} kv, d_head={c.d_head}, fingerprint={self.fingerprint[:12]})"
+        )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _takes_layer_type(rotary) -> bool:
+    import inspect
+
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
+def _attention_scaling(rotary, args: tuple) -> float:
+    if args:
+        return float(
+            getattr(rotary, f"{args[0]}_attention_scaling", getattr(rotary, "attention_scaling", 1.0))
+        )
+    return float(getattr(rotary, "attention_scaling", 1.0))
+
+
+# --- checks ---------------------------------------------------------------------------------------
+def check_plain_kv(config) -> tuple[str, ...]:
+    """The layer types of a config whose cache is a plain per-layer K/V, or a clear refusal."""
+    c = config.get_text_config()
+    why = _NOT_KV.get(getattr(config, "model_type", "")) or _NOT_KV.get(getattr(c, "model_type", ""))
+    if why:
+        raise UnsupportedArchitecture(
+            f"{config.model_type} is {why}; a kvnotes notebook is per-layer keys and values of "
+            "every token, so this model cannot run on either backend"
+        )
+    if getattr(c, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedArchitecture(
+            f"{config.model_type} is an encoder-decoder model; kvnotes runs decoder-only causal LMs"
+        )
+    types = tuple(getattr(c, "layer_types", None) or ())
+    odd = sorted(set(types) - _PLAIN_LAYER_TYPES)
+    if odd:
+        raise UnsupportedArchitecture(
+            f"{config.model_type} has layers of type {', '.join(odd)}, whose cache is not a plain "
+            "per-layer K/V over the tokens; kvnotes supports full and sliding-window attention layers"
+        )
+    return types
+
+
+def _windows(c, types: tuple[str, ...]) -> tuple[int | None, ...]:
+    n = c.num_hidden_layers
+    w = getattr(c, "sliding_window", None)
+    if types:
+        return tuple(w if t == "sliding_attention" else None for t in types)
+    if getattr(c, "model_type", "") == "mistral" and w:
+        return (w,) * n
+    return (None,) * n
+
+
+def _facts(hf, c, tokenizer_len: int) -> Facts:
+    n_heads = c.num_attention_heads
+    return Facts(
+        n_layers=c.num_hidden_layers,
+        n_heads=n_heads,
+        n_key_value_heads=getattr(c, "num_key_value_heads", None) or n_heads,
+        d_head=getattr(c, "head_dim", None) or c.hidden_size // n_heads,
+        d_model=c.hidden_size,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        d_vocab_out=hf.get_output_embeddings().weight.shape[0],
+        n_ctx=getattr(c, "max_position_embeddings", 2048),
+        model_type=c.model_type,
+        use_normalization_before_and_after=c.model_type in ("gemma2", "gemma3_text", "gemma3"),
+        attn_scores_soft_cap=float(getattr(c, "attn_logit_softcapping", None) or -1.0),
+        output_logits_soft_cap=float(getattr(c, "final_logit_softcapping", None) or -1.0),
+    )
+
+
+def _fingerprint(hf, tokenizer) -> str:
+    h = hashlib.sha256(b"nnsight")
+    h.update(hf.config.get_text_config().to_json_string(use_diff=False).encode())
+    vocab = tokenizer.get_vocab()
+    h.update(json.dumps(sorted(vocab.items())[:: max(1, len(vocab) // 4096)]).encode())
+    layers = hf.model.layers
+    with torch.no_grad():
+        for t in (
+            hf.get_input_embeddings().weight[:4],
+            layers[0].self_attn.q_proj.weight[:4],
+            layers[-1].mlp.down_proj.weight[:, :4],
+        ):
+            h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+# --- loading --------------------------------------------------------------------------------------
+def nnsight_available() -> str | None:
+    """None when nnsight imports, else how to install it."""
+    try:
+        import nnsight  # noqa: F401
+    except ImportError:
+        return _INSTALL
+    return None
+
+
+def load_nnsight(name: str, *, dtype: torch.dtype = torch.float32, attn: str | None = None) -> NNsightModel:
+    """Load `name` on the nnsight backend: a local Hugging Face checkpoint directory, a hub name,
+    or the embedded `gemma-3-270m` (exported once as a checkpoint into the kvnotes cache).
+
+    attn: the attention implementation the model runs ("sdpa", "eager", "flash_attention_2", ...;
+        default: transformers' choice, SDPA where the model supports it); a call that hooks
+        attention scores or patterns switches to kvnotes' eager attention for that call.
+    """
+    problem = nnsight_available()
+    if problem:
+        raise MissingDependency(f"the nnsight backend needs nnsight: {problem}")
+    from kvnotes.models import EMBEDDED, builtin_names
+
+    if name == EMBEDDED:
+        return _from_dir(str(gemma_checkpoint()), EMBEDDED, dtype=dtype, attn=attn, local=True)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return _from_dir(str(path), name, dtype=dtype, attn=attn, local=True)
+    if name in builtin_names():
+        raise UnknownModelError(
+            f"{name} is a TransformerLens-only model (it has no Hugging Face checkpoint); run it on "
+            "the transformer-lens backend, or give the nnsight backend a checkpoint directory, a hub "
+            "name, or gemma-3-270m"
+        )
+    if "/" not in name:
+        raise UnknownModelError(
+            f"unknown model {name!r}: the nnsight backend takes a local Hugging Face checkpoint "
+            "directory, a hub name such as 'Qwen/Qwen3-0.6B', or gemma-3-270m"
+        )
+    return _from_dir(name, name, dtype=dtype, attn=attn, local=False)
+
+
+def gemma_checkpoint() -> Path:
+    """The embedded Gemma 3 270M as a Hugging Face checkpoint directory in the kvnotes cache,
+    exported from the GGUF once (the same float32 weights the TransformerLens backend runs)."""
+    from kvnotes.models.export import STAMP, cached
+    from kvnotes.models.gemma import default_cache_dir
+
+    out = default_cache_dir() / "export" / "gemma-3-270m"
+    try:
+        if json.loads((out / STAMP).read_text()).get("model") == "gemma-3-270m":
+            return out
+    except (OSError, ValueError):
+        pass
+    from kvnotes.models import load_model
+
+    return cached(load_model("gemma-3-270m"))
+
+
+def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, local: bool) -> NNsightModel:
+    from nnsight.modeling.transformers import TransformersModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvnotes.models.hf import _fetch
+
+    config = _fetch(AutoConfig.from_pretrained, source, local)
+    types = check_plain_kv(config)  # before any weights load
+    tokenizer = _fetch(AutoTokenizer.from_pretrained, source, local)
+    hf = _fetch(AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation=attn)
+    hf.eval()
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    if not hasattr(getattr(hf, "model", None), "layers") or not hasattr(hf.model, "rotary_emb"):
+        raise UnsupportedArchitecture(
+            f"{type(hf).__name__} keeps its decoder layers or rotary embedding elsewhere than "
+            "model.layers / model.rotary_emb; kvnotes' nnsight backend needs both to read the cache"
+        )
+    c = hf.config.get_text_config()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = TransformersModel(hf, tokenizer=tokenizer, task="text-generation")
+    reference = HFSource(
+        what=f"transformers' {type(hf).__name__} from {source}",
+        load=lambda: _fetch(
+            AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation="eager"
+        ),
+    )
+    return NNsightModel(
+        name=name,
+        tl=None,
+        tokenizer=tokenizer,
+        fingerprint=_fingerprint(hf, tokenizer),
+        hf_source=reference,
+        lm=lm,
+        hf=hf,
+        facts=_facts(hf, c, len(tokenizer)),
+        windows=_windows(c, types),
+        layer_types=types,
+        source=source,
+    )

@@ -1,0 +1,372 @@
+"""`run()` on the nnsight backend: the Hugging Face forward, fed the notebook as its cache.
+
+`forward` builds a `DynamicCache` whose layer l holds the notebook's slots (then an overlay's, if
+any), passes the computed tokens with their own `position_ids` and one additive attention mask per
+layer type (`engine._mask`: causal by position, live slots only, inside the layer's window), and
+reads the fresh K/V back from the end of the cache. The key axis is the engine's: the notebook's
+slots in slot order, the overlay's, then the computed tokens.
+
+Hooks are TransformerLens-style `(name_or_filter, fn)` pairs over TransformerLens hook names, run
+as nnsight interventions: inside `lm.trace`, each named point is read (`.input` / `.output` of the
+module the family map names), handed to `fn(activation, hook)`, and written back when `fn` returns
+a tensor. Attention scores and patterns are not module outputs under SDPA; a call that hooks or
+captures them runs on kvnotes' own eager attention (`kvnotes_eager`, registered with transformers'
+`AttentionInterface`), which fires `hook_attn_scores` and `hook_pattern` with TransformerLens's
+meaning, and warns once that it did.
+
+`feed(model, notebook, tokens)` gives users the same feeding for their own nnsight code:
+
+    with feed(model, nb, tokens) as fed, model.lm.trace(fed.ids):
+        model.lm.model.layers[3].output[:, -1] += steer
+        logits = model.lm.output.logits.save()
+    nb2 = fed.notebook()
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from kvnotes.errors import BadArgument
+from kvnotes.notebook import Notebook
+from kvnotes.types import Tensor
+
+EAGER = "kvnotes_eager"
+_state = threading.local()  # the hooks our eager attention fires, for the call in flight
+
+
+class EagerAttention(UserWarning):
+    """A call ran on kvnotes' eager attention because it hooks attention scores or patterns."""
+
+
+@dataclass(frozen=True)
+class HookPoint:
+    """What a hook function receives as `hook`, as TransformerLens passes its HookPoint."""
+
+    name: str
+
+    def layer(self) -> int:
+        return int(self.name.split(".")[1])
+
+
+@dataclass
+class _Plan:
+    """The hooks of one call, resolved to sites: per layer, (site, [(name, fn)]) in execution order."""
+
+    per_layer: dict[int, list[tuple[str, object, list[tuple[str, Callable | None]]]]] = field(
+        default_factory=dict
+    )
+    attention: dict[tuple[int, str], list[tuple[str, Callable | None]]] = field(default_factory=dict)
+
+
+def _resolve(model, hooks: Sequence, capture: Sequence[str], captured: dict) -> _Plan:
+    from kvnotes.models.nn import ORDER
+
+    wanted: dict[str, list[tuple[str, Callable | None]]] = {}
+    names = model.hook_names()
+    for target, fn in hooks:
+        matched = [n for n in names if target(n)] if callable(target) else [target]
+        for n in matched:
+            wanted.setdefault(n, []).append((n, fn))
+    for n in capture:
+        wanted.setdefault(n, []).append((n, _saver(captured)))
+    plan = _Plan()
+    by_layer: dict[int, dict[str, list]] = {}
+    for n, fns in wanted.items():
+        layer, what, site = model.site(n)
+        if site is None:
+            plan.attention[layer, what] = fns
+            continue
+        if not site.writable and any(fn is not None and not getattr(fn, "_saves", False) for _, fn in fns):
+            _guard_read_only(n, fns)
+        by_layer.setdefault(layer, {})[what] = (site, fns)
+    for layer, sites in by_layer.items():
+        ordered = sorted(sites.items(), key=lambda kv: ORDER.index(kv[0]))
+        plan.per_layer[layer] = [(what, site, fns) for what, (site, fns) in ordered]
+    return plan
+
+
+def _guard_read_only(name: str, fns: list) -> None:
+    """Wrap hooks on a read-only site so that returning a replacement is an error, not a no-op."""
+    for i, (n, fn) in enumerate(fns):
+
+        def checked(act, hook, fn=fn, n=n):
+            out = fn(act, hook=hook)
+            if out is not None:
+                raise BadArgument(
+                    f"{n} is read-only on the nnsight backend: in a Hugging Face layer the residual is "
+                    "added outside the module that sees it, so a replacement would not reach the "
+                    "residual stream; write hook_attn_out or hook_resid_pre/post instead"
+                )
+
+        fns[i] = (n, checked)
+
+
+def _saver(store: dict):
+    def save(act, hook):
+        store[hook.name] = act.detach().clone()
+
+    save._saves = True
+    return save
+
+
+def _fire(fns, act: Tensor) -> Tensor | None:
+    """Run each hook on `act` in turn; the last replacement (if any) is the new value."""
+    out = None
+    for name, fn in fns:
+        res = fn(act if out is None else out, hook=HookPoint(name))
+        if res is not None:
+            out = res
+    return out
+
+
+# --- the cache and the masks ---------------------------------------------------------------------
+def _inputs(model, nb: Notebook, overlay: Notebook | None, pos: Tensor, batch: int):
+    """(DynamicCache of the notebook's slots, masks, position_ids)."""
+    from transformers import DynamicCache
+
+    from kvnotes.engine import _mask
+
+    device, dtype = model.device, model.dtype
+    ov_pos = overlay.positions if overlay is not None else nb.positions[:0]
+    live_nb = ~torch.isin(nb.positions, torch.cat([pos, ov_pos]))
+    live_ov = ~torch.isin(ov_pos, pos)
+    key_pos = torch.cat([nb.positions, ov_pos, pos])
+    live = torch.cat([live_nb, live_ov, torch.ones_like(pos, dtype=torch.bool)])
+
+    def additive(window):
+        m = _mask(key_pos, live, pos, window).to(device)
+        return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf"))[None, None]
+
+    windows = {model.window(l) for l in range(model.n_layers)}
+    bias = {w: additive(w) for w in windows}
+    if model.layer_types:
+        sliding = next(
+            (model.window(l) for l, t in enumerate(model.layer_types) if t == "sliding_attention"), None
+        )
+        masks = {t: bias[sliding if t == "sliding_attention" else None] for t in set(model.layer_types)}
+    elif len(bias) == 1:
+        masks = next(iter(bias.values()))
+    else:
+        raise BadArgument(f"{model.name} mixes windows without declaring layer types; kvnotes cannot mask it")
+
+    def layer(l):
+        k, v = nb.keys[l].expand(batch, -1, -1, -1), nb.values[l].expand(batch, -1, -1, -1)
+        if overlay is not None:
+            k = torch.cat([k, overlay.keys[l].expand(batch, -1, -1, -1)], 2)
+            v = torch.cat([v, overlay.values[l].expand(batch, -1, -1, -1)], 2)
+        return k.contiguous(), v.contiguous()
+
+    cache = DynamicCache(ddp_cache_data=[layer(l) for l in range(model.n_layers)])
+    return cache, masks, pos.to(device)[None].expand(batch, -1)
+
+
+# --- feeding the forward -------------------------------------------------------------------------
+class _Feed:
+    """Forward kwargs handed to the model's top module by a pre-hook while a call is in flight:
+    nnsight prepares only the token ids (it would split a mask per row, and cannot take one per
+    layer type), the cache, masks and positions arrive here."""
+
+    def __init__(self):
+        self.kwargs: dict | None = None
+
+    def __call__(self, module, args, kwargs):
+        if self.kwargs is not None:
+            kwargs.update(self.kwargs)
+        return args, kwargs
+
+
+def _feeder(model) -> _Feed:
+    feed = getattr(model.hf, "_kvnotes_feed", None)
+    if feed is None:
+        feed = _Feed()
+        model.hf.register_forward_pre_hook(feed, with_kwargs=True)
+        model.hf._kvnotes_feed = feed
+    return feed
+
+
+@contextmanager
+def _attention_impl(model, eager: bool) -> Iterator[None]:
+    if not eager:
+        yield
+        return
+    _register()
+    before = model.hf.config._attn_implementation
+    warnings.warn(
+        "attention scores and patterns do not exist under the model's fused attention kernels: "
+        f"this call runs on kvnotes' eager attention (was {before!r})",
+        EagerAttention,
+        stacklevel=4,
+    )
+    model.hf.set_attn_implementation(EAGER)
+    try:
+        yield
+    finally:
+        model.hf.set_attn_implementation(before)
+
+
+def forward(
+    model,
+    nb: Notebook,
+    overlay: Notebook | None,
+    tok: Tensor,
+    pos: Tensor,
+    read_idx: Tensor,
+    cols,
+    hooks,
+    capture,
+):
+    """Fresh K/V of the computed tokens, logits at `read_idx` (columns `cols`), captured activations."""
+    batch, n = tok.shape
+    cache, masks, position_ids = _inputs(model, nb, overlay, pos, batch)
+    kwargs = dict(
+        cache=cache,
+        attention_mask=masks,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=read_idx.to(model.device) if read_idx.numel() else torch.tensor([n - 1]),
+    )
+    captured: dict[str, Tensor] = {}
+    plan = _resolve(model, hooks, capture, captured)
+    ids = tok.to(model.device)
+    with torch.no_grad(), _attention_impl(model, bool(plan.attention)):
+        _state.attention = plan.attention
+        try:
+            if not plan.per_layer:
+                logits = model.hf(input_ids=ids, **kwargs).logits
+            else:
+                logits = _traced(model, ids, kwargs, plan)
+        finally:
+            _state.attention = {}
+    if not read_idx.numel():
+        logits = logits[:, :0]
+    if cols is not None:
+        logits = logits[..., cols.to(logits.device)]
+    fresh_k = [layer.keys[:, :, -n:] for layer in cache.layers]
+    fresh_v = [layer.values[:, :, -n:] for layer in cache.layers]
+    return fresh_k, fresh_v, logits, captured
+
+
+def _traced(model, ids: Tensor, kwargs: dict, plan: _Plan) -> Tensor:
+    """The forward as one nnsight trace, every planned hook an intervention at its module."""
+    feed = _feeder(model)
+    lm, heads, kv, d = model.lm, model.n_heads, model.n_kv_heads, model.d_head
+    feed.kwargs = kwargs
+    try:
+        with lm.trace(ids):
+            for l in sorted(plan.per_layer):
+                layer = lm.model.layers[l]
+                for _, site, fns in plan.per_layer[l]:
+                    envoy = layer
+                    for part in filter(None, site.path.split(".")):
+                        envoy = getattr(envoy, part)
+                    port = "output" if site.port == "output0" else site.port
+                    value = getattr(envoy, port)
+                    act = value[0] if site.port == "output0" else value
+                    shaped = act
+                    if site.heads:
+                        shaped = act.view(*act.shape[:-1], heads if site.heads == "q" else kv, d)
+                    new = _fire(fns, shaped)
+                    if new is not None and site.writable:
+                        new = new.reshape(act.shape).to(act.dtype)
+                        setattr(envoy, port, (new, *value[1:]) if site.port == "output0" else new)
+            logits = lm.output.logits.save()
+    finally:
+        feed.kwargs = None
+    return logits
+
+
+# --- kvnotes' eager attention --------------------------------------------------------------------
+def _eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """Eager attention that fires `blocks.{l}.attn.hook_attn_scores` and `.hook_pattern`
+    (`[batch, head, query, key]`, masked scores -inf as in TransformerLens) for the call in flight."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    value = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    scaling = module.head_dim**-0.5 if scaling is None else scaling
+    scores = query @ key.transpose(2, 3) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        scores = torch.where(mask == 0, scores, float("-inf"))
+    hooks = getattr(_state, "attention", {})
+    layer = getattr(module, "layer_idx", None)
+    fns = hooks.get((layer, "attn.hook_attn_scores"))
+    if fns and (new := _fire(fns, scores)) is not None:
+        scores = new
+    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    pattern = torch.where(torch.isnan(pattern), torch.zeros_like(pattern), pattern)
+    fns = hooks.get((layer, "attn.hook_pattern"))
+    if fns and (new := _fire(fns, pattern)) is not None:
+        pattern = new
+    out = (pattern @ value).transpose(1, 2).contiguous()
+    return out, pattern
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(EAGER, _eager)
+        _registered = True
+
+
+# --- the user's own nnsight code, fed a notebook -------------------------------------------------
+@dataclass
+class Fed:
+    """A call set up by `feed`: pass `ids` to `model.lm.trace`; after the trace, `notebook()` is the
+    notebook with the computed tokens' K/V written (as `run(..., write=True)` returns it)."""
+
+    model: object
+    ids: Tensor
+    positions: Tensor
+    base: Notebook
+    cache: object
+
+    def notebook(self) -> Notebook:
+        from kvnotes.engine import _write
+
+        n = self.ids.shape[1]
+        if self.cache.layers[0].keys.shape[2] != self.base.n_slots + n:
+            raise BadArgument("the trace has not run yet: call notebook() after the `with` block")
+        fresh_k = [layer.keys[:, :, -n:] for layer in self.cache.layers]
+        fresh_v = [layer.values[:, :, -n:] for layer in self.cache.layers]
+        return _write(self.base, self.ids.cpu(), self.positions, fresh_k, fresh_v)
+
+
+@contextmanager
+def feed(model, notebook: Notebook, tokens, positions=None) -> Iterator[Fed]:
+    """Feed `notebook` to the next forward of `model.lm` (an nnsight trace the caller writes), with
+    `tokens` at `positions` (default: right after the notebook), as `run()` would."""
+    from kvnotes.models.nn import NNsightModel
+
+    if not isinstance(model, NNsightModel):
+        raise BadArgument("feed() is for the nnsight backend: load_model(name, backend='nnsight')")
+    notebook.check_model(model)
+    tok = torch.as_tensor(tokens, dtype=torch.long)
+    tok = tok[None] if tok.ndim == 1 else tok
+    n = tok.shape[1]
+    pos = (
+        torch.arange(notebook.next_position, notebook.next_position + n)
+        if positions is None
+        else torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+    )
+    batch = max(notebook.batch, tok.shape[0])
+    tok = tok.expand(batch, -1)
+    cache, masks, position_ids = _inputs(model, notebook, None, pos, batch)
+    f = _feeder(model)
+    f.kwargs = dict(cache=cache, attention_mask=masks, position_ids=position_ids, use_cache=True)
+    try:
+        yield Fed(model=model, ids=tok.to(model.device), positions=pos, base=notebook, cache=cache)
+    finally:
+        f.kwargs = None
