@@ -189,6 +189,7 @@ def patch_sweep(
     repeats: int = 3,
     baselines: Sequence[str] = tuple(WAYS),
     twin: HFTwin | None = None,
+    nn: KVModel | None = None,
     progress: bool = True,
 ) -> SweepResult:
     """Time the per-slot transplant sweep every way on a prompt of about `n_tokens` tokens.
@@ -196,11 +197,13 @@ def patch_sweep(
     batch_size: every batched way's batch size; None picks each way's own by a short probe
     (`best_batch_size`). baselines: the strong baselines to run (`kvnotes.baselines.WAYS`).
     twin: `hf_twin(model)`'s result, to load the Hugging Face counterpart once for several lengths.
+    nn: the same weights on the nnsight backend: its engine runs beside as `engine_nnsight`, on
+    its own notebooks of the same prompts (the nnsight baselines then trace its module).
 
     >>> from kvnotes import load_model
     >>> r = patch_sweep(load_model("tiny-gqa"), 40, n_slots=4, repeats=1, progress=False)
     >>> [b.name for b in r.baselines], sorted(r.skipped)
-    (['tl_full_batched', 'tl_kv_cache'], ['nnsight_full_batched', 'nnsight_hf_cache'])
+    (['tl_full_batched', 'tl_kv_cache'], ['engine_nnsight', 'nnsight_full_batched', 'nnsight_hf_cache'])
     """
     bad = [n for n in baselines if n not in WAYS]
     if bad:
@@ -209,6 +212,13 @@ def patch_sweep(
     twin = twin if twin is not None else hf_twin(model, need=any(w.hf for w in wanted))
     skipped = {w.name: why for w in wanted if (why := unavailable(w, model, twin))}
     skipped |= {n: "not asked for (the baselines option)" for n in WAYS if n not in baselines}
+    if nn is None:
+        skipped["engine_nnsight"] = (
+            "the nnsight backend was not asked for (--backend nnsight)"
+            if model.hf_source is not None
+            else f"{model.name} has no Hugging Face counterpart for the nnsight backend to run"
+        )
+    skipped = dict(sorted(skipped.items()))
     old, new = sweep_prompts(model, n_tokens)
     with torch.no_grad():
         nb_old, nb_new = ops.prefill(model, old), ops.prefill(model, new)
@@ -235,6 +245,8 @@ def patch_sweep(
             model=model, dst_ids=old.ids, src_ids=new.ids, stop=stop, vocab=(a, b), hf=twin.hf, lm=twin.lm
         )
         runs = {"engine": engine, **{w.name: w.make(pair) for w in wanted if w.name not in skipped}}
+        if nn is not None:
+            runs["engine_nnsight"] = _engine_on(nn, old, new, (a, b))
         candidates = (batch_size,) if batch_size else BATCH_SIZES  # a given size is only warmed up
         sizes = {
             name: best_batch_size(run, slots, candidates)
@@ -279,15 +291,44 @@ def patch_sweep(
     )
 
 
+def both_backends(model: KVModel) -> tuple[KVModel, KVModel | None]:
+    """(the TransformerLens-backend model, the nnsight-backend one or None) for a bench asked for on
+    `model`'s backend: on the nnsight backend the same name is loaded on TransformerLens too, so
+    the two engines run side by side in one process."""
+    if model.backend == "nnsight":
+        from kvnotes.models import load_model
+
+        return load_model(model.name), model
+    return model, None
+
+
+def _engine_on(nn: KVModel, old: Prompt, new: Prompt, vocab: tuple[int, int]):
+    """The engine's sweep on another backend's model, over its own notebooks of the same prompts."""
+    nb_old, nb_new = ops.prefill(nn, old), ops.prefill(nn, new)
+
+    def engine(batch: Sequence[int]) -> torch.Tensor:
+        specs = [ops.Patch(positions=(p,)) for p in batch]
+        return ops.decide_patched(nn, nb_old, nb_new, specs, new, batch_size=len(specs), vocab=vocab)
+
+    return engine
+
+
 def patch_sweep_report(
-    model: KVModel, lengths: list[int], *, baselines: Sequence[str] = tuple(WAYS), **kwargs
+    model: KVModel,
+    lengths: list[int],
+    *,
+    baselines: Sequence[str] = tuple(WAYS),
+    nn: KVModel | None = None,
+    **kwargs,
 ) -> SweepReport:
-    """`patch_sweep` at each length; the Hugging Face counterpart, if a baseline needs it, loads once."""
-    twin = hf_twin(model, need=any(WAYS[n].hf for n in baselines if n in WAYS))
+    """`patch_sweep` at each length; the Hugging Face counterpart, if a baseline needs it, loads once
+    (or is `nn`'s own module, when the nnsight backend runs beside)."""
+    need = any(WAYS[n].hf for n in baselines if n in WAYS)
+    twin = HFTwin(hf=nn.hf, lm=nn.lm) if nn is not None else hf_twin(model, need=need)
     return SweepReport(
         model=model.name,
         machine=machine(),
-        results=[patch_sweep(model, n, baselines=baselines, twin=twin, **kwargs) for n in lengths],
+        results=[patch_sweep(model, n, baselines=baselines, twin=twin, nn=nn, **kwargs) for n in lengths],
     )
 
 
@@ -310,10 +351,13 @@ register_section(Section("bench", "Benchmarks", level=MODEL, command="bench", or
 
 @analysis("patch_sweep", "bench", SweepConfig, SweepReport, in_report=False)
 def _run_patch_sweep(ctx: Context, cfg: SweepConfig) -> SweepReport:
-    """Per-slot transplant sweep: engine vs naive full forwards and the strong baselines."""
+    """Per-slot transplant sweep: engine vs naive full forwards and the strong baselines (and the
+    engine on the nnsight backend beside, with --backend nnsight)."""
+    tl, nn = both_backends(ctx.model)
     return patch_sweep_report(
-        ctx.model,
+        tl,
         list(cfg.tokens),
+        nn=nn,
         n_slots=cfg.slots,
         repeats=cfg.repeats,
         baselines=cfg.baselines,

@@ -1,7 +1,9 @@
-"""Prefill one context three ways side by side: the notebook engine, transformers, TransformerLens.
+"""Prefill one context side by side: the notebook engine on each backend, transformers, TransformerLens.
 
 The context is BOS plus neutral policy-like lines (as `kvnotes bench ttft` builds it), N tokens.
-*kvnotes*: `ops.prefill` (the notebook is the KV cache; no position is unembedded).
+*kvnotes*: `ops.prefill` on the TransformerLens backend (the notebook is the KV cache; no position
+is unembedded). *kvnotes_nnsight*: `ops.prefill` on the nnsight backend (the Hugging Face model's
+own forward and attention kernels, fed the notebook as its cache; run with `--backend nnsight`).
 *transformers*: the model's Hugging Face twin with SDPA attention, `model(ids, use_cache=True,
 logits_to_keep=1)` under `torch.inference_mode()` (only the last position is unembedded).
 *transformer_lens*: `model.tl.run_with_cache(ids)`, what a TransformerLens user runs: it keeps every
@@ -35,14 +37,14 @@ from tqdm.auto import tqdm
 
 from kvnotes import ops
 from kvnotes.analysis import Context, Options, analysis, option
-from kvnotes.bench import BenchReport, machine
+from kvnotes.bench import BenchReport, both_backends, machine
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.ttft import _text_ids
 from kvnotes.types import Float, Tensor
 
-WAYS = ("kvnotes", "transformers", "transformer_lens")
+WAYS = ("kvnotes", "kvnotes_nnsight", "transformers", "transformer_lens")
 HWM = "VmHWM after resetting it through /proc/self/clear_refs (peak RSS above VmRSS before)"
 RUSAGE = (
     "ru_maxrss of a fresh subprocess per way and length (its peak above its own peak after loading "
@@ -127,7 +129,7 @@ class PrefillReport(BenchReport):
         return "\n".join(lines)
 
 
-# --- the context and the three ways ---------------------------------------------------------------
+# --- the context and the ways ---------------------------------------------------------------------
 def context_ids(model: KVModel, n: int) -> list[int]:
     """`n` token ids: BOS (where the tokenizer has one), then neutral policy-like lines."""
     bos = model.encode("")
@@ -153,14 +155,36 @@ class Outcome:
 
 
 def _device(model: KVModel) -> torch.device:
-    return model.tl.embed.W_E.device
+    return model.device
 
 
-def _kvnotes(model: KVModel, hf, ids: list[int]):  # noqa: ARG001 - every way takes the same arguments
-    return ops.prefill(model, ids)
+@dataclass(frozen=True, eq=False)
+class Runners:
+    """What the ways run on: the TransformerLens-backend model, its Hugging Face twin and the
+    nnsight-backend model of the same weights (either may be None: that way is skipped)."""
+
+    model: KVModel
+    hf: Any = None
+    nn: KVModel | None = None
 
 
-def _kvnotes_readout(model: KVModel, nb, ids: list[int], layers: list[int]) -> Outcome:
+def _kvnotes(r: Runners, ids: list[int]):
+    return ops.prefill(r.model, ids)
+
+
+def _kvnotes_nnsight(r: Runners, ids: list[int]):
+    return ops.prefill(r.nn, ids)
+
+
+def _kvnotes_readout(r: Runners, nb, ids: list[int], layers: list[int]) -> Outcome:
+    return _notebook_readout(r.model, nb, ids, layers)
+
+
+def _kvnotes_nnsight_readout(r: Runners, nb, ids: list[int], layers: list[int]) -> Outcome:
+    return _notebook_readout(r.nn, nb, ids, layers)
+
+
+def _notebook_readout(model: KVModel, nb, ids: list[int], layers: list[int]) -> Outcome:
     # the last token again at its own position, not written: it replaces its slot, so it attends to
     # exactly what it attended to in the prefill; one token's compute, for its logits
     _, out = run(model, nb, ids[-1:], [len(ids) - 1], write=False)
@@ -171,12 +195,12 @@ def _kvnotes_readout(model: KVModel, nb, ids: list[int], layers: list[int]) -> O
     )
 
 
-def _transformers(model: KVModel, hf, ids: list[int]):
+def _transformers(r: Runners, ids: list[int]):
     with torch.inference_mode():
-        return hf(input_ids=torch.tensor([ids], device=_device(model)), use_cache=True, logits_to_keep=1)
+        return r.hf(input_ids=torch.tensor([ids], device=_device(r.model)), use_cache=True, logits_to_keep=1)
 
 
-def _transformers_readout(model: KVModel, out, ids: list[int], layers: list[int]) -> Outcome:  # noqa: ARG001
+def _transformers_readout(r: Runners, out, ids: list[int], layers: list[int]) -> Outcome:  # noqa: ARG001
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
     if hasattr(cache, "layers"):
         keys, values = [x.keys for x in cache.layers], [x.values for x in cache.layers]
@@ -189,11 +213,11 @@ def _transformers_readout(model: KVModel, out, ids: list[int], layers: list[int]
     )
 
 
-def _transformer_lens(model: KVModel, hf, ids: list[int]):  # noqa: ARG001
-    return model.tl.run_with_cache(torch.tensor([ids], device=_device(model)))
+def _transformer_lens(r: Runners, ids: list[int]):
+    return r.model.tl.run_with_cache(torch.tensor([ids], device=_device(r.model)))
 
 
-def _transformer_lens_readout(model: KVModel, out, ids: list[int], layers: list[int]) -> Outcome:  # noqa: ARG001
+def _transformer_lens_readout(r: Runners, out, ids: list[int], layers: list[int]) -> Outcome:  # noqa: ARG001
     logits, cache = out
 
     def held(l: int, site: str) -> Tensor:  # [pos, kv_head, d_head] -> [kv_head, pos, d_head]
@@ -209,6 +233,7 @@ def _transformer_lens_readout(model: KVModel, out, ids: list[int], layers: list[
 # way -> (the timed call, the untimed readout of its output)
 _CALLS: dict[str, tuple[Callable, Callable]] = {
     "kvnotes": (_kvnotes, _kvnotes_readout),
+    "kvnotes_nnsight": (_kvnotes_nnsight, _kvnotes_nnsight_readout),
     "transformers": (_transformers, _transformers_readout),
     "transformer_lens": (_transformer_lens, _transformer_lens_readout),
 }
@@ -296,17 +321,21 @@ def _in_subprocess(
     from kvnotes.models import load_model
 
     model = load_model(model_name)
-    hf = load_hf_twin(model) if way == "transformers" else None
+    r = Runners(
+        model=model,
+        hf=load_hf_twin(model) if way == "transformers" else None,
+        nn=load_model(model_name, backend="nnsight") if way == "kvnotes_nnsight" else None,
+    )
     call, readout = _CALLS[way]
-    call(model, hf, ids[:16])
+    call(r, ids[:16])
     before = _maxrss()
     seconds, seen = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = call(model, hf, ids)
+        out = call(r, ids)
         seconds.append(time.perf_counter() - t0)
         if seen is None:
-            seen = readout(model, out, ids, layers)
+            seen = readout(r, out, ids, layers)
         del out
     return seconds, max(0, _maxrss() - before), seen
 
@@ -348,18 +377,26 @@ def tl_cache_polynomial(model: KVModel) -> np.ndarray:
 
 # --- the benchmark --------------------------------------------------------------------------------
 def prefill_bench(
-    model: KVModel, lengths: list[int], *, repeats: int = 3, hf_model=None, progress: bool = True
+    model: KVModel,
+    lengths: list[int],
+    *,
+    repeats: int = 3,
+    hf_model=None,
+    nn: KVModel | None = None,
+    progress: bool = True,
 ) -> PrefillReport:
-    """Prefill a context of each length in `lengths` (tokens) three ways, timed side by side.
+    """Prefill a context of each length in `lengths` (tokens) every way, timed side by side.
 
-    hf_model: the Hugging Face twin to use (default: loaded from `model.hf_source`, with SDPA
-    attention; for Gemma 3 270M that takes about a minute). A way that cannot run at a length is
-    in that point's `skipped`, with the reason.
+    model: the TransformerLens-backend model. hf_model: the Hugging Face twin to use (default:
+    `nn`'s own module when given, else loaded from `model.hf_source` with SDPA attention; for
+    Gemma 3 270M that takes about a minute). nn: the same weights on the nnsight backend, for the
+    `kvnotes_nnsight` way. A way that cannot run at a length is in that point's `skipped`, with
+    the reason.
 
     >>> from kvnotes import load_model
     >>> report = prefill_bench(load_model("tiny-llama"), [64], repeats=1, progress=False)
     >>> [w.name for w in report.results[0].ways], list(report.results[0].skipped)
-    (['kvnotes', 'transformer_lens'], ['transformers'])
+    (['kvnotes', 'transformer_lens'], ['kvnotes_nnsight', 'transformers'])
     """
     bad = [n for n in lengths if not isinstance(n, int) or n < 2]
     if bad:
@@ -368,17 +405,18 @@ def prefill_bench(
     method = memory_method(device)
     layers = compared_layers(model)
     reps = max(1, repeats)
-    hf = hf_model
+    hf = hf_model if hf_model is not None else (nn.hf if nn is not None else None)
     fits = any(n <= model.n_ctx for n in lengths)
     if hf is None and model.hf_source is not None and fits and method != RUSAGE:
         if progress:  # loaded first, so the free memory that skips are judged on counts it
             tqdm.write(f"prefill bench: loading {model.hf_source.what}", file=sys.stderr)
         hf = load_hf_twin(model)
     has_hf = hf is not None or (method == RUSAGE and model.hf_source is not None)
-    skips = _skips(model, lengths, has_hf, device)
+    skips = _skips(model, lengths, has_hf, device, has_nn=nn is not None)
+    runners = Runners(model=model, hf=hf, nn=nn)
     if method != RUSAGE:  # first calls pay one-off costs: a short context through each way first
         for w in [w for w in WAYS if any(w not in s for s in skips.values())]:
-            _CALLS[w][0](model, hf, context_ids(model, 16))
+            _CALLS[w][0](runners, context_ids(model, 16))
     points = []
     bar = tqdm(lengths, desc="prefill", disable=not progress, unit="length")
     for n in bar:
@@ -396,11 +434,11 @@ def prefill_bench(
                 for w in ways:
                     bar.set_postfix_str(f"{w} {r + 1}/{reps}")
                     call, readout = _CALLS[w]
-                    s, peak, out = _measured(lambda call=call, ids=ids: call(model, hf, ids), method, device)
+                    s, peak, out = _measured(lambda call=call, ids=ids: call(runners, ids), method, device)
                     seconds[w].append(s)
                     peaks[w] = max(peaks[w], peak)
                     if r == 0:
-                        seen[w] = readout(model, out, ids, layers)
+                        seen[w] = readout(runners, out, ids, layers)
                     del out
         points.append(_point(n, ways, seconds, peaks, seen, skips[n], reps))
     return PrefillReport(
@@ -413,7 +451,9 @@ def prefill_bench(
     )
 
 
-def _skips(model: KVModel, lengths: list[int], has_hf: bool, device: torch.device) -> dict[int, dict]:
+def _skips(
+    model: KVModel, lengths: list[int], has_hf: bool, device: torch.device, *, has_nn: bool = False
+) -> dict[int, dict]:
     """Per length, the ways that cannot run there and why (checked before anything is timed)."""
     free = available_bytes(device)
     poly = None
@@ -422,6 +462,12 @@ def _skips(model: KVModel, lengths: list[int], has_hf: bool, device: torch.devic
         why: dict[str, str] = {}
         if n > model.n_ctx:
             why = dict.fromkeys(WAYS, f"{n} tokens exceed {model.name}'s n_ctx={model.n_ctx}")
+        if not has_nn:
+            why["kvnotes_nnsight"] = (
+                "the nnsight backend was not asked for (kvnotes bench prefill --backend nnsight)"
+                if model.hf_source is not None
+                else f"{model.name} has no Hugging Face checkpoint for the nnsight backend to run"
+            )
         if not has_hf:
             why["transformers"] = (
                 f"{model.name} has no Hugging Face twin (it is built from a TransformerLens config)"
@@ -497,11 +543,13 @@ class PrefillConfig(Options):
     PrefillReport,
     quick={"lengths": (256, 1024), "repeats": 1},
     in_report=False,
-    title="Prefill: kvnotes, transformers, TransformerLens",
+    title="Prefill: kvnotes (each backend), transformers, TransformerLens",
 )
 def _prefill(ctx: Context, cfg: PrefillConfig) -> PrefillReport | None:
-    """Prefill one context three ways: kvnotes, transformers (SDPA), TransformerLens run_with_cache."""
+    """Prefill one context every way: kvnotes (on the nnsight backend too with --backend nnsight),
+    transformers (SDPA), TransformerLens run_with_cache."""
     lengths = [n for n in cfg.lengths if n <= ctx.model.n_ctx] if ctx.fit_context else list(cfg.lengths)
     if not lengths:
         return None
-    return prefill_bench(ctx.model, lengths, repeats=cfg.repeats, progress=ctx.progress)
+    tl, nn = both_backends(ctx.model)
+    return prefill_bench(tl, lengths, repeats=cfg.repeats, nn=nn, progress=ctx.progress)

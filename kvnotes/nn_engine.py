@@ -234,7 +234,7 @@ def forward(
     captured: dict[str, Tensor] = {}
     plan = _resolve(model, hooks, capture, captured)
     ids = tok.to(model.device)
-    with torch.no_grad(), _attention_impl(model, bool(plan.attention)):
+    with _attention_impl(model, bool(plan.attention)):  # autograd as the caller has it (attribution)
         _state.attention = plan.attention
         try:
             if not plan.per_layer:

@@ -12,10 +12,11 @@ import transformers as tf
 from kvnotes.baselines import WAYS
 from kvnotes.bench import SweepReport, SweepResult, patch_sweep, sweep_prompts
 from kvnotes.cli import main
+from kvnotes.models import load_model
 from kvnotes.models.hf import tl_from_hf_model
 from kvnotes.models.model import HFSource
 from kvnotes.models.tiny import tiny_tokenizer
-from tests.models.test_hf_families import FAMILIES, WINDOW, _config, _randomize
+from tests.checkpoints import FAMILIES, WINDOW, _config, _randomize
 
 ATOL = 1e-4
 RESULT_KEYS = {
@@ -48,12 +49,16 @@ def hf_gemma3():
     return tl_from_hf_model(hf.eval(), tiny_tokenizer(), "tiny-hf-gemma3", hf_source=source)
 
 
-def test_every_baseline_equals_the_engine_on_a_model_with_a_hugging_face_twin(hf_gemma3):
+def test_every_baseline_equals_the_engine_on_a_model_with_a_hugging_face_twin(hf_gemma3, tmp_path):
     """12 slots before the decision, the first 4 or more outside the sliding window: a Hugging Face
-    sliding layer no longer holds them, and the patch must act in the global layer only."""
-    r = patch_sweep(hf_gemma3, 80, n_slots=12, batch_size=5, repeats=1, progress=False)
+    sliding layer no longer holds them, and the patch must act in the global layer only. The
+    engine on the nnsight backend runs beside, on its own notebooks."""
+    hf_gemma3.hf_source.load().save_pretrained(tmp_path)
+    hf_gemma3.tokenizer.save_pretrained(tmp_path)
+    nn = load_model(str(tmp_path), backend="nnsight")
+    r = patch_sweep(hf_gemma3, 80, n_slots=12, batch_size=5, repeats=1, nn=nn, progress=False)
     assert r.n_patches == 12 > WINDOW and r.skipped == {}
-    assert [b.name for b in r.baselines] == list(WAYS)
+    assert [b.name for b in r.baselines] == [*WAYS, "engine_nnsight"]
     for b in r.baselines:
         assert b.max_abs_logit_diff <= ATOL, b.name
         assert b.batch_size == 5 and b.seconds > 0
@@ -67,7 +72,7 @@ def test_tl_baselines_on_tiny_gemma3_and_hf_ones_skipped_by_name(gemma3):
     assert r.engine_s > 0 and r.naive_s > 0 and r.engine_batch == 5
     assert [b.name for b in r.baselines] == ["tl_full_batched", "tl_kv_cache"]
     assert all(b.max_abs_logit_diff <= ATOL for b in r.baselines)
-    assert set(r.skipped) == {"nnsight_full_batched", "nnsight_hf_cache"}
+    assert set(r.skipped) == {"nnsight_full_batched", "nnsight_hf_cache", "engine_nnsight"}
     assert all("no Hugging Face counterpart" in why for why in r.skipped.values())
 
 
@@ -93,7 +98,7 @@ def test_cli_patch_sweep_writes_json(tmp_path, capsys):
         for b in r["baselines"]:
             assert set(b) == BASELINE_KEYS and b["max_abs_logit_diff"] <= ATOL
             assert b["batch_size"] in (4, 8) and b["min_s"] <= b["seconds"] <= b["max_s"]
-        assert sorted(r["skipped"]) == ["nnsight_full_batched", "nnsight_hf_cache"]
+        assert sorted(r["skipped"]) == ["engine_nnsight", "nnsight_full_batched", "nnsight_hf_cache"]
     table = capsys.readouterr().out
     for way in ("engine", "naive", *WAYS):
         assert way in table

@@ -12,6 +12,7 @@ from kvnotes import bench_prefill as bp
 from kvnotes.analysis import get
 from kvnotes.bench_prefill import PrefillReport, context_ids, prefill_bench
 from kvnotes.cli import main
+from kvnotes.models import load_model
 from kvnotes.models.hf import load_hf
 from tests.helpers import get_model
 from tests.test_verify import _checkpoint
@@ -21,24 +22,30 @@ WAY_KEYS = {"name", "seconds", "min_s", "max_s", "tokens_per_s", "peak_mib", "ma
 
 
 @pytest.fixture(scope="module")
-def hf_gemma3(tmp_path_factory):
-    """A tiny Gemma 3 checkpoint (sliding windows of 8, one global layer, local/global RoPE bases)
-    loaded as a KVModel; its Hugging Face twin is the checkpoint itself."""
-    return load_hf(str(_checkpoint(tmp_path_factory, "gemma3-text")))
+def gemma3_dir(tmp_path_factory):
+    """A tiny Gemma 3 checkpoint (sliding windows of 8, one global layer, local/global RoPE bases)."""
+    return str(_checkpoint(tmp_path_factory, "gemma3-text"))
 
 
 @pytest.fixture(scope="module")
-def report(hf_gemma3) -> PrefillReport:
-    return prefill_bench(hf_gemma3, [96], repeats=1, progress=False)
+def hf_gemma3(gemma3_dir):
+    """The checkpoint as a KVModel; its Hugging Face twin is the checkpoint itself."""
+    return load_hf(gemma3_dir)
 
 
-def test_the_three_ways_agree_on_a_gemma3_checkpoint(hf_gemma3, report):
+@pytest.fixture(scope="module")
+def report(hf_gemma3, gemma3_dir) -> PrefillReport:
+    nn = load_model(gemma3_dir, backend="nnsight")
+    return prefill_bench(hf_gemma3, [96], repeats=1, nn=nn, progress=False)
+
+
+def test_every_way_agrees_on_a_gemma3_checkpoint(hf_gemma3, report):
     (point,) = report.results
     assert point.tokens == 96 and point.skipped == {}
     ways = {w.name: w for w in point.ways}
     assert list(ways) == list(bp.WAYS)
     assert ways["kvnotes"].max_abs_logit_diff is None  # the reference the others are read against
-    for name in ("transformers", "transformer_lens"):
+    for name in ("kvnotes_nnsight", "transformers", "transformer_lens"):
         assert ways[name].max_abs_logit_diff < 1e-3, name
         assert ways[name].max_abs_kv_diff < 1e-4, name
     windows = [hf_gemma3.window(l) for l in report.compared_layers]
@@ -49,10 +56,10 @@ def test_transformers_keeps_only_the_window_in_a_sliding_layer(hf_gemma3):
     """So the K/V comparison is over the last slots both hold, not over an unequal pair."""
     ids = context_ids(hf_gemma3, 40)
     layers = bp.compared_layers(hf_gemma3)
-    hf = bp.load_hf_twin(hf_gemma3)
-    out = bp._transformers(hf_gemma3, hf, ids)
-    theirs = bp._transformers_readout(hf_gemma3, out, ids, layers)
-    ours = bp._kvnotes_readout(hf_gemma3, bp._kvnotes(hf_gemma3, None, ids), ids, layers)
+    runners = bp.Runners(model=hf_gemma3, hf=bp.load_hf_twin(hf_gemma3))
+    out = bp._transformers(runners, ids)
+    theirs = bp._transformers_readout(runners, out, ids, layers)
+    ours = bp._kvnotes_readout(runners, bp._kvnotes(runners, ids), ids, layers)
     window = hf_gemma3.window(layers[0])
     assert [k.shape[1] for k in theirs.keys] == [window - 1, 40]
     assert [k.shape[1] for k in ours.keys] == [40, 40]
@@ -87,6 +94,7 @@ def test_cli_writes_the_json_with_the_transformers_way_skipped_and_named(tmp_pat
     for p in d["results"]:
         assert [w["name"] for w in p["ways"]] == ["kvnotes", "transformer_lens"]
         assert "no Hugging Face twin" in p["skipped"]["transformers"]
+        assert "no Hugging Face checkpoint" in p["skipped"]["kvnotes_nnsight"]
     # two lengths: a growth exponent for each way that ran, none for the skipped one
     assert d["exponents"]["transformers"] is None
     assert all(isinstance(d["exponents"][w], float) for w in ("kvnotes", "transformer_lens"))

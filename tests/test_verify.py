@@ -27,7 +27,7 @@ from kvnotes.errors import BadArgument
 from kvnotes.models.hf import load_hf
 from kvnotes.models.tiny import tiny_tokenizer
 from kvnotes.notebook import Notebook
-from tests.models.test_hf_families import FAMILIES, _config, _randomize
+from tests.checkpoints import FAMILIES, _config, _randomize
 
 # the engine modules, to monkeypatch their internals
 RUN = importlib.import_module("kvnotes.engine")

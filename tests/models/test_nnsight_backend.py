@@ -1,0 +1,175 @@
+"""The nnsight backend on tiny random checkpoints of every family: the same numbers as transformers'
+own forward, the same hook points as TransformerLens's, and the refusals a user meets.
+
+Each checkpoint is loaded on both backends; the TransformerLens backend is the one whose hook
+names users know, so "the same hook point" means the same tensor there and here.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+
+from kvnotes import load_model, ops
+from kvnotes.conformance import verify
+from kvnotes.engine import run
+from kvnotes.errors import BadArgument, UnknownModelError, UnsupportedArchitecture
+from kvnotes.models.nn import NNsightModel
+from kvnotes.nn_engine import EagerAttention, feed
+from kvnotes.notebook import Notebook
+from tests.checkpoints import ATOL, FAMILIES, build_checkpoint
+
+CUT = 25  # prefill this many tokens, then run the rest against the notebook
+SITES = (  # every site both backends name, in TransformerLens's spelling
+    "hook_resid_pre",
+    "attn.hook_q",
+    "attn.hook_k",
+    "attn.hook_v",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
+    "attn.hook_z",
+    "hook_attn_out",
+    "hook_resid_mid",
+    "mlp.hook_post",
+    "hook_mlp_out",
+    "hook_resid_post",
+)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES), ids=list(FAMILIES))
+def both(request, tmp_path_factory):
+    """(TransformerLens-backend model, nnsight-backend model, ids, transformers' logits, dir)."""
+    path = tmp_path_factory.mktemp(request.param)
+    _, ids, logits = build_checkpoint(request.param, path)
+    return load_model(str(path)), load_model(str(path), backend="nnsight"), ids, logits, path
+
+
+def test_run_in_two_pieces_equals_transformers(both):
+    """Prefill, then the rest against the notebook: every position's logits are transformers' own."""
+    _, nn, ids, logits, _ = both
+    assert isinstance(nn, NNsightModel) and nn.tl is None
+    nb, first = run(nn, Notebook.empty(nn), ids[:CUT], logits_at=range(CUT))
+    nb2, rest = run(nn, nb, ids[CUT:], logits_at=range(CUT, len(ids)))
+    assert logits.abs().max() > 1.0  # not vacuous
+    torch.testing.assert_close(torch.cat([first.logits[0], rest.logits[0]]), logits, atol=ATOL, rtol=0)
+    assert nb2.n_slots == len(ids) and nb.n_slots == CUT  # only the new tokens were computed
+
+
+def test_every_hook_point_holds_what_transformer_lens_holds(both):
+    """Capture every site at the first and last layer on both backends over the same call."""
+    tl, nn, ids, _, _ = both
+    names = [f"blocks.{l}.{s}" for l in (0, tl.n_layers - 1) for s in SITES]
+    got = {}
+    for m in (tl, nn):
+        nb = ops.prefill(m, ids[:CUT])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EagerAttention)
+            got[m.backend] = run(m, nb, ids[CUT:], capture=names)[1].activations
+    for name in names:
+        a, b = got["transformer-lens"][name], got["nnsight"][name]
+        assert a.shape == b.shape, name
+        finite = torch.isfinite(a)
+        assert torch.equal(finite, torch.isfinite(b)), f"{name}: masked entries differ"
+        scale = a[finite].abs().max().item()
+        assert scale > 0, name
+        err = (a[finite] - b[finite]).abs().max().item()
+        assert err <= 1e-4 * scale + 1e-6, f"{name}: |Δ| {err:.2e} of scale {scale:.2e}"
+
+
+def test_writing_hooks_change_the_decision_as_on_transformer_lens(both):
+    """Zero one head's z and block a slot from the last token's scores: the same logits on both
+    backends, and not those of the unhooked run."""
+    tl, nn, ids, _, _ = both
+
+    def zero_head(z, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
+        z[:, :, 1] = 0
+        return z
+
+    def block(scores, hook):  # noqa: ARG001
+        scores[..., 3] = float("-inf")
+        return scores
+
+    hooks = [("blocks.0.attn.hook_z", zero_head), (lambda n: n.endswith("attn.hook_attn_scores"), block)]
+    out = {}
+    for m in (tl, nn):
+        nb = ops.prefill(m, ids[:CUT])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EagerAttention)
+            out[m.backend] = run(m, nb, ids[CUT:], hooks=hooks, write=False)[1].last[0]
+        plain = run(m, nb, ids[CUT:], write=False)[1].last[0]
+    assert (out["nnsight"] - plain).abs().max() > 1e-2  # the hooks did something
+    torch.testing.assert_close(out["nnsight"], out["transformer-lens"], atol=ATOL, rtol=0)
+
+
+def test_attention_hooks_run_on_eager_attention_and_say_so(both):
+    _, nn, ids, _, _ = both
+    nb = ops.prefill(nn, ids[:CUT])
+    with pytest.warns(EagerAttention, match="eager attention"):
+        run(nn, nb, ids[CUT:], capture=["blocks.0.attn.hook_pattern"])
+    assert nn.hf.config._attn_implementation != "kvnotes_eager"  # switched back after the call
+
+
+def test_feed_runs_the_users_own_nnsight_code(both):
+    """`feed` + `model.lm.trace`: the user's intervention sees the notebook-fed forward, and the
+    notebook it writes equals `run`'s."""
+    _, nn, ids, logits, _ = both
+    nb = ops.prefill(nn, ids[:CUT])
+    with feed(nn, nb, ids[CUT:]) as fed, nn.lm.trace(fed.ids):
+        h = nn.lm.model.layers[0].output.save()
+        out = nn.lm.output.logits.save()
+    torch.testing.assert_close(out[0, -1], logits[-1], atol=ATOL, rtol=0)
+    assert h.shape[:2] == (1, len(ids) - CUT)
+    expected, _ = run(nn, nb, ids[CUT:])
+    mine = fed.notebook()
+    for a, b in zip(mine.keys + mine.values, expected.keys + expected.values):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert torch.equal(mine.positions, expected.positions)
+
+
+def test_read_only_points_and_unknown_names_say_the_way_out(both):
+    _, nn, ids, _, _ = both
+    nb = ops.prefill(nn, ids[:CUT])
+    with pytest.raises(BadArgument, match="read-only.*hook_attn_out"):
+        run(nn, nb, ids[CUT:], hooks=[("blocks.0.hook_resid_mid", lambda x, hook: x * 0)])  # noqa: ARG005
+    with pytest.raises(BadArgument, match="hook points are blocks"):
+        run(nn, nb, ids[CUT:], capture=["blocks.0.attn.hook_rot_k"])
+    with pytest.raises(BadArgument, match="layers 0"):
+        run(nn, nb, ids[CUT:], capture=[f"blocks.{nn.n_layers}.hook_resid_post"])
+
+
+def test_a_wrong_rerotation_fails_verify(tmp_path, monkeypatch):
+    """Invariant 6 can fail on this backend: keys moved one position too far."""
+    build_checkpoint("gemma3-text", tmp_path)
+    nn = load_model(str(tmp_path), backend="nnsight")
+    assert verify(nn, only=["rerotation_equals_offset_prefill"], progress=False).passed
+    right = NNsightModel.rerotate
+    monkeypatch.setattr(
+        NNsightModel, "rerotate", lambda self, l, k, old, new: right(self, l, k, old, new + 1)
+    )
+    assert not verify(nn, only=["rerotation_equals_offset_prefill"], progress=False).passed
+
+
+def test_yarn_rope_runs_here_though_transformer_lens_refuses_it(tmp_path):
+    """A family TransformerLens's converters refuse (YaRN scaling: its magnitude factor must be
+    divided out of a re-rotation) passes every invariant on the nnsight backend."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    fams = {"llama-yarn": (tf.LlamaConfig, {"num_key_value_heads": 2, "rope_parameters": yarn})}
+    build_checkpoint("llama-yarn", tmp_path, families=fams)
+    with pytest.raises(UnsupportedArchitecture, match="yarn"):
+        load_model(str(tmp_path))
+    report = verify(load_model(str(tmp_path), backend="nnsight"), progress=False)
+    assert report.passed, report.table()
+    assert not report.skipped
+
+
+def test_models_the_backend_cannot_run_are_refused_with_the_reason(tmp_path):
+    tf.MambaConfig(num_hidden_layers=1, hidden_size=16, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitecture, match="state-space.*recurrent state"):
+        load_model(str(tmp_path), backend="nnsight")
+    with pytest.raises(UnknownModelError, match="TransformerLens-only"):
+        load_model("tiny-llama", backend="nnsight")
+    with pytest.raises(UnknownModelError, match="unknown backend 'jax'.*nnsight"):
+        load_model("tiny-llama", backend="jax")
