@@ -316,6 +316,23 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from kvnotes.errors import KVNotesError
+    from kvnotes.models import default_task, load_model
+    from kvnotes.remote import slot_sweep
+    from kvnotes.tasks import load_task
+    from kvnotes.tasks.sampler import sample
+
+    if args.backend != "nnsight":
+        raise KVNotesError("kvnotes sweep runs as one nnsight session: add --backend nnsight")
+    remote = "local" if args.dry_run else args.remote
+    task = load_task(args.task or default_task(args.model))  # a bad task fails before the model loads
+    model = load_model(args.model, backend="nnsight", remote=remote not in (False, "local"))
+    pair = sample(task, model, 1, seed=args.seed)[0]
+    slots = pair.downstream()[-args.slots :] if args.slots else None
+    return _emit(slot_sweep(model, pair, slots, batch_size=args.batch_size, remote=remote), args.json)
+
+
 def cmd_vllm_env(args) -> int:
     from kvnotes.server import make_vllm_env
 
@@ -433,6 +450,33 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("model", help="gemma-3-270m or a HF checkpoint dir (any model with a transformers twin)")
     ex.add_argument("dir", help="the directory to write (new, empty, or an earlier export)")
     ex.set_defaults(func=cmd_export)
+
+    sw = sub.add_parser(
+        "sweep",
+        help="the per-slot transplant sweep as one nnsight session, here or on NDIF (--remote): "
+        "the caches stay where the model runs, only the numbers come back (docs/backends.md)",
+    )
+    sw.add_argument("--model", required=True, help="a HF checkpoint dir, a hub name, or gemma-3-270m")
+    sw.add_argument("--task", help="a built-in task or a task.toml (default: order-cancel)")
+    sw.add_argument("--slots", type=int, help="sweep only the last N slots before the decision")
+    sw.add_argument("--batch-size", type=int, default=8, help="patches per decision trace (default 8)")
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument(
+        "--remote",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="HOST",
+        help="run on NDIF (or on HOST): the model is the hub name NDIF serves, loaded without "
+        "weights; the API key is nnsight's (NDIF_API_KEY)",
+    )
+    sw.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build and serialize the request as for NDIF, then run it here (nnsight's local simulation)",
+    )
+    sw.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    sw.set_defaults(func=cmd_sweep)
 
     ve = sub.add_parser(
         "vllm-env",

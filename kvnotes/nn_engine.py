@@ -223,6 +223,11 @@ def forward(
 ):
     """Fresh K/V of the computed tokens, logits at `read_idx` (columns `cols`), captured activations."""
     batch, n = tok.shape
+    if not model.weights:
+        raise BadArgument(
+            f"{model.name} was loaded without its weights (remote=True): it runs only remote "
+            "experiments (kvnotes.remote); load it with its weights for local runs"
+        )
     cache, masks, position_ids = _inputs(model, nb, overlay, pos, batch)
     kwargs = dict(
         cache=cache,

@@ -89,18 +89,18 @@ FAMILIES: dict[str, tuple[type, dict]] = {
 def _config(cls: type, extra: dict):
     tok = tiny_tokenizer()
     n_layers = len(extra.get("layer_types", ())) or 3
-    return cls(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        vocab_size=len(tok),
-        max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        **extra,
-    )
+    base = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": 4,
+        "vocab_size": len(tok),
+        "max_position_embeddings": 128,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    return cls(**{**base, **extra})
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:

@@ -152,6 +152,7 @@ class NNsightModel(KVModel):
     windows: tuple[int | None, ...] = ()
     layer_types: tuple[str, ...] = ()
     source: str = ""
+    weights: bool = True  # False: built without weights for remote runs (load_nnsight(remote=True))
 
     backend: ClassVar[str] = "nnsight"
 
@@ -360,19 +361,25 @@ def nnsight_available() -> str | None:
     return None
 
 
-def load_nnsight(name: str, *, dtype: torch.dtype = torch.float32, attn: str | None = None) -> NNsightModel:
+def load_nnsight(
+    name: str, *, dtype: torch.dtype = torch.float32, attn: str | None = None, remote: bool = False
+) -> NNsightModel:
     """Load `name` on the nnsight backend: a local Hugging Face checkpoint directory, a hub name,
     or the embedded `gemma-3-270m` (exported once as a checkpoint into the kvnotes cache).
 
     attn: the attention implementation the model runs ("sdpa", "eager", "flash_attention_2", ...;
         default: transformers' choice, SDPA where the model supports it); a call that hooks
         attention scores or patterns switches to kvnotes' eager attention for that call.
+    remote: build the model without its weights (nnsight's meta build: config and tokenizer
+        only), for experiments that run on NDIF (`kvnotes.remote`); local runs need the weights.
     """
     problem = nnsight_available()
     if problem:
         raise MissingDependency(f"the nnsight backend needs nnsight: {problem}")
     from kvnotes.models import EMBEDDED, builtin_names
 
+    if remote:
+        return _meta(name)
     if name == EMBEDDED:
         return _from_dir(str(gemma_checkpoint()), EMBEDDED, dtype=dtype, attn=attn, local=True)
     path = Path(name).expanduser()
@@ -449,4 +456,41 @@ def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, l
         windows=_windows(c, types),
         layer_types=types,
         source=source,
+    )
+
+
+def _meta(name: str) -> NNsightModel:
+    """`name` as nnsight builds it for remote use: config and tokenizer, modules on the meta device
+    (no weights read or downloaded). Only remote experiments can run it."""
+    from nnsight.modeling.transformers import TransformersModel
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kvnotes.models.hf import _fetch
+
+    local = Path(name).expanduser().is_dir()
+    source = str(Path(name).expanduser()) if local else name
+    config = _fetch(AutoConfig.from_pretrained, source, local)
+    types = check_plain_kv(config)
+    tokenizer = _fetch(AutoTokenizer.from_pretrained, source, local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = TransformersModel(source, tokenizer=tokenizer, task="text-generation")
+    hf = lm._module
+    c = hf.config.get_text_config()
+    h = hashlib.sha256(b"nnsight-meta")
+    h.update(c.to_json_string(use_diff=False).encode())
+    h.update(str(len(tokenizer)).encode())
+    return NNsightModel(
+        name=name,
+        tl=None,
+        tokenizer=tokenizer,
+        fingerprint=h.hexdigest(),
+        hf_source=None,
+        lm=lm,
+        hf=hf,
+        facts=_facts(hf, c, len(tokenizer)),
+        windows=_windows(c, types),
+        layer_types=types,
+        source=source,
+        weights=False,
     )
