@@ -383,13 +383,18 @@ def _part_file(out: Path, key: str) -> Path:
     return out / "parts" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key.replace("/", "__")) + ".json")
 
 
-def _load_part(path: Path, key: str, model: str, cfg: ReportConfig) -> Part | None:
-    """A saved part computed for this model and config, or None (missing, stale or unreadable)."""
+def _load_part(
+    path: Path, key: str, model: str, cfg: ReportConfig, backend: str = "transformer-lens"
+) -> Part | None:
+    """A saved part computed for this model, backend and config, or None (missing, stale or
+    unreadable)."""
     if not path.is_file():
         return None
     try:
         d = json.loads(path.read_text())
         if d.get("model") != model or d.get("config") != cfg.to_dict():
+            return None
+        if d.get("backend", "transformer-lens") != backend:
             return None
         return Part.from_dict(key, d)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, ReportFileError):
@@ -399,6 +404,7 @@ def _load_part(path: Path, key: str, model: str, cfg: ReportConfig) -> Part | No
 def model_info(model: KVModel) -> dict:
     return {
         "name": model.name,
+        "backend": model.backend,
         "n_layers": model.n_layers,
         "n_heads": model.n_heads,
         "n_kv_heads": model.n_kv_heads,
@@ -467,7 +473,7 @@ def run_report(
     for key, fn in bar:
         bar.set_postfix_str(key)
         path = _part_file(out, key)
-        part = _load_part(path, key, model.name, cfg) if resume else None
+        part = _load_part(path, key, model.name, cfg, model.backend) if resume else None
         if part is not None:
             reused.append(key)
             if progress:
@@ -486,7 +492,8 @@ def run_report(
                 continue
             part = Part(key=key, result=result, seconds=round(time.perf_counter() - s, 1))
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"model": model.name, "config": cfg.to_dict(), **part.to_dict()}))
+            head = {"model": model.name, "backend": model.backend, "config": cfg.to_dict()}
+            path.write_text(json.dumps({**head, **part.to_dict()}))
             if progress:
                 tqdm.write(f"report {key}: done in {part.seconds:.1f} s", file=sys.stderr)
         done[key] = part

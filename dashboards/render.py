@@ -270,7 +270,8 @@ def report_facts(report) -> list[tuple[str, str]]:
         (
             "model",
             f"{report.model} ({info.get('n_layers', '?')} layers, {info.get('n_heads', '?')} query heads, "
-            f"{info.get('n_kv_heads', '?')} KV heads, d_head {info.get('d_head', '?')})",
+            f"{info.get('n_kv_heads', '?')} KV heads, d_head {info.get('d_head', '?')}; "
+            f"{info.get('backend', 'transformer-lens')} backend)",
         ),
         ("tasks", ", ".join(report.tasks)),
         (

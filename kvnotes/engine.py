@@ -106,14 +106,8 @@ def run(
     (7, 11, (1, 1, 512))
     """
     notebook.check_model(model)
-    tok = torch.as_tensor(tokens, dtype=torch.long)
-    tok = tok[None] if tok.ndim == 1 else tok
+    tok, pos = tokens_and_positions(notebook, tokens, positions)
     n = tok.shape[1]
-    pos = (
-        torch.arange(notebook.next_position, notebook.next_position + n)
-        if positions is None
-        else torch.as_tensor(positions, dtype=torch.long).reshape(-1)
-    )
     _check_inputs(model, notebook, tok, pos)
     batch = max(notebook.batch, tok.shape[0])
     if overlay is not None:
@@ -147,6 +141,19 @@ def run(
         logits = final_logits(model, resid[:, read_idx], cols) if read else resid.new_zeros(batch, 0, width)
     out = Readout(logits=logits, positions=read, activations=captured)
     return (_write(notebook, tok, pos, fresh_k, fresh_v) if write else notebook), out
+
+
+def tokens_and_positions(notebook: Notebook, tokens, positions) -> tuple[Tensor, Tensor]:
+    """`[batch, pos]` token ids and their positions (default: right after the notebook's last)."""
+    tok = torch.as_tensor(tokens, dtype=torch.long)
+    tok = tok[None] if tok.ndim == 1 else tok
+    n = tok.shape[1]
+    pos = (
+        torch.arange(notebook.next_position, notebook.next_position + n)
+        if positions is None
+        else torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+    )
+    return tok, pos
 
 
 def _check_overlay(model: KVModel, nb: Notebook, overlay: Notebook, batch: int, write: bool) -> int:

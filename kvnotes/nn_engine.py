@@ -357,15 +357,11 @@ def feed(model, notebook: Notebook, tokens, positions=None) -> Iterator[Fed]:
 
     if not isinstance(model, NNsightModel):
         raise BadArgument("feed() is for the nnsight backend: load_model(name, backend='nnsight')")
+    from kvnotes.engine import _check_inputs, tokens_and_positions
+
     notebook.check_model(model)
-    tok = torch.as_tensor(tokens, dtype=torch.long)
-    tok = tok[None] if tok.ndim == 1 else tok
-    n = tok.shape[1]
-    pos = (
-        torch.arange(notebook.next_position, notebook.next_position + n)
-        if positions is None
-        else torch.as_tensor(positions, dtype=torch.long).reshape(-1)
-    )
+    tok, pos = tokens_and_positions(notebook, tokens, positions)
+    _check_inputs(model, notebook, tok, pos)
     batch = max(notebook.batch, tok.shape[0])
     tok = tok.expand(batch, -1)
     cache, masks, position_ids = _inputs(model, notebook, None, pos, batch)

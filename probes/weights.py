@@ -52,7 +52,7 @@ import torch
 
 from kvnotes.analysis import Context, analysis, option
 from kvnotes.engine import run
-from kvnotes.errors import KVNotesError, OutOfRange
+from kvnotes.errors import KVNotesError, OutOfRange, UnsupportedArchitecture
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import Metric, logit_diff, recovery
 from kvnotes.models.model import KVModel
@@ -235,7 +235,13 @@ def applied(model: KVModel, edit: RankOneEdit) -> Iterator[KVModel]:
 
 
 def check_layer(model: KVModel, layer: int | None) -> int:
-    """The layer to edit: `layer`, or the middle one (n_layers // 2) when None."""
+    """The layer to edit: `layer`, or the middle one (n_layers // 2) when None. Weight edits write
+    TransformerLens's MLP weights (`W_out`), so they run on that backend only."""
+    if model.tl is None:
+        raise UnsupportedArchitecture(
+            f"weight edits write TransformerLens's MLP weights, and {model.name} runs on the "
+            f"{model.backend} backend; run them with --backend transformer-lens (the same weights)"
+        )
     if layer is None:
         return model.n_layers // 2
     if not 0 <= layer < model.n_layers:

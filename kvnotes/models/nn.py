@@ -26,7 +26,7 @@ import torch
 from kvnotes.errors import BadArgument, MissingDependency, UnknownModelError, UnsupportedArchitecture
 from kvnotes.models.model import HFSource, KVModel
 
-_INSTALL = "pip install 'nnsight>=0.8'  (or: pip install 'kvnotes[nnsight]')"
+_INSTALL = "pip install 'nnsight>=0.8' (a kvnotes dependency: reinstall kvnotes)"
 
 # Layer types whose cache is a plain per-layer K/V over every token (or a window of them).
 _PLAIN_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -434,7 +434,6 @@ def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, l
             f"{type(hf).__name__} keeps its decoder layers or rotary embedding elsewhere than "
             "model.layers / model.rotary_emb; kvnotes' nnsight backend needs both to read the cache"
         )
-    c = hf.config.get_text_config()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = TransformersModel(hf, tokenizer=tokenizer, task="text-generation")
@@ -444,11 +443,17 @@ def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, l
             AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation="eager"
         ),
     )
+    return _wrap(name, source, lm, tokenizer, types, _fingerprint(hf, tokenizer), reference)
+
+
+def _wrap(name, source, lm, tokenizer, types, fingerprint, reference, weights: bool = True) -> NNsightModel:
+    hf = lm._module
+    c = hf.config.get_text_config()
     return NNsightModel(
         name=name,
         tl=None,
         tokenizer=tokenizer,
-        fingerprint=_fingerprint(hf, tokenizer),
+        fingerprint=fingerprint,
         hf_source=reference,
         lm=lm,
         hf=hf,
@@ -456,6 +461,7 @@ def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, l
         windows=_windows(c, types),
         layer_types=types,
         source=source,
+        weights=weights,
     )
 
 
@@ -475,22 +481,7 @@ def _meta(name: str) -> NNsightModel:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = TransformersModel(source, tokenizer=tokenizer, task="text-generation")
-    hf = lm._module
-    c = hf.config.get_text_config()
     h = hashlib.sha256(b"nnsight-meta")
-    h.update(c.to_json_string(use_diff=False).encode())
+    h.update(config.get_text_config().to_json_string(use_diff=False).encode())
     h.update(str(len(tokenizer)).encode())
-    return NNsightModel(
-        name=name,
-        tl=None,
-        tokenizer=tokenizer,
-        fingerprint=h.hexdigest(),
-        hf_source=None,
-        lm=lm,
-        hf=hf,
-        facts=_facts(hf, c, len(tokenizer)),
-        windows=_windows(c, types),
-        layer_types=types,
-        source=source,
-        weights=False,
-    )
+    return _wrap(name, source, lm, tokenizer, types, h.hexdigest(), None, weights=False)

@@ -17,26 +17,13 @@ from kvnotes import load_model, ops
 from kvnotes.conformance import verify
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument, UnknownModelError, UnsupportedArchitecture
-from kvnotes.models.nn import NNsightModel
+from kvnotes.models.nn import ORDER, NNsightModel
 from kvnotes.nn_engine import EagerAttention, feed
 from kvnotes.notebook import Notebook
 from tests.checkpoints import ATOL, FAMILIES, build_checkpoint
 
 CUT = 25  # prefill this many tokens, then run the rest against the notebook
-SITES = (  # every site both backends name, in TransformerLens's spelling
-    "hook_resid_pre",
-    "attn.hook_q",
-    "attn.hook_k",
-    "attn.hook_v",
-    "attn.hook_attn_scores",
-    "attn.hook_pattern",
-    "attn.hook_z",
-    "hook_attn_out",
-    "hook_resid_mid",
-    "mlp.hook_post",
-    "hook_mlp_out",
-    "hook_resid_post",
-)
+SITES = ORDER  # every site both backends name, in TransformerLens's spelling, in execution order
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES), ids=list(FAMILIES))
