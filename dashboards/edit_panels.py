@@ -487,3 +487,36 @@ def serve_panels(b, key: str) -> list[Panel]:
             )
         )
     return panels
+
+
+@for_type("SlotSweep")
+def slot_sweep_panels(r, key: str) -> list[Panel]:
+    """The per-slot transplant sweep run as one nnsight session (`kvnotes.remote`): recovery per slot."""
+    fig = go.Figure(
+        [
+            go.Bar(
+                x=[str(s) for s in r.slots],
+                y=r.recovery,
+                hovertext=[
+                    f"slot {s}<br>ld {x:+.3f}<br>recovery {v:.3f}"
+                    for s, x, v in zip(r.slots, r.ld, r.recovery)
+                ],
+                hoverinfo="text",
+                marker_color=GREEN,
+            )
+        ]
+    )
+    fig = style(fig, f"Slot sweep on {r.model} ({r.where})", "slot (position)", "recovery")
+    best = max(range(len(r.slots)), key=lambda i: r.recovery[i], default=None)
+    reading = (
+        f"Moving one slot's K/V (all layers) from the new prompt: slot {r.slots[best]} recovers the most, "
+        f"{r.recovery[best]:.2f} of the decision (ld old {r.ld_old:+.2f}, new {r.ld_new:+.2f})."
+        if best is not None
+        else "No slots were swept."
+    )
+    note = (
+        f"request: {r.request.payload_bytes:,} bytes, largest tensor {r.request.largest_tensor} elements"
+        if r.request is not None
+        else None
+    )
+    return [Panel(title="Slot sweep", reading=reading, figure=fig, key=key, note=note)]

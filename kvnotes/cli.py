@@ -330,7 +330,13 @@ def cmd_sweep(args) -> int:
     model = load_model(args.model, backend="nnsight", remote=remote not in (False, "local"))
     pair = sample(task, model, 1, seed=args.seed)[0]
     slots = pair.downstream()[-args.slots :] if args.slots else None
-    return _emit(slot_sweep(model, pair, slots, batch_size=args.batch_size, remote=remote), args.json)
+    result = slot_sweep(model, pair, slots, batch_size=args.batch_size, remote=remote)
+    code = _emit(result, args.json)
+    if args.html:
+        from dashboards.render import write_page
+
+        print(f"wrote {write_page(result, args.html)}", file=sys.stderr)
+    return code
 
 
 def cmd_vllm_env(args) -> int:
@@ -476,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="build and serialize the request as for NDIF, then run it here (nnsight's local simulation)",
     )
     sw.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    sw.add_argument("--html", metavar="FILE", help="also write the result's panel as a page")
     sw.set_defaults(func=cmd_sweep)
 
     ve = sub.add_parser(

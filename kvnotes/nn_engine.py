@@ -126,8 +126,14 @@ def _fire(fns, act: Tensor) -> Tensor | None:
 
 
 # --- the cache and the masks ---------------------------------------------------------------------
-def _inputs(model, nb: Notebook, overlay: Notebook | None, pos: Tensor, batch: int):
-    """(DynamicCache of the notebook's slots, masks, position_ids)."""
+def _inputs(model, nb: Notebook, overlay: Notebook | None, pos: Tensor, batch: int, *, trim: bool = True):
+    """(DynamicCache of the notebook's slots, masks, position_ids).
+
+    trim: a sliding-window layer gets only the slots inside its window (as the engine's fast path
+    reads them): no computed token can attend to the others, and a long context then costs those
+    layers the window, not the context. Off where the key axis is observed (attention hooks: it is
+    the notebook's every slot, then the overlay's, then the computed tokens, as on the other backend).
+    """
     from transformers import DynamicCache
 
     from kvnotes.engine import _mask
@@ -136,14 +142,27 @@ def _inputs(model, nb: Notebook, overlay: Notebook | None, pos: Tensor, batch: i
     ov_pos = overlay.positions if overlay is not None else nb.positions[:0]
     live_nb = ~torch.isin(nb.positions, torch.cat([pos, ov_pos]))
     live_ov = ~torch.isin(ov_pos, pos)
-    key_pos = torch.cat([nb.positions, ov_pos, pos])
-    live = torch.cat([live_nb, live_ov, torch.ones_like(pos, dtype=torch.bool)])
+    computed = torch.ones_like(pos, dtype=torch.bool)
+    windows = {model.window(l) for l in range(model.n_layers)}
+    in_order = nb.n_slots < 2 or bool((nb.positions[1:] > nb.positions[:-1]).all())
+
+    def take(window) -> slice | Tensor:
+        """The notebook slots a layer with this window reads."""
+        if not trim or window is None or not nb.n_slots:
+            return slice(None)
+        lo = int(pos.min()) - window + 1  # no computed token reads a slot before this position
+        if in_order:
+            return slice(int(torch.searchsorted(nb.positions, lo)), None)
+        return (nb.positions >= lo).nonzero().flatten()
+
+    takes = {w: take(w) for w in windows}
 
     def additive(window):
-        m = _mask(key_pos, live, pos, window).to(device)
+        t = takes[window]
+        key_pos = torch.cat([nb.positions[t], ov_pos, pos])
+        m = _mask(key_pos, torch.cat([live_nb[t], live_ov, computed]), pos, window).to(device)
         return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf"))[None, None]
 
-    windows = {model.window(l) for l in range(model.n_layers)}
     bias = {w: additive(w) for w in windows}
     if model.layer_types:
         sliding = next(
@@ -156,11 +175,17 @@ def _inputs(model, nb: Notebook, overlay: Notebook | None, pos: Tensor, batch: i
         raise BadArgument(f"{model.name} mixes windows without declaring layer types; kvnotes cannot mask it")
 
     def layer(l):
-        k, v = nb.keys[l].expand(batch, -1, -1, -1), nb.values[l].expand(batch, -1, -1, -1)
-        if overlay is not None:
+        t = takes[model.window(l)]
+        k, v = nb.keys[l], nb.values[l]
+        if isinstance(t, Tensor):
+            k, v = k.index_select(2, t.to(k.device)), v.index_select(2, t.to(v.device))
+        else:
+            k, v = k[:, :, t], v[:, :, t]  # views
+        k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
+        if overlay is not None:  # one copy here; otherwise the cache's own update makes the only one
             k = torch.cat([k, overlay.keys[l].expand(batch, -1, -1, -1)], 2)
             v = torch.cat([v, overlay.values[l].expand(batch, -1, -1, -1)], 2)
-        return k.contiguous(), v.contiguous()
+        return k, v
 
     cache = DynamicCache(ddp_cache_data=[layer(l) for l in range(model.n_layers)])
     return cache, masks, pos.to(device)[None].expand(batch, -1)
@@ -228,7 +253,9 @@ def forward(
             f"{model.name} was loaded without its weights (remote=True): it runs only remote "
             "experiments (kvnotes.remote); load it with its weights for local runs"
         )
-    cache, masks, position_ids = _inputs(model, nb, overlay, pos, batch)
+    captured: dict[str, Tensor] = {}
+    plan = _resolve(model, hooks, capture, captured)
+    cache, masks, position_ids = _inputs(model, nb, overlay, pos, batch, trim=not plan.attention)
     kwargs = dict(
         cache=cache,
         attention_mask=masks,
@@ -236,8 +263,6 @@ def forward(
         use_cache=True,
         logits_to_keep=read_idx.to(model.device) if read_idx.numel() else torch.tensor([n - 1]),
     )
-    captured: dict[str, Tensor] = {}
-    plan = _resolve(model, hooks, capture, captured)
     ids = tok.to(model.device)
     with _attention_impl(model, bool(plan.attention)):  # autograd as the caller has it (attribution)
         _state.attention = plan.attention
@@ -364,7 +389,7 @@ def feed(model, notebook: Notebook, tokens, positions=None) -> Iterator[Fed]:
     _check_inputs(model, notebook, tok, pos)
     batch = max(notebook.batch, tok.shape[0])
     tok = tok.expand(batch, -1)
-    cache, masks, position_ids = _inputs(model, notebook, None, pos, batch)
+    cache, masks, position_ids = _inputs(model, notebook, None, pos, batch, trim=False)
     f = _feeder(model)
     f.kwargs = dict(cache=cache, attention_mask=masks, position_ids=position_ids, use_cache=True)
     try:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvnotes.display import Displayable
 from kvnotes.errors import BadArgument, KVNotesError, MissingDependency
 
 KEY_HELP = (
@@ -52,7 +53,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class SlotSweep:
+class SlotSweep(Displayable):
     """Per slot, the decision's logit difference (answers[0] - answers[1]) with that slot's K/V (all
     layers) moved from `new` into `old`; `recovery` against the unpatched ends."""
 

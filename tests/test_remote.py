@@ -120,10 +120,12 @@ def test_the_transformer_lens_backend_says_remote_needs_nnsight(setup):
 def test_cli_sweep_dry_run_writes_json(setup, tmp_path):
     path, *_ = setup
     out = tmp_path / "sweep.json"
+    page = tmp_path / "sweep.html"
     argv = ["sweep", "--backend", "nnsight", "--model", str(path), "--slots", "4", "--dry-run"]
-    assert main([*argv, "--json", str(out)]) == 0
+    assert main([*argv, "--json", str(out), "--html", str(page)]) == 0
     d = json.loads(out.read_text())
     assert d["where"] == "dry run of the remote path" and len(d["ld"]) == 4
+    assert "Slot sweep" in page.read_text() and "recovers the most" in SlotSweep.from_dict(d)._repr_html_()
     assert main(["sweep", "--model", str(path)]) == 2  # the transformer-lens backend: a clear error
 
 

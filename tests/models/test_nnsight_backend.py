@@ -112,7 +112,7 @@ def test_feed_runs_the_users_own_nnsight_code(both):
     expected, _ = run(nn, nb, ids[CUT:])
     mine = fed.notebook()
     for a, b in zip(mine.keys + mine.values, expected.keys + expected.values):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     assert torch.equal(mine.positions, expected.positions)
 
 
