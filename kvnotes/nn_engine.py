@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvnotes.errors import BadArgument
+from kvnotes.models.nn import SITES
 from kvnotes.notebook import Notebook
 from kvnotes.types import Tensor
 
@@ -267,16 +268,38 @@ def forward(
     with _attention_impl(model, bool(plan.attention)):  # autograd as the caller has it (attribution)
         _state.attention = plan.attention
         try:
-            if not plan.per_layer:
-                logits = model.hf(input_ids=ids, **kwargs).logits
-            else:
+            if plan.per_layer:
                 logits = _traced(model, ids, kwargs, plan)
+            elif cols is not None and model.facts.model_type in SITES:
+                return _answer_columns(model, ids, kwargs, read_idx, cols, cache, n, captured)
+            else:
+                logits = model.hf(input_ids=ids, **kwargs).logits
         finally:
             _state.attention = {}
     if not read_idx.numel():
         logits = logits[:, :0]
     if cols is not None:
         logits = logits[..., cols.to(logits.device)]
+    fresh_k = [layer.keys[:, :, -n:] for layer in cache.layers]
+    fresh_v = [layer.values[:, :, -n:] for layer in cache.layers]
+    return fresh_k, fresh_v, logits, captured
+
+
+def _answer_columns(model, ids, kwargs, read_idx, cols, cache, n, captured):
+    """The decoder alone, then only the `cols` rows of the unembedding at the read positions (and
+    the final softcap where the family has one): for a batched decision over two answer tokens,
+    a 262k-token vocabulary's head would cost more than the layers. Families in `SITES` only, whose
+    causal-LM head is exactly `lm_head` then the optional softcap."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "logits_to_keep"}
+    h = model.hf.model(input_ids=ids, **kwargs).last_hidden_state[:, read_idx.to(ids.device)]
+    head = model.hf.get_output_embeddings()
+    cols = cols.to(h.device)
+    logits = h @ head.weight[cols].T
+    if getattr(head, "bias", None) is not None:
+        logits = logits + head.bias[cols]
+    cap = getattr(model.text_config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
     fresh_k = [layer.keys[:, :, -n:] for layer in cache.layers]
     fresh_v = [layer.values[:, :, -n:] for layer in cache.layers]
     return fresh_k, fresh_v, logits, captured

@@ -43,6 +43,9 @@ def test_run_in_two_pieces_equals_transformers(both):
     assert logits.abs().max() > 1.0  # not vacuous
     torch.testing.assert_close(torch.cat([first.logits[0], rest.logits[0]]), logits, atol=ATOL, rtol=0)
     assert nb2.n_slots == len(ids) and nb.n_slots == CUT  # only the new tokens were computed
+    cols = [5, 7, 11]  # a few answer columns: the decoder, then only those rows of the head (softcaps too)
+    _, some = run(nn, nb, ids[CUT:], logits_at=[CUT + 3, len(ids) - 1], vocab=cols, write=False)
+    torch.testing.assert_close(some.logits[0], logits[[CUT + 3, len(ids) - 1]][:, cols], atol=ATOL, rtol=0)
 
 
 def test_every_hook_point_holds_what_transformer_lens_holds(both):
