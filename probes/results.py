@@ -193,12 +193,13 @@ class Curve:
         cls,
         x_name: str,
         x: Sequence[int | float],
-        values: Sequence[Sequence[float]],
+        values: Sequence[Sequence[float | None]],
         *,
         seed: int = 0,
         clusters: Sequence[int] | None = None,
     ) -> Curve:
-        """`clusters`: one label per value of each list (every list runs over the same prompts)."""
+        """`clusters`: one label per value of each list (every list runs over the same prompts);
+        a None value (a pair that could not be measured) is dropped, as `Estimate.of` drops it."""
         if len(x) != len(values):
             raise ValueError(f"{len(x)} x values but {len(values)} lists of values")
         points = tuple(Estimate.of(v, seed=seed, clusters=clusters) for v in values)
