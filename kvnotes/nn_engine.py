@@ -280,9 +280,15 @@ def forward(
         logits = logits[:, :0]
     if cols is not None:
         logits = logits[..., cols.to(logits.device)]
-    fresh_k = [layer.keys[:, :, -n:] for layer in cache.layers]
-    fresh_v = [layer.values[:, :, -n:] for layer in cache.layers]
+    fresh_k, fresh_v = _fresh(cache, n)
     return fresh_k, fresh_v, logits, captured
+
+
+def _fresh(cache, n: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The computed tokens' K/V: the last `n` slots of every cache layer."""
+    return [layer.keys[:, :, -n:] for layer in cache.layers], [
+        layer.values[:, :, -n:] for layer in cache.layers
+    ]
 
 
 def _answer_columns(model, ids, kwargs, read_idx, cols, cache, n, captured):
@@ -300,8 +306,7 @@ def _answer_columns(model, ids, kwargs, read_idx, cols, cache, n, captured):
     cap = getattr(model.text_config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
-    fresh_k = [layer.keys[:, :, -n:] for layer in cache.layers]
-    fresh_v = [layer.values[:, :, -n:] for layer in cache.layers]
+    fresh_k, fresh_v = _fresh(cache, n)
     return fresh_k, fresh_v, logits, captured
 
 
@@ -392,8 +397,7 @@ class Fed:
         n = self.ids.shape[1]
         if self.cache.layers[0].keys.shape[2] != self.base.n_slots + n:
             raise BadArgument("the trace has not run yet: call notebook() after the `with` block")
-        fresh_k = [layer.keys[:, :, -n:] for layer in self.cache.layers]
-        fresh_v = [layer.values[:, :, -n:] for layer in self.cache.layers]
+        fresh_k, fresh_v = _fresh(self.cache, n)
         return _write(self.base, self.ids.cpu(), self.positions, fresh_k, fresh_v)
 
 

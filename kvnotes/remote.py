@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvnotes.display import Displayable
-from kvnotes.errors import BadArgument, KVNotesError, MissingDependency
+from kvnotes.errors import BadArgument, KVNotesError
 
 KEY_HELP = (
     "NDIF needs an API key: set NDIF_API_KEY in the environment, or once: python -c "
@@ -270,11 +270,3 @@ def _scrub(text: str) -> str:
     for secret in {os.environ.get("NDIF_API_KEY"), CONFIG.API.APIKEY} - {None, ""}:
         text = text.replace(secret, "***")
     return text[:400]
-
-
-def require_nnsight() -> None:
-    from kvnotes.models.nn import nnsight_available
-
-    problem = nnsight_available()
-    if problem:
-        raise MissingDependency(f"remote runs need nnsight: {problem}")

@@ -316,7 +316,7 @@ def _windows(c, types: tuple[str, ...]) -> tuple[int | None, ...]:
     return (None,) * n
 
 
-def _facts(hf, c, tokenizer_len: int) -> Facts:
+def _facts(hf, c) -> Facts:
     n_heads = c.num_attention_heads
     return Facts(
         n_layers=c.num_hidden_layers,
@@ -457,7 +457,7 @@ def _wrap(name, source, lm, tokenizer, types, fingerprint, reference, weights: b
         hf_source=reference,
         lm=lm,
         hf=hf,
-        facts=_facts(hf, c, len(tokenizer)),
+        facts=_facts(hf, c),
         windows=_windows(c, types),
         layer_types=types,
         source=source,
