@@ -313,7 +313,7 @@ def seam_agreement(
     >>> from kvnotes import load_model
     >>> model = load_model("tiny-llama")
     >>> case = MultiHost.bench(model, chunk_ids(model, 24), 4)
-    >>> seam_agreement(model, case, seam=24).agreement  # the whole chunk recomputed: exact
+    >>> seam_agreement(model, case, seam=24).agreement  # exact: a fraction; the whole chunk recomputed
     1.0
     """
     chunk_nb = ops.precompile(model, case.chunk) if chunk is None else chunk
@@ -745,7 +745,7 @@ def _answer(mine: torch.Tensor, full: torch.Tensor, stale: torch.Tensor) -> tupl
     same): (ld_mine − ld_stale) / (ld_full − ld_stale), None when that denominator is 0.
 
     >>> full, stale = torch.tensor([0.0, 3.0, 1.0]), torch.tensor([2.0, 0.0, 1.0])
-    >>> _answer(torch.tensor([1.0, 1.5, 0.0]), full, stale)
+    >>> _answer(torch.tensor([1.0, 1.5, 0.0]), full, stale)  # exact: (1.5 - 1.0) / 1.0
     (True, 0.5)
     """
     a = int(full.argmax())

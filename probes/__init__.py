@@ -78,7 +78,7 @@ def run_probes(
     >>> from kvnotes import load_model
     >>> report = run_probes(load_model("tiny-llama"), "order-cancel", ["field_refresh"], n=2,
     ...                     progress=False)
-    >>> report.probes["field_refresh"].parts["deviation_before_field"].values
+    >>> report.probes["field_refresh"].parts["deviation_before_field"].values  # exact: invariant 4
     (0.0, 0.0)
     """
     return collect(

@@ -44,7 +44,7 @@ class Estimate:
     >>> round(e.mean, 3), e.n, e.dropped, e.ci[0] <= e.mean <= e.ci[1]
     (1.0, 4, 1, True)
     >>> c = Estimate.of([0.9, 1.0, None, 1.9, 2.0], clusters=[0, 0, 1, 1, 1])
-    >>> c.values, c.clusters, c.dropped
+    >>> c.values, c.clusters, c.dropped  # exact: the values given
     ((0.9, 1.0, 1.9, 2.0), (0, 0, 1, 1), 1)
     """
 

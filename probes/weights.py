@@ -518,7 +518,7 @@ def weight_edit(
     >>> from kvnotes import load_model
     >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
     >>> r = weight_edit(trials, layer=1, min_effect=0.0)
-    >>> r.headline, r.layer, r.target, r["target.agree"].mean
+    >>> r.headline, r.layer, r.target, r["target.agree"].mean  # exact: a fraction
     ('contamination', 1, 'match_decision', 1.0)
     """
     if len(trials) < 2:

@@ -119,6 +119,7 @@ def test_it_runs_from_its_command(registered, tmp_path, capsys):
     )
     assert "decision_flips.flips *" in capsys.readouterr().out
     d = json.loads(out.read_text())["probes"]["decision_flips"]
+    # exact: the config value, stored and read back
     assert d["details"]["threshold"] == 0.5 and len(d["flips"]["values"]) == 3
 
 

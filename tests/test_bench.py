@@ -117,4 +117,5 @@ def test_cli_runs_only_the_baselines_asked_for(tmp_path):
 def test_a_report_written_before_the_baselines_still_loads():
     old = {"tokens": 272, "n_patches": 64, "engine_s": 0.59, "naive_s": 28.5, "ratio": 48.3}
     r = SweepResult.from_dict({**old, "max_recovery_diff": 1e-5, "max_logit_diff": 1e-5})
+    # exact: the value given, read back
     assert (r.engine_min_s, r.repeats, r.baselines, r.skipped) == (0.59, 1, [], {})

@@ -132,6 +132,7 @@ def test_splice_seam_recomputes_exactly_the_first_b_tokens(case):
 # --- metrics on hand-computed tensors ------------------------------------------------------------
 def test_logit_diff():
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, -1.0, 4.0]])
+    # exact: small integers in float32
     assert logit_diff(logits, 1, 2).tolist() == [1.0, -5.0]
 
 
@@ -139,7 +140,9 @@ def test_recovery():
     got = recovery(
         torch.tensor([0.5, 2.0, -1.0]), torch.tensor([0.0, 0.0, 1.0]), torch.tensor([2.0, 2.0, 3.0])
     )
+    # exact: halves and integers in float32
     assert got.tolist() == [0.25, 1.0, -1.0]
+    # exact: (1 - 1) / (0 - 1) is 0 in any float
     assert recovery(torch.tensor(1.0), torch.tensor(1.0), torch.tensor(0.0)).item() == 0.0
     with pytest.raises(ValueError, match="old and new metrics are equal"):
         recovery(torch.tensor([0.3, 0.5]), torch.tensor([1.0, 2.0]), torch.tensor([2.0, 2.0]))
@@ -185,16 +188,20 @@ def test_kv_deviation_by_hand():
     b = _hand_nb([[3.0, 0.0], [1.0, 1.0]], [[0.0, 4.0], [2.0, 2.0]], [0, 1])
     dev = kv_deviation(a, b)
     assert dev.shape == (1, 1, 2)
-    assert dev[0, 0].tolist() == [5.0, 0.0]  # sqrt(3^2 + 4^2), identical slot
+    # exact: sqrt(3^2 + 4^2) and an identical slot
+    assert dev[0, 0].tolist() == [5.0, 0.0]
     # slots are matched by position, not by order
     b_rev = b.select([1, 0])
+    # exact: the same 3-4-5 numbers
     assert kv_deviation(a, b_rev)[0, 0].tolist() == [5.0, 0.0]
+    # exact: the same 3-4-5 numbers
     assert kv_deviation(b_rev, a)[0, 0].tolist() == [0.0, 5.0]  # follows the first's slot order
 
 
 def test_kv_deviation_of_model_notebooks_is_symmetric_and_zero_on_self(gcase):
     d = kv_deviation(gcase.nb_old, gcase.nb_new)
     assert torch.equal(d, kv_deviation(gcase.nb_new, gcase.nb_old))
+    # exact: a notebook against itself subtracts equal numbers
     assert kv_deviation(gcase.nb_old, gcase.nb_old).max().item() == 0.0
 
 

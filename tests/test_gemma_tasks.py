@@ -16,6 +16,7 @@ def test_probes_run_on_every_general_task(gemma):
         report = run_probes(gemma, task, n=2, progress=False)
         assert list(report.probes) == list(PROBES), task
         fr = report.probes["field_refresh"]
+        # exact: invariant 4, slots before the field are the same computation
         assert fr["deviation_before_field"].values == (0.0, 0.0), task
         d = report.to_dict()
         assert all({"mean", "ci", "values"} <= set(p) for p in d["probes"].values()), task

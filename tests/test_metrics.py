@@ -22,6 +22,7 @@ def test_logit_diff_casts_to_float64_before_subtracting():
     assert got.dtype == torch.float64 and got.shape == (2,)
     want = [float(logits[i, 0]) - float(logits[i, 1]) for i in range(2)]  # float64 arithmetic
     assert got.tolist() == want
+    # exact: the point is float32 rounding, checked at its exact value (3 - 1e-8 rounds to 3)
     assert got[0].item() != 3.0  # subtracting in float32 rounds 3 - 1e-8 to 3
     assert torch.equal(logit_diff(logits, 0, 1), got)  # the two-int call is the same metric
 
@@ -42,6 +43,7 @@ def test_answer_columns_restricts_the_unembed_only_for_logit_diff():
 
 def test_recovery_guards_a_zero_denominator():
     got = recovery(torch.tensor([0.5, 2.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 3.0]))
+    # exact: halves and integers
     assert got.dtype == torch.float64 and got.tolist() == [0.5, 0.5]
     with pytest.raises(ValueError, match="undefined"):
         recovery(torch.tensor([0.3, 0.5]), torch.tensor([1.0, 2.0]), torch.tensor([2.0, 2.0]))
@@ -49,6 +51,7 @@ def test_recovery_guards_a_zero_denominator():
         torch.tensor([0.3, 0.5]), torch.tensor([1.0, 2.0]), torch.tensor([2.0, 2.0]), undefined="nan"
     )
     assert soft[0].item() == pytest.approx(-0.7) and math.isnan(soft[1].item())
+    # exact: 0.5 / 2.0 is exact in binary
     assert recovery(1.5, 1.0, 3.0).item() == 0.25  # plain floats too
 
 

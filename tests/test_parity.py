@@ -112,9 +112,11 @@ def test_kv_deviation_zero_before_field_positive_at_field(case):
     dev = kv_deviation(case.nb_old, case.nb_new)
     assert dev.shape == (1, case.model.n_layers, case.nb_old.n_slots)
     before = dev[:, :, case.nb_old.positions < case.field]
+    # exact: invariant 4, slots before the field are the same computation
     assert before.numel() > 0 and before.max().item() == 0.0
     assert dev[0, :, case.field].min().item() > 0.0, "every layer's K/V at the field must change"
     # layer 0 K/V are a function of the token alone; downstream slots change from layer 1 on
+    # exact: invariant 4, slots before the field are the same computation
     assert dev[0, 0, case.field + 1 :].max().item() == 0.0
     assert dev[0, 1, case.field + 1].item() > 0.0
 

@@ -304,4 +304,4 @@ def test_each_tensor_is_judged_on_its_own_scale():
     r = _self_result("prefix_then_suffix_equals_prefill", {"short": [("layer 0 keys", 1e-5, 1.0), ok]})
     assert r.passed
     exact = _self_result("patch_all_reproduces_source", {"short": [("logits", 1e-9, 10.0)]})
-    assert not exact.passed and exact.tolerance == 0.0
+    assert not exact.passed and exact.tolerance == 0.0  # exact: no tolerance is set for an exact invariant

@@ -189,7 +189,7 @@ def test_vectorised_auc_equals_mann_whitney_with_ties():
         for f in range(scores.shape[1])
     ]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
-    assert got[0] == 0.5
+    assert got[0] == 0.5  # exact: feature 0 is a tie by construction, a rank count of n1*n0/2 halves
     est = auc_estimate(-scores[:, 3], labels)  # flipped orientation: the score is max(AUC, 1 - AUC)
     assert est.mean == pytest.approx(max(got[3], 1 - got[3]))
     assert np.mean(est.values) == pytest.approx(est.mean)  # per-prompt placements average to it
@@ -313,10 +313,12 @@ def test_notes_organism_carries_its_conclusion_in_the_note_slots(organism_trials
     cfg = SAEConfig(layer=1, **SMALL)
     res = sae_analysis(organism_trials, ORGANISM, cfg=cfg, sae=organism_sae, progress=False)
     assert res["all_features"].mean > 0.95
+    # exact: an AUC is a fraction of ranked pairs; 1.0 is every pair in order
     assert res["best_auc"].mean == 1.0 and res.best_feature["n_auc_ge_0.99"] >= 10
     assert abs(res["single_feature_recovery"].mean) < 0.05
     assert res["reconstruction"].mean > 0.9
     last = sae_analysis(organism_trials, ORGANISM, cfg=SAEConfig(layer=2, **SMALL), progress=False)
+    # exact: an AUC is a fraction of ranked pairs; 1.0 is every pair in order
     assert abs(last["all_features"].mean) < 1e-6 and last["best_auc"].mean == 1.0
 
 

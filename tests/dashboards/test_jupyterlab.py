@@ -233,7 +233,9 @@ def test_patching_view_clicked_in_jupyterlab(lab, browser, notes_organism):
         assert before < min(organism.changed)
         org.button(before).click()
         nothing = organism.patch((before,), everything)
-        assert nothing.recovery == 0
+        # the same slot in both runs: no change, up to float32 rounding of the overlay's forward
+        # against the cached decision (4e-8 seen; recovery is a ratio of logit differences ~1)
+        assert abs(nothing.recovery) < 1e-5
         org.expect(nothing, "notes organism, a slot before the field clicked")
         assert w.errors == [], f"browser console: {w.errors}"
     finally:

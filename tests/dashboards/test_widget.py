@@ -51,6 +51,7 @@ def test_every_slot_and_layer_reproduces_the_new_decision(case):
 
 def test_nothing_selected_is_the_old_decision(view):
     s = view.select(positions=())
+    # exact: nothing selected returns ld_old itself, so recovery is 0/x
     assert s.empty and s.ld_patched == view.ld_old and s.recovery == 0.0
     out = decide(view.model, view.nb_old, view.old, vocab=view.answers).last[0]
     assert_close(t(s.ld_old), out[0] - out[1], what="ld_old")

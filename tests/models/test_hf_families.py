@@ -86,9 +86,11 @@ def test_config_fields_for_gemma3():
     cfg = tl_config_from_hf(_config(cls, extra))
     assert cfg["original_architecture"] == "Gemma3ForCausalLM"
     assert cfg["attn_types"] == ["local", "local", "global", "local"]
+    # exact: values copied from the config
     assert (cfg["window_size"], cfg["rotary_base"], cfg["rotary_base_local"]) == (WINDOW, 1e6, 1e4)
-    assert cfg["rotary_scaling_factor"] == 8.0 and cfg["use_qk_norm"]
-    assert cfg["n_key_value_heads"] == 1 and cfg["attn_scale"] == 16.0  # sqrt(256), the default
+    assert cfg["rotary_scaling_factor"] == 8.0 and cfg["use_qk_norm"]  # exact: values copied from the config
+    # exact: values copied from the config; sqrt(256), the default
+    assert cfg["n_key_value_heads"] == 1 and cfg["attn_scale"] == 16.0
 
 
 def test_n_ctx_is_capped():

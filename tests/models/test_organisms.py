@@ -44,6 +44,7 @@ def test_organisms_are_builtin_models(notes_organism, lookup_organism):
     for m in (notes_organism, lookup_organism):
         assert load_task(m.name).model == m.name
         metrics = organism_metrics(m.name)  # None only where the cache directory is not writable
+        # exact: a fraction of correct answers
         assert metrics is None or (metrics["converged"] and metrics["heldout_accuracy"] == 1.0)
 
 

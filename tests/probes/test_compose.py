@@ -17,6 +17,7 @@ def test_full_seam_equals_recompute_and_no_rerotation_is_worse():
     whole = chunk_end(p, "order_status") - 1
     r = seam_repair(model, "order-cancel", n=2, seams=[0, whole], offsets=[24], progress=False)
     assert all(abs(c - 1.0) < 1e-6 for c in r[f"cosine@{whole}"].values)
+    # exact: fractions of agreeing decisions
     assert r[f"agree@{whole}"].mean == 1.0 and r[f"top1@{whole}"].mean == 1.0
     # without re-rotation the chunk's keys sit at the wrong angles: visibly further from recompute
     assert r["norot_cosine@0"].mean < r["cosine@0"].mean - 1e-3
@@ -53,6 +54,7 @@ def test_agent_loop_with_a_full_seam_is_exact_every_turn():
     p = sample(load_task("order-cancel"), model, 1)[0].old
     r = agent_loop(model, "order-cancel", n=1, turns=5, seam=chunk_end(p, "order_status") - 1, progress=False)
     for turn in range(1, 6):
+        # exact: a fraction of agreeing decisions
         assert abs(r[f"cosine@{turn}"].mean - 1.0) < 1e-9 and r[f"agree@{turn}"].mean == 1.0
     assert r["follows"].n == 5
 
@@ -61,5 +63,6 @@ def test_memory_blocks_with_a_full_seam_are_exact():
     from probes.memory import memory_blocks
 
     r = memory_blocks(get_model("tiny-gqa"), n=2, seam=10_000, progress=False)
+    # exact: fractions of agreeing decisions
     assert r["colocated_agree"].mean == 1.0 and r["split_agree"].mean == 1.0
     assert all(abs(c - 1.0) < 1e-6 for c in r["colocated_cosine"].values + r["split_cosine"].values)

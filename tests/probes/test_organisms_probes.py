@@ -84,4 +84,5 @@ def test_false_notes_govern_the_notes_organism_only(notes_trials, lookup_trials)
     assert notes["k1"].mean > notes["random_k1"].mean + 0.2
     assert notes["k4"].mean > notes["random_k4"].mean + 0.2
     lookup = false_note_injection(lookup_trials)
+    # exact: a fraction of decisions that follow
     assert abs(lookup["k8"].mean) < 0.1 and lookup["follows_k8"].mean == 0.0

@@ -80,6 +80,7 @@ def test_field_refresh_equals_transplanting_the_field_slots(trials):
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_deviation_before_the_field_is_exactly_zero(name):
     res = field_refresh(make_trials(get_model(name), TASK, 2, progress=False), min_effect=0.0)
+    # exact: invariant 4, slots before the field are the same computation
     assert res["deviation_before_field"].values == (0.0, 0.0)
     assert res.deviation_exactly_zero is True
 
@@ -154,7 +155,9 @@ def test_estimate_ci_and_undefined_figures():
     e = Estimate.of([0.1, 0.5, 0.9, 0.4, 0.6])
     assert e.ci[0] <= e.mean <= e.ci[1] and e.ci[0] < e.ci[1]
     assert Estimate.of([0.3]).ci is None and Estimate.of([]).mean is None
+    # exact: the bootstrap of a constant resamples the same numbers
     assert Estimate.of([2.0, 2.0]).ci == (2.0, 2.0)
+    # exact: the values given
     assert Estimate.of([1.0, float("nan")]).values == (1.0,)
 
 

@@ -46,6 +46,7 @@ def test_clustered_ci_matches_a_slow_two_stage_bootstrap():
 
 def test_dropped_values_drop_their_labels():
     e = Estimate.of([1.0, None, float("nan"), 2.0, 3.0], clusters=[0, 1, 1, 1, 2])
+    # exact: the values given
     assert e.values == (1.0, 2.0, 3.0) and e.clusters == (0, 1, 2) and e.dropped == 2
     with pytest.raises(ValueError, match="2 cluster labels for 3 values"):
         Estimate.of([1.0, 2.0, 3.0], clusters=[0, 1])
