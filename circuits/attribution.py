@@ -283,7 +283,7 @@ class AttributionPatching(ProbeResult):
 
 @dataclass(frozen=True)
 class AttributionConfig(Pairs):
-    top: int = option(5, "top heads compared between the two rankings")
+    top: int = option(5, "top heads compared between the two rankings", least=1)
 
 
 @analysis("attribution", "circuits", AttributionConfig, AttributionPatching, quick={"n": 6}, order=4)

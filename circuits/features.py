@@ -693,7 +693,10 @@ class SAEOptions(Pairs):
         choices=("auto", "notes", "decision"),
     )
     sae_layer: int | None = option(
-        None, "residual layer of a trained SAE (default: located by a whole-residual scan)"
+        None,
+        "residual layer of a trained SAE (default: located by a whole-residual scan)",
+        least=0,
+        layer=True,
     )
     sae: str | None = option(
         None,
@@ -702,9 +705,9 @@ class SAEOptions(Pairs):
         metavar="DIR_OR_RELEASE",
     )
     sae_id: str | None = option(None, "with a pretrained release: the SAE's id in it")
-    sae_train_pairs: int = option(96, "fresh pairs the SAE is trained on")
-    sae_eval_pairs: int = option(32, "fresh pairs features are decoded on")
-    sae_samples: int = option(60_000, "activations the SAE's trainer sees in all")
+    sae_train_pairs: int = option(96, "fresh pairs the SAE is trained on", least=1)
+    sae_eval_pairs: int = option(32, "fresh pairs features are decoded on", least=1)
+    sae_samples: int = option(60_000, "activations the SAE's trainer sees in all", least=1)
 
 
 @analysis(

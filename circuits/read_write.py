@@ -286,9 +286,11 @@ class WriteHeads(HeadCircuit):
 @dataclass(frozen=True)
 class HeadsConfig(Pairs):
     k_max: int = option(
-        K_MAX, "largest k of the top-k vs random-k head curves (and heads in scrubbing's hypothesis)"
+        K_MAX,
+        "largest k of the top-k vs random-k head curves (and heads in scrubbing's hypothesis)",
+        least=1,
     )
-    draws: int = option(32, "random head sets per k")
+    draws: int = option(32, "random head sets per k", least=1)
 
 
 WriteHeadsConfig = replace_default(HeadsConfig, draws=16)

@@ -277,7 +277,7 @@ class Scrubbing(ProbeResult):
 
 @dataclass(frozen=True)
 class ScrubbingConfig(Pairs):
-    k_max: int = option(12, "read heads in the hypothesis (the top of read_heads' ranking)")
+    k_max: int = option(12, "read heads in the hypothesis (the top of read_heads' ranking)", least=1)
 
 
 @analysis(

@@ -32,7 +32,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tqdm.auto import tqdm
 
-from kvnotes.errors import BadOption, KVNotesError, UnknownAnalysisError
+from kvnotes.errors import BadOption, KVNotesError, OutOfRange, UnknownAnalysisError
 
 MIN_EFFECT = 0.1  # logits: pairs whose decision moves less are excluded (recovery would be noise)
 TASK, MODEL = "task", "model"
@@ -207,6 +207,44 @@ def choose(command: str, names: Sequence[str] | str | None, flags: Sequence[str]
     return names
 
 
+def cli_spec() -> dict:
+    """What the `kvnotes` command needs from the registry to build its parser, as plain JSON data:
+    each command's level and analyses, each analysis's help, flag and options (type, bounds,
+    choices, help with its defaults). The CLI caches it, so that parsing (and refusing a bad value)
+    does not import torch and every analysis module first."""
+    commands: dict[str, dict] = {}
+    for sec in sections().values():
+        if sec.command:
+            commands.setdefault(sec.command, {"level": sec.level, "analyses": []})
+    for command, entry in commands.items():
+        for a in for_command(command):
+            entry["analyses"].append(
+                {
+                    "name": a.name,
+                    "help": a.help,
+                    "default": a.default,
+                    "flag": a.flag,
+                    "options": [_option_spec(a, f) for f in dataclasses.fields(a.config)],
+                }
+            )
+    return {"min_effect": MIN_EFFECT, "commands": commands}
+
+
+def _option_spec(a: Analysis, f: dataclasses.Field) -> dict:
+    hint = base_type(config_hints(a.config)[f.name])
+    item = get_args(hint)[0] if get_origin(hint) is tuple else hint
+    kind = "list" if get_origin(hint) is tuple else item.__name__ if item in (bool, int, float) else "str"
+    shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else str(f.default)
+    keep = ("help", "cli", "choices", "metavar", "least", "most")
+    return {
+        "name": f.name,
+        "kind": kind,
+        "item": item.__name__ if item in (int, float) else "str",
+        "shown": shown,
+        **{k: list(v) if isinstance(v := f.metadata[k], tuple) else v for k in keep if k in f.metadata},
+    }
+
+
 # --- configs ------------------------------------------------------------------------------------
 
 
@@ -223,21 +261,44 @@ def replace_default(cfg_type: type, **defaults) -> type:
 
 def option(default: Any, help: str, **extra) -> Any:
     """A config field with its one-line help; `extra`: `cli` (its option's name), `choices`,
-    `metavar`, `least` (the smallest integer it takes, checked by `Options`)."""
+    `metavar`, `least` and `most` (the range a number, or each number of a tuple, must lie in,
+    checked by `Options` and by the CLI as it parses), `layer` (a layer index of the model,
+    checked by `check_layers` once the model is loaded and before anything runs)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)
 class Options:
-    """Base of analysis configs: checks every field declared with `option(..., least=k)`."""
+    """Base of analysis configs: checks every field declared with `option(..., least=, most=)`."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            least, v = f.metadata.get("least"), getattr(self, f.name)
-            if least is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
-                raise BadOption(
-                    f"{f.name} ({f.metadata['help']}) must be an integer of at least {least}, got {v!r}"
-                )
+            least, most, v = f.metadata.get("least"), f.metadata.get("most"), getattr(self, f.name)
+            if (least is None and most is None) or v is None:
+                continue
+            kind = "an integer" if isinstance(least if least is not None else most, int) else "a number"
+            span = " to ".join(str(x) for x in (least, most) if x is not None)
+            span = f"of at least {least}" if most is None else f"of at most {most}" if least is None else span
+            for x in v if isinstance(v, tuple) else (v,):
+                number = isinstance(x, int | float) and not isinstance(x, bool)
+                if kind == "an integer" and not isinstance(x, int):
+                    number = False
+                if not number or (least is not None and x < least) or (most is not None and x > most):
+                    raise BadOption(
+                        f"{f.name} ({f.metadata['help']}) takes {kind} {span}"
+                        f"{' for each item' if isinstance(v, tuple) else ''}, got {v!r}"
+                    )
+
+
+def check_layers(cfg: Any, model: Any) -> None:
+    """Refuse a config whose layer fields (`option(..., layer=True)`) the model does not have."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.metadata.get("layer") and v is not None and not 0 <= v < model.n_layers:
+            raise OutOfRange(
+                f"{f.name} {v} is out of range for {model.name} ({model.n_layers} layers); "
+                f"give a layer in 0..{model.n_layers - 1}, or leave it out for the default"
+            )
 
 
 @cache
@@ -352,6 +413,9 @@ def run(
     `run_meta()`, the seed and minimum effect, and seconds per analysis and in all."""
     configs = dict(configs or {})
     wanted = _with_needs(names)
+    if ctx.model is not None:  # before anything runs: a bad layer fails now, not after the prefills
+        for n in wanted:
+            check_layers(configs.get(n) or get(n).make_config(), ctx.model)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     for name in [n for n in analyses() if n in wanted]:

@@ -532,7 +532,7 @@ def _exponent(points: list[PrefillPoint], way: str) -> float | None:
 
 @dataclass(frozen=True)
 class PrefillConfig(Options):
-    lengths: tuple[int, ...] = option((1024, 4096, 8192), "context lengths (tokens)")
+    lengths: tuple[int, ...] = option((1024, 4096, 8192), "context lengths (tokens)", least=1)
     repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
 
 

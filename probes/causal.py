@@ -275,7 +275,7 @@ class NoteMap(ProbeResult):
 
 @dataclass(frozen=True)
 class NoteMapConfig(Pairs):
-    layer_window: int = option(3, "consecutive layers per window of the per-window transplant")
+    layer_window: int = option(3, "consecutive layers per window of the per-window transplant", least=1)
 
 
 def _trials(ctx: Context, cfg: Pairs) -> list[Trial]:

@@ -125,8 +125,8 @@ class SeamRepair(ProbeResult):
 @dataclass(frozen=True)
 class SeamConfig(Options):
     n: int = option(4, "prompts (each at every offset)", least=1)
-    seams: tuple[int, ...] = option(SEAMS, "chunk tokens recomputed at the seam")
-    offsets: tuple[int, ...] = option(OFFSETS, "host context lengths before the chunk")
+    seams: tuple[int, ...] = option(SEAMS, "chunk tokens recomputed at the seam", least=0)
+    offsets: tuple[int, ...] = option(OFFSETS, "host context lengths before the chunk", least=0)
 
 
 register_section(

@@ -300,13 +300,13 @@ class FalseNoteInjection(ProbeResult):
 
 @dataclass(frozen=True)
 class KnockoutConfig(Pairs):
-    k: int = option(4, "note slots blocked")
-    draws: int = option(8, "random slot sets blocked, as control")
+    k: int = option(4, "note slots blocked", least=1)
+    draws: int = option(8, "random slot sets blocked, as control", least=1)
 
 
 @dataclass(frozen=True)
 class InjectConfig(Pairs):
-    ks: tuple[int, ...] = option(INJECT_K, "numbers of note slots injected")
+    ks: tuple[int, ...] = option(INJECT_K, "numbers of note slots injected", least=1)
 
 
 @analysis("dissociation", "probes", Pairs, Dissociation, quick={"n": 6}, order=5)

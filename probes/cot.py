@@ -104,7 +104,7 @@ class CotRefresh(ProbeResult):
 
 @dataclass(frozen=True)
 class CotConfig(Pairs):
-    cot_tokens: int = option(48, "longest reasoning chain (tokens)")
+    cot_tokens: int = option(48, "longest reasoning chain (tokens)", least=1)
 
 
 @analysis("cot_refresh", "edit", CotConfig, CotRefresh, default=False, in_report=False, flag="cot", order=3)

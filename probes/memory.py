@@ -86,8 +86,8 @@ class MemoryBlocks(ProbeResult):
 @dataclass(frozen=True)
 class MemoryConfig(Options):
     questions: int = option(8, "memory-blocks questions", least=1)
-    people: int = option(4, "people per memory (each with an order number and a status)")
-    seam: int = option(2, "block tokens recomputed in context at each seam")
+    people: int = option(4, "people per memory (each with an order number and a status)", least=1)
+    seam: int = option(2, "block tokens recomputed in context at each seam", least=0)
 
 
 @analysis("memory_blocks", "compose", MemoryConfig, MemoryBlocks, quick={"questions": 4}, order=2)

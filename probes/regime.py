@@ -103,8 +103,10 @@ class Regime(ProbeResult):
 
 @dataclass(frozen=True)
 class RegimeConfig(Pairs):
-    n: int = option(4, "prompt pairs at each distance")
-    distances: tuple[int, ...] = option(DISTANCES, "filler lengths in tokens between the field and the query")
+    n: int = option(4, "prompt pairs at each distance", least=1)
+    distances: tuple[int, ...] = option(
+        DISTANCES, "filler lengths in tokens between the field and the query", least=0
+    )
 
 
 @analysis("regime", "regime", RegimeConfig, Regime, quick={"n": 3, "distances": (0, 64, 256)}, default=False)

@@ -31,7 +31,10 @@ class Pairs(Options):
 
     n: int = option(8, "prompt pairs", least=1)
     template: int | None = option(
-        None, "use only template N of the task (default: pairs drawn across all of them)", metavar="N"
+        None,
+        "use only template N of the task (default: pairs drawn across all of them)",
+        metavar="N",
+        least=0,
     )
 
     def __post_init__(self):

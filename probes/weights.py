@@ -685,7 +685,7 @@ class WeightEdit(ProbeResult):
 @dataclass(frozen=True)
 class WeightConfig(Pairs):
     n: int = option(8, "prompt pairs (contamination is read on another pair's prompt)", least=2)
-    layer: int | None = option(None, "the MLP layer edited (default: the middle one)")
+    layer: int | None = option(None, "the MLP layer edited (default: the middle one)", least=0, layer=True)
     erratum: str = option(ERRATUM, "correction line; {field} and {value} are filled in")
 
 
@@ -712,7 +712,9 @@ class RomeConfig(WeightConfig):
     cov_prompts: int = option(
         COV_PROMPTS, "prompts of the task whose every token gives ROME's key covariance", least=2
     )
-    cov_ridge: float = option(RIDGE, "ridge added to ROME's key covariance, as a fraction of trace(C)/d_mlp")
+    cov_ridge: float = option(
+        RIDGE, "ridge added to ROME's key covariance, as a fraction of trace(C)/d_mlp", least=0.0
+    )
 
 
 @analysis(

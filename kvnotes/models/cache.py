@@ -11,6 +11,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
+def default_cache_dir() -> Path:
+    """`$KVNOTES_CACHE`, else `~/.cache/kvnotes`."""
+    return Path(os.environ.get("KVNOTES_CACHE") or Path.home() / ".cache" / "kvnotes")
+
+
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 

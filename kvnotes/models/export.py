@@ -70,8 +70,7 @@ def export(model, out: str | Path, *, progress: bool = True) -> Path:
 
 def cached(model, root: str | Path | None = None, *, progress: bool = True) -> Path:
     """An export of `model` under the kvnotes cache (`$KVNOTES_CACHE/export/NAME`), written once."""
-    from kvnotes.models.cache import building
-    from kvnotes.models.gemma import default_cache_dir
+    from kvnotes.models.cache import building, default_cache_dir
 
     root = Path(root) if root else default_cache_dir() / "export"
     out = root / model.name.replace("/", "--")

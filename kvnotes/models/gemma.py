@@ -9,14 +9,13 @@ rebuilt, never trusted.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from kvnotes.errors import MissingDependency
-from kvnotes.models.cache import building, publish
+from kvnotes.models.cache import building, default_cache_dir, publish
 from kvnotes.models.hf import hooked_from_state_dict, tl_from_hf_model, tl_kwargs
 from kvnotes.models.model import HFSource, KVModel
 
@@ -42,11 +41,6 @@ def load_gemma_270m(cache_dir: str | Path | None = None, progress: bool = True) 
                 model, cfg = _from_gguf(root, progress)
                 _write_cache(root, model, cfg)
     return model
-
-
-def default_cache_dir() -> Path:
-    """`$KVNOTES_CACHE`, else `~/.cache/kvnotes`."""
-    return Path(os.environ.get("KVNOTES_CACHE") or Path.home() / ".cache" / "kvnotes")
 
 
 # --- first load: GGUF -> transformers -> TransformerLens -----------------------------------------

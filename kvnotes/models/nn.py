@@ -402,8 +402,8 @@ def load_nnsight(
 def gemma_checkpoint() -> Path:
     """The embedded Gemma 3 270M as a Hugging Face checkpoint directory in the kvnotes cache,
     exported from the GGUF once (the same float32 weights the TransformerLens backend runs)."""
+    from kvnotes.models.cache import default_cache_dir
     from kvnotes.models.export import STAMP, cached
-    from kvnotes.models.gemma import default_cache_dir
 
     out = default_cache_dir() / "export" / "gemma-3-270m"
     try:

@@ -488,7 +488,7 @@ def cache_path(
     name: str, *, config: OrganismConfig | None = None, cache_dir: str | Path | None = None
 ) -> Path:
     """Where organism `name` with `config` is cached: `<cache>/organisms/<name>-<config hash>/`."""
-    from kvnotes.models.gemma import default_cache_dir
+    from kvnotes.models.cache import default_cache_dir
 
     cfg = _resolve(name, config)
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()

@@ -1,0 +1,114 @@
+"""Command-line value types that refuse a bad value where it is parsed, before any model loads.
+
+Each is an argparse `type=`: a count below its least, a list with one such count, or a path that
+cannot be written is refused with one line naming the value and the way out (`kvnotes` prints it
+and exits 2). They carry their bounds (`Bounded.least`) so the tests can drive every option of
+every command with a value just out of range.
+
+    >>> Bounded(int, least=1)("3"), Bounded(int, least=1, many=True)("256,1024")
+    (3, (256, 1024))
+    >>> Bounded(int, least=1)("-5")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: -5 is below 1; give an integer of at least 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Bounded:
+    """A number (or, with `many`, a comma-separated list of them) in [least, most]."""
+
+    kind: type  # int or float
+    least: int | float | None = None
+    most: int | float | None = None
+    many: bool = False
+
+    @property
+    def __name__(self) -> str:  # argparse names the type in some of its messages
+        return f"{'list of ' if self.many else ''}{self.kind.__name__}"
+
+    def __call__(self, text: str):
+        if self.many:
+            items = [x.strip() for x in text.split(",") if x.strip()]
+            return tuple(self.one(x) for x in items)
+        return self.one(text)
+
+    def one(self, text: str):
+        what = "an integer" if self.kind is int else "a number"
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}{self._range()}") from None
+        if self.kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number{self._range()}")
+        if self.least is not None and value < self.least:
+            raise argparse.ArgumentTypeError(f"{text} is below {self.least}; give {what}{self._range()}")
+        if self.most is not None and value > self.most:
+            raise argparse.ArgumentTypeError(f"{text} is above {self.most}; give {what}{self._range()}")
+        return value
+
+    def _range(self) -> str:
+        if self.least is not None and self.most is not None:
+            return f" from {self.least} to {self.most}"
+        if self.least is not None:
+            return f" of at least {self.least}"
+        if self.most is not None:
+            return f" of at most {self.most}"
+        return ""
+
+
+COUNT = Bounded(int, least=1)  # pairs, repeats, slots, steps: at least one
+SEED = Bounded(int, least=0)
+PORT = Bounded(int, least=0, most=65535)  # 0: a free port
+EFFECT = Bounded(float, least=0.0)  # logits
+
+
+@dataclass(frozen=True)
+class WritablePath:
+    """A path `kvnotes` will write: a directory (`--out`) or a file (`--json`, `--html`). Checked by
+    writing (and removing) a probe file in the nearest directory that exists, so an unwritable
+    place is refused before a long run rather than at its end; nothing is left behind."""
+
+    is_dir: bool = False
+
+    @property
+    def __name__(self) -> str:
+        return "directory" if self.is_dir else "file"
+
+    def __call__(self, text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("an empty path; give a file or directory to write")
+        path = Path(text).expanduser()
+        if path.exists():
+            if self.is_dir and not path.is_dir():
+                raise argparse.ArgumentTypeError(f"{text} is a file; give a directory to write into")
+            if not self.is_dir and path.is_dir():
+                raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name inside it")
+            if not os.access(path, os.W_OK):
+                raise argparse.ArgumentTypeError(f"cannot write {text}: it is read-only; give another path")
+        place = path if self.is_dir and path.is_dir() else path.parent
+        while not place.exists() and place != place.parent:
+            place = place.parent
+        if not place.is_dir():
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {place} is a file, not a directory")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".kvnotes-write-check-", dir=place)
+        except OSError as e:
+            raise argparse.ArgumentTypeError(
+                f"cannot write {text}: {place} is not writable ({e.strerror}); give a path you can write"
+            ) from None
+        os.close(fd)
+        os.unlink(probe)
+        return text
+
+
+OUT_DIR = WritablePath(is_dir=True)
+OUT_FILE = WritablePath()

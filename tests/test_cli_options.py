@@ -1,0 +1,182 @@
+"""Every option of every `kvnotes` command refuses an out-of-range value where it is parsed: exit 2,
+one line naming the option and the value, no traceback, nothing written, no model loaded."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvnotes.args import Bounded, WritablePath
+from kvnotes.cli import build_parser, main
+
+REQUIRED = {  # a valid value for each required argument, so only the option under test is wrong
+    "model": "tiny-llama",
+    "prompt": "prompt.txt",
+    "answers": [" yes", " no"],
+    "report": "report.json",
+}
+
+
+def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(subcommand words, parser) for every command that runs something."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, sp in action.choices.items():
+            yield from _leaves(sp, (*path, name))
+
+
+def _checked(action: argparse.Action) -> bool:
+    return isinstance(action.type, Bounded | WritablePath)
+
+
+PARSER = build_parser()
+OPTIONS = [
+    (words, leaf, action) for words, leaf in _leaves(PARSER) for action in leaf._actions if _checked(action)
+]
+IDS = [f"{' '.join(w)} {a.option_strings[0] if a.option_strings else a.dest}" for w, _, a in OPTIONS]
+
+
+def _base_argv(words, leaf, tmp: Path, skip: argparse.Action) -> list[str]:
+    argv = list(words)
+    for action in leaf._actions:
+        if action is skip or not (action.required or not action.option_strings):
+            continue
+        if action.dest == "help" or isinstance(action, argparse._SubParsersAction):
+            continue
+        if isinstance(action.type, WritablePath):
+            value: str | list[str] = str(tmp / "fresh" / action.dest)
+        else:
+            value = REQUIRED.get(action.dest, str(tmp))
+        values = value if isinstance(value, list) else [value]
+        argv += [*action.option_strings[:1], *values] if action.option_strings else values
+    return argv
+
+
+def _bad_number(b: Bounded):
+    below = (
+        st.integers(max_value=int(b.least) - 1)
+        if b.kind is int and b.least is not None
+        else st.floats(max_value=b.least, exclude_max=True, allow_nan=False, allow_infinity=False)
+        if b.least is not None
+        else st.nothing()
+    )
+    above = st.integers(min_value=int(b.most) + 1) if b.most is not None else st.nothing()
+    bad = st.one_of(below, above).map(str)
+    if b.many:  # one bad item among good ones
+        good = str(b.least if b.least is not None else 1)
+        return bad.map(lambda x: f"{good},{x}")
+    return bad
+
+
+def _bad_path(w: WritablePath, tmp: Path):
+    a_file = tmp / "a-file.txt"
+    choices = [f"/proc/kvnotes-nowhere/{'out' if w.is_dir else 'x.json'}", str(a_file / "inside")]
+    choices.append(str(a_file) if w.is_dir else str(tmp))  # a file for a directory, and the reverse
+    return st.sampled_from(choices)
+
+
+def _refuse(*a, **k):
+    raise AssertionError("a bad option reached the model load")
+
+
+def _run(argv: list[str], *, load: bool = True) -> tuple[int, str]:
+    """`kvnotes argv`: its exit code and what it printed to stderr. Without `load`, reaching a model
+    load (or the dashboard's server) fails the test."""
+    err = io.StringIO()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stderr(err))
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        if not load:
+            mp = stack.enter_context(pytest.MonkeyPatch.context())
+            mp.setattr("kvnotes.models.load_model", _refuse)
+            mp.setattr("dashboards.server.serve", _refuse)
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("words, leaf, action", OPTIONS, ids=IDS)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_an_out_of_range_value_is_refused_in_one_line(words, leaf, action, data, tmp_path):
+    (tmp_path / "a-file.txt").write_text("x")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    kind = action.type
+    bad = data.draw(_bad_number(kind) if isinstance(kind, Bounded) else _bad_path(kind, tmp_path))
+    flag = action.option_strings[0] if action.option_strings else None
+    argv = _base_argv(words, leaf, tmp_path, skip=action)
+    argv += [f"{flag}={bad}"] if flag else [bad]
+    code, err = _run(argv, load=False)
+    assert code == 2, (argv, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert (flag or action.metavar or action.dest) in lines[0] and bad.split(",")[-1] in lines[0], lines[0]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "something was written"
+
+
+def test_every_number_and_output_path_of_the_cli_is_checked():
+    """A new option of a plain `type=int` (or an output path with no check) fails here."""
+    loose = []
+    for words, leaf in _leaves(PARSER):
+        for action in leaf._actions:
+            name = f"{' '.join(words)} {'/'.join(action.option_strings) or action.dest}"
+            if action.type in (int, float):
+                loose.append(name)
+            writes = set(action.option_strings) & {"--out", "--json", "--html"} or action.dest == "dir"
+            if writes and not isinstance(action.type, WritablePath):
+                loose.append(name)
+    assert loose == []
+    assert len(OPTIONS) > 60  # the registry's options are in the sweep, not only the fixed commands
+
+
+def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "r.json"
+    for argv in (
+        ["edit", "weight_edit", "--model", "tiny-llama", "--layer", "3", "--json", str(out)],
+        ["circuits", "sae", "--model", "tiny-llama", "--sae-layer", "7", "--json", str(out)],
+    ):
+        code, err = _run(argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "out of range for tiny-llama (3 layers)" in err and not out.exists()
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    import socket
+
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.json").write_text(json.dumps({"schema": "kvnotes.report/2"}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        code, err = _run(["dashboard", str(tmp_path), "--port", str(s.getsockname()[1])])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--port 0 for a free one" in err
+
+
+def test_parsing_a_bad_option_imports_no_torch(tmp_path):
+    """The parser is built from the registry's cached spec: refusing a value costs no torch import."""
+    code = (
+        "import sys\nfrom kvnotes.cli import main\n"
+        "try:\n    main(['bench', 'patch-sweep', '--model', 'tiny-llama', '--tokens', '-5'])\n"
+        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "KVNOTES_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert first.stdout.split() == ["2", "True"], first.stderr  # the first call builds the spec
+    assert again.stdout.split() == ["2", "False"], again.stderr
+    assert "argument --tokens: -5 is below 1" in again.stderr
