@@ -383,18 +383,20 @@ def _part_file(out: Path, key: str) -> Path:
     return out / "parts" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key.replace("/", "__")) + ".json")
 
 
-def _load_part(
-    path: Path, key: str, model: str, cfg: ReportConfig, backend: str = "transformer-lens"
-) -> Part | None:
-    """A saved part computed for this model, backend and config, or None (missing, stale or
-    unreadable)."""
+def _part_head(model: KVModel, cfg: ReportConfig) -> dict:
+    """What a saved part must match to be reused: the model (name, backend, fingerprint of its
+    weights and tokenizer) and the whole config."""
+    fp = getattr(model, "fingerprint", None)
+    return {"model": model.name, "backend": model.backend, "fingerprint": fp, "config": cfg.to_dict()}
+
+
+def _load_part(path: Path, key: str, head: Mapping) -> Part | None:
+    """A saved part computed under `head` (`_part_head`), or None (missing, stale or unreadable)."""
     if not path.is_file():
         return None
     try:
         d = json.loads(path.read_text())
-        if d.get("model") != model or d.get("config") != cfg.to_dict():
-            return None
-        if d.get("backend", "transformer-lens") != backend:
+        if any(d.get(k, "transformer-lens" if k == "backend" else None) != v for k, v in head.items()):
             return None
         return Part.from_dict(key, d)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, ReportFileError):
@@ -428,8 +430,11 @@ def run_report(
     """Run every part of the report for `model` on `tasks`, saving each to `out/parts/` as it
     finishes and `out/report.json` after each part (so a partial report can be rendered).
 
-    With `resume` a part saved earlier for the same model and config is read back, not rerun.
-    `on_part(report)` is called after each part (the CLI re-renders the HTML there).
+    With `resume` a part saved earlier for the same model (name, backend, fingerprint) and config
+    is read back, not rerun; `meta["reused"]` lists them. A run that is killed keeps every part
+    finished before it (each is written whole, then renamed into place), and a part that fails
+    says so and which parts are kept. `on_part(report)` is called after each part (the CLI
+    re-renders the HTML there).
 
     >>> import tempfile
     >>> from kvnotes import load_model
@@ -470,10 +475,11 @@ def run_report(
             },
         )
 
+    head = _part_head(model, cfg)
     for key, fn in bar:
         bar.set_postfix_str(key)
         path = _part_file(out, key)
-        part = _load_part(path, key, model.name, cfg, model.backend) if resume else None
+        part = _load_part(path, key, head) if resume else None
         if part is not None:
             reused.append(key)
             if progress:
@@ -488,12 +494,19 @@ def run_report(
                 result = _skipped(model, key, cfg, e)
                 if progress:
                     tqdm.write(f"report {key}: skipped ({e})", file=sys.stderr)
+            except BaseException as e:  # a bug or an interrupt: what finished stays, and says so
+                e.add_note(
+                    f"report part {key} did not finish; the {len(done)} part(s) finished before it are "
+                    f"kept in {out / 'parts'}, and the same `kvnotes report` command resumes from them"
+                )
+                raise
             if result is None:  # sized to nothing (a bench with no lengths): not a part
                 continue
             part = Part(key=key, result=result, seconds=round(time.perf_counter() - s, 1))
             path.parent.mkdir(parents=True, exist_ok=True)
-            head = {"model": model.name, "backend": model.backend, "config": cfg.to_dict()}
-            path.write_text(json.dumps({**head, **part.to_dict()}))
+            tmp = path.with_name(f".{path.name}.tmp")  # written whole, then renamed: a kill leaves
+            tmp.write_text(json.dumps({**head, **part.to_dict()}))  # the old part or the new one
+            tmp.replace(path)
             if progress:
                 tqdm.write(f"report {key}: done in {part.seconds:.1f} s", file=sys.stderr)
         done[key] = part

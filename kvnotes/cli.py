@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -312,11 +314,42 @@ def cmd_report(args) -> int:
     cfg = ReportConfig.quick(**sizes) if args.quick else ReportConfig.full(**sizes)
     model = _load(args)
     out = Path(args.out)
-    report = run_report(
-        model, tasks, out, cfg, resume=not args.fresh, on_part=lambda r: write_report(r, out)
-    )  # the page follows every finished part
+    with _terminate_as_interrupt():
+        try:
+            report = run_report(
+                model, tasks, out, cfg, resume=not args.fresh, on_part=lambda r: write_report(r, out)
+            )  # the page follows every finished part
+        except KeyboardInterrupt:
+            kept = len(list((out / "parts").glob("*.json")))
+            print(
+                f"kvnotes report: interrupted; {kept} finished part(s) are kept in {out / 'parts'}: "
+                "run the same command again to resume from them (--fresh recomputes all)",
+                file=sys.stderr,
+            )
+            return 130
+    reused = report.meta.get("reused", [])
+    if reused:
+        print(f"reused {len(reused)} of {len(report.parts)} parts from an earlier run: {', '.join(reused)}")
     print(f"{report!r}\nopen {out / 'index.html'} (or `kvnotes dashboard {out}`)")
     return 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a job scheduler's stop, `kill`) ends the run as Ctrl-C does: cleanly, with a message."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave SIGTERM as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def cmd_render(args) -> int:
