@@ -115,7 +115,13 @@ def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str
 
 def _registry_spec() -> dict:
     """`kvnotes.analysis.cli_spec()`, read from the kvnotes cache when the analysis modules have not
-    changed since it was written (building it imports every analysis module, torch with them)."""
+    changed since it was written (building it imports every analysis module, torch with them).
+    Where this process has the registry already (a notebook, a test that registered an analysis
+    of its own), the spec is built from it as it stands."""
+    if "kvnotes.analysis" in sys.modules:
+        from kvnotes.analysis import cli_spec
+
+        return cli_spec()
     import hashlib
     import importlib.util
     import os

@@ -66,6 +66,15 @@ def lookup_organism():
     return load_organism("lookup-organism")
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # pytest-randomly shuffles every run; its header line is hidden under -q, so say the seed last
+    seed = config.getoption("randomly_seed", default=None)
+    if seed is not None and config.getoption("randomly_reorganize", default=False):
+        terminalreporter.write_line(
+            f"random test order, seed {seed}: replay it with `python -m pytest -q --randomly-seed={seed}`"
+        )
+
+
 def pytest_collection_modifyitems(session, config, items):
     # The real-server test first: on two workers it then serves (vLLM on one core, the client
     # waiting) while the other worker runs the rest, instead of running alone at the end.
