@@ -272,22 +272,17 @@ class Options:
     """Base of analysis configs: checks every field declared with `option(..., least=, most=)`."""
 
     def __post_init__(self):
+        from kvnotes.args import Bounded
+
         for f in dataclasses.fields(self):
             least, most, v = f.metadata.get("least"), f.metadata.get("most"), getattr(self, f.name)
             if (least is None and most is None) or v is None:
                 continue
-            kind = "an integer" if isinstance(least if least is not None else most, int) else "a number"
-            span = " to ".join(str(x) for x in (least, most) if x is not None)
-            span = f"of at least {least}" if most is None else f"of at most {most}" if least is None else span
-            for x in v if isinstance(v, tuple) else (v,):
-                number = isinstance(x, int | float) and not isinstance(x, bool)
-                if kind == "an integer" and not isinstance(x, int):
-                    number = False
-                if not number or (least is not None and x < least) or (most is not None and x > most):
-                    raise BadOption(
-                        f"{f.name} ({f.metadata['help']}) takes {kind} {span}"
-                        f"{' for each item' if isinstance(v, tuple) else ''}, got {v!r}"
-                    )
+            kind = int if isinstance(least if least is not None else most, int) else float
+            try:
+                Bounded(kind, least, most, many=isinstance(v, tuple)).check(v)
+            except ValueError as e:
+                raise BadOption(f"{f.name} ({f.metadata['help']}): {e}") from None
 
 
 def check_layers(cfg: Any, model: Any) -> None:

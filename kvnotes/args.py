@@ -47,13 +47,25 @@ class Bounded:
             value = self.kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}{self._range()}") from None
-        if self.kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number{self._range()}")
-        if self.least is not None and value < self.least:
-            raise argparse.ArgumentTypeError(f"{text} is below {self.least}; give {what}{self._range()}")
-        if self.most is not None and value > self.most:
-            raise argparse.ArgumentTypeError(f"{text} is above {self.most}; give {what}{self._range()}")
+        try:
+            self.check(value, shown=text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
         return value
+
+    def check(self, value, shown: str | None = None) -> None:
+        """Raise ValueError, naming the range, where `value` (with `many`, each item of a tuple) is
+        not a finite number of this kind inside it; `Options` checks config fields with this."""
+        what = "an integer" if self.kind is int else "a number"
+        for x in value if self.many and isinstance(value, tuple) else (value,):
+            shown_x = shown if shown is not None else repr(x)
+            kinds = int if self.kind is int else int | float
+            if not isinstance(x, kinds) or isinstance(x, bool) or not math.isfinite(x):
+                raise ValueError(f"{shown_x} is not {what}{self._range()}")
+            if self.least is not None and x < self.least:
+                raise ValueError(f"{shown_x} is below {self.least}; give {what}{self._range()}")
+            if self.most is not None and x > self.most:
+                raise ValueError(f"{shown_x} is above {self.most}; give {what}{self._range()}")
 
     def _range(self) -> str:
         if self.least is not None and self.most is not None:
