@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -91,7 +92,9 @@ def test_html_renders_from_the_json_alone(report_dir):
 
 
 def test_resume_reuses_parts_and_recomputes_changed_ones(report_dir, tmp_path):
-    out, report = report_dir
+    source, report = report_dir
+    out = tmp_path / "copy"  # resuming rewrites report.json: leave the module's report as the others read it
+    shutil.copytree(source, out)
     again = run_report(get_model("tiny-llama"), ["order-cancel"], out, CFG, progress=False)
     assert again.meta["reused"] == list(report.parts)
     assert again.part("order-cancel", "probes").to_dict() == report.part("order-cancel", "probes").to_dict()
