@@ -61,15 +61,18 @@ def get_json(url: str):
         return json.load(r)
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory) -> Iterator[dict]:
-    """JupyterLab serving a folder with the notebook; {"url", "api", "token"}; stopped afterwards."""
+@pytest.fixture
+def lab(tmp_path) -> Iterator[dict]:
+    """JupyterLab serving a folder with the notebook; {"url", "api", "token"}; stopped afterwards.
+    One per test run: a second run in the same JupyterLab would find the first run's kernel, widgets
+    and workspace (its notebook tab restored, hidden, in front of the locators), and fail on them."""
     try:
         import jupyterlab  # noqa: F401
         import nbformat
     except ImportError as e:
         unavailable(f"{e.name} is not installed (pip install -e '.[dev]')")
-    root = tmp_path_factory.mktemp("lab")
+    root = tmp_path / "lab"
+    root.mkdir()
     docs = nbformat.read(DOCS, as_version=4)
     nb = nbformat.v4.new_notebook(
         metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
