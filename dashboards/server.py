@@ -44,7 +44,7 @@ from flask import Flask, Response, redirect, render_template, request, send_file
 
 from circuits.report import Report
 from dashboards.render import compare_html
-from kvnotes.errors import KVNotesError
+from kvnotes.server import check_port
 
 __all__ = ["Catalog", "create_app", "dashboard_server", "host_is_loopback", "serve", "report_id"]
 
@@ -414,20 +414,6 @@ def is_local(host: str) -> bool:
         return False
 
 
-def _check_port(host: str, port: int) -> None:
-    """Refuse, in one line with the way out, an address the dashboard cannot listen on."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Werkzeug's server binds
-            s.bind((host, port))
-    except OSError as e:
-        raise KVNotesError(
-            f"cannot listen on {host} port {port} ({e.strerror or e}); pass another --port, "
-            "or --port 0 for a free one"
-        ) from None
-
-
 def dashboard_server(
     dirs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8765, *, token: bool = True
 ):
@@ -440,7 +426,8 @@ def dashboard_server(
 
     local = is_local(host)
     secret = secrets.token_urlsafe(24) if token and not local else None
-    _check_port(host, port)  # Werkzeug's own message for a port in use is two lines and an exit(1)
+    # Werkzeug's own message for a port in use is two lines and an exit(1)
+    check_port(host, port, way_out="pass another --port, or --port 0 for a free one")
     server = make_server(host, port, create_app(dirs, loopback_only=local, token=secret), threaded=True)
     shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     shown = f"[{shown}]" if ":" in shown else shown

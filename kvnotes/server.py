@@ -197,16 +197,18 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
-def check_port(host: str, port: int) -> None:
-    """A clear error when `port` is taken, before a server fails to bind it minutes later."""
-    with socket.socket() as s:
-        try:
+def check_port(
+    host: str, port: int, way_out: str = "pass another --port, or none to take a free one"
+) -> None:
+    """A clear error when `host:port` cannot be listened on (taken, or not this machine's), before a
+    server fails to bind it minutes later, or in several lines of its own."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers themselves bind
             s.bind((host, port))
-        except OSError as e:
-            raise ServerError(
-                f"port {port} on {host} is in use ({e.strerror}); pass another --port, or none to take a "
-                "free one"
-            ) from None
+    except OSError as e:
+        raise ServerError(f"cannot listen on {host} port {port} ({e.strerror or e}); {way_out}") from None
 
 
 def vllm_distribution(python: str) -> str:

@@ -20,7 +20,10 @@ ARGS += ["--skip", "memory_blocks,agent_loop,ttft,edit_cost,regime,sae"]
 # The real `kvnotes report`, with its circuits part held until the test kills the process: the
 # probes part (the first) has finished and been saved by then.
 HOLD = """
-import pathlib, sys, time
+import pathlib, signal, sys, time
+# Ctrl-C reaches a run in the foreground; a process started in the background by a shell without job
+# control (as CI may start the suite) inherits SIGINT ignored, and Python then leaves it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import circuits.report as report
 run_part = report._task_part
 def held(model, task, section, *args, **kwargs):

@@ -148,7 +148,7 @@ def test_a_port_in_use_is_named_before_anything_starts(fake, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is in use.*another --port"):
+        with pytest.raises(ServerError, match=f"cannot listen on 127.0.0.1 port {port} .*another --port"):
             with launch(tmp_path / "model", python=str(python), port=port, progress=False):
                 pass
     assert not pids.exists()
