@@ -63,16 +63,9 @@ COMMAND_HELP = {
 }
 
 
-def _list_of(kind: type):
-    def parse(text: str) -> tuple:
-        try:
-            return tuple(kind(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated {kind.__name__}s, got {text!r}"
-            ) from None
-
-    return parse
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names from the command line ("tl_kv_cache,nnsight_hf_cache")."""
+    return tuple(x for x in text.split(",") if x.strip())
 
 
 def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str, str]:
@@ -100,7 +93,7 @@ def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str
         if o["kind"] == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         elif o["kind"] == "list":
-            kw["type"] = Bounded(number, **bounds, many=True) if number else _list_of(str)
+            kw["type"] = Bounded(number, **bounds, many=True) if number else _names
             kw["metavar"] = "LIST"
         else:
             kw["type"] = Bounded(number, **bounds) if number else str
