@@ -4,8 +4,13 @@ The context is BOS plus neutral policy-like lines (as `kvnotes bench ttft` build
 *kvnotes*: `ops.prefill` on the TransformerLens backend (the notebook is the KV cache; no position
 is unembedded). *kvnotes_nnsight*: `ops.prefill` on the nnsight backend (the Hugging Face model's
 own forward and attention kernels, fed the notebook as its cache; run with `--backend nnsight`).
-*transformers*: the model's Hugging Face twin with SDPA attention, `model(ids, use_cache=True,
-logits_to_keep=1)` under `torch.inference_mode()` (only the last position is unembedded).
+*transformers_chunked*: the model's Hugging Face twin with SDPA attention fed the context in
+chunks of the engine's `PREFILL_CHUNK` tokens (1,024), as kvnotes prefills, into its own
+`DynamicCache(config=...)` (which, as the notebook's fast path, keeps a sliding layer's window
+only), `model(chunk, cache=cache, use_cache=True, logits_to_keep=1)` under
+`torch.inference_mode()`: the strongest plain-transformers prefill, and the one kvnotes's speed is
+read against (`PrefillPoint.speedup`). *transformers*: the same twin over the whole context in one
+forward (only the last position is unembedded), reported beside it.
 *transformer_lens*: `model.tl.run_with_cache(ids)`, what a TransformerLens user runs: it keeps every
 activation and the logits at every position, so it is slow and memory-hungry by design; a length
 whose estimated cache would not fit in free memory is skipped with the estimate as the reason.
@@ -35,7 +40,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes import ops
+from kvnotes import engine, ops
 from kvnotes.analysis import Context, Options, analysis, option
 from kvnotes.bench import BenchReport, both_backends, machine
 from kvnotes.engine import run
@@ -44,7 +49,9 @@ from kvnotes.models.model import KVModel
 from kvnotes.ttft import _text_ids
 from kvnotes.types import Float, Tensor
 
-WAYS = ("kvnotes", "kvnotes_nnsight", "transformers", "transformer_lens")
+WAYS = ("kvnotes", "kvnotes_nnsight", "transformers_chunked", "transformers", "transformer_lens")
+HF_WAYS = ("transformers_chunked", "transformers")  # the ways that run the Hugging Face twin
+REFERENCE = "transformers_chunked"  # the way `PrefillPoint.speedup` reads kvnotes against
 HWM = "VmHWM after resetting it through /proc/self/clear_refs (peak RSS above VmRSS before)"
 RUSAGE = (
     "ru_maxrss of a fresh subprocess per way and length (its peak above its own peak after loading "
@@ -76,6 +83,9 @@ class PrefillPoint:
     tokens: int
     ways: list[WayResult]
     skipped: dict[str, str]  # way -> why it did not run at this length
+    # REFERENCE's median seconds over kvnotes's (> 1: kvnotes is faster); None where either did
+    # not run (and in reports written before the chunked way)
+    speedup: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,25 +111,33 @@ class PrefillReport(BenchReport):
             f"peak memory: {self.memory_method}",
             f"Δlogit, ΔK/V: max |difference| from kvnotes's last-position logits and its keys/values "
             f"of layers {self.compared_layers}",
-            f"{'tokens':>7}  {'way':<17}{'seconds [min, max]':>26}{'tokens/s':>10}{'peak MiB':>10}"
-            f"{'Δlogit':>10}{'ΔK/V':>10}",
+            f"× kvnotes: a way's median over kvnotes's; the headline compares with {REFERENCE}",
+            f"{'tokens':>7}  {'way':<21}{'seconds [min, max]':>26}{'× kvnotes':>10}{'tokens/s':>10}"
+            f"{'peak MiB':>10}{'Δlogit':>10}{'ΔK/V':>10}",
         ]
 
         def num(x: float | None) -> str:
             return "—" if x is None else f"{x:.1e}"
+
+        def times(p: PrefillPoint, w: WayResult) -> str:
+            ours = next((x.seconds for x in p.ways if x.name == "kvnotes"), None)
+            return "—" if ours is None else f"{w.seconds / ours:.2f}"
 
         for p in self.results:
             first = True
             for w in p.ways:
                 spread = f"{w.seconds:.3f} [{w.min_s:.3f}, {w.max_s:.3f}]"
                 lines.append(
-                    f"{p.tokens if first else '':>7}  {w.name:<17}{spread:>26}{w.tokens_per_s:>10.0f}"
-                    f"{w.peak_mib:>10.1f}{num(w.max_abs_logit_diff):>10}{num(w.max_abs_kv_diff):>10}"
+                    f"{p.tokens if first else '':>7}  {w.name:<21}{spread:>26}{times(p, w):>10}"
+                    f"{w.tokens_per_s:>10.0f}{w.peak_mib:>10.1f}{num(w.max_abs_logit_diff):>10}"
+                    f"{num(w.max_abs_kv_diff):>10}"
                 )
                 first = False
             for name, why in p.skipped.items():
-                lines.append(f"{p.tokens if first else '':>7}  {name:<17}skipped: {why}")
+                lines.append(f"{p.tokens if first else '':>7}  {name:<21}skipped: {why}")
                 first = False
+            if p.speedup is not None:
+                lines.append(f"{'':>7}  kvnotes is {p.speedup:.2f}× as fast as {REFERENCE}")
         fitted = {k: v for k, v in self.exponents.items() if v is not None}
         if fitted:
             lines.append(
@@ -200,6 +218,21 @@ def _transformers(r: Runners, ids: list[int]):
         return r.hf(input_ids=torch.tensor([ids], device=_device(r.model)), use_cache=True, logits_to_keep=1)
 
 
+def _transformers_chunked(r: Runners, ids: list[int]):
+    """The twin fed `engine.PREFILL_CHUNK` tokens at a time into one `DynamicCache(config=...)`
+    (read when called, so both sides chunk alike); the last chunk's output, whose cache is the
+    whole context's."""
+    from transformers import DynamicCache
+
+    chunk = engine.PREFILL_CHUNK
+    with torch.inference_mode():
+        cache = DynamicCache(config=r.hf.config)
+        for a in range(0, len(ids), chunk):
+            piece = torch.tensor([ids[a : a + chunk]], device=_device(r.model))
+            out = r.hf(input_ids=piece, cache=cache, use_cache=True, logits_to_keep=1)
+        return out
+
+
 def _transformers_readout(r: Runners, out, ids: list[int], layers: list[int]) -> Outcome:  # noqa: ARG001
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
     if hasattr(cache, "layers"):
@@ -234,6 +267,7 @@ def _transformer_lens_readout(r: Runners, out, ids: list[int], layers: list[int]
 _CALLS: dict[str, tuple[Callable, Callable]] = {
     "kvnotes": (_kvnotes, _kvnotes_readout),
     "kvnotes_nnsight": (_kvnotes_nnsight, _kvnotes_nnsight_readout),
+    "transformers_chunked": (_transformers_chunked, _transformers_readout),
     "transformers": (_transformers, _transformers_readout),
     "transformer_lens": (_transformer_lens, _transformer_lens_readout),
 }
@@ -323,7 +357,7 @@ def _in_subprocess(
     model = load_model(model_name)
     r = Runners(
         model=model,
-        hf=load_hf_twin(model) if way == "transformers" else None,
+        hf=load_hf_twin(model) if way in HF_WAYS else None,
         nn=load_model(model_name, backend="nnsight") if way == "kvnotes_nnsight" else None,
     )
     call, readout = _CALLS[way]
@@ -469,8 +503,8 @@ def _skips(
                 else f"{model.name} has no Hugging Face checkpoint for the nnsight backend to run"
             )
         if not has_hf:
-            why["transformers"] = (
-                f"{model.name} has no Hugging Face twin (it is built from a TransformerLens config)"
+            why |= dict.fromkeys(
+                HF_WAYS, f"{model.name} has no Hugging Face twin (it is built from a TransformerLens config)"
             )
         if "transformer_lens" not in why and free is not None:
             poly = tl_cache_polynomial(model) if poly is None else poly
@@ -518,7 +552,9 @@ def _point(n, ways, seconds, peaks, seen, skipped, reps) -> PrefillPoint:
                 repeats=reps,
             )
         )
-    return PrefillPoint(tokens=n, ways=results, skipped=dict(skipped))
+    med = {w.name: w.seconds for w in results}
+    speedup = med[REFERENCE] / med["kvnotes"] if REFERENCE in med and "kvnotes" in med else None
+    return PrefillPoint(tokens=n, ways=results, skipped=dict(skipped), speedup=speedup)
 
 
 def _exponent(points: list[PrefillPoint], way: str) -> float | None:
@@ -543,11 +579,11 @@ class PrefillConfig(Options):
     PrefillReport,
     quick={"lengths": (256, 1024), "repeats": 1},
     in_report=False,
-    title="Prefill: kvnotes (each backend), transformers, TransformerLens",
+    title="Prefill: kvnotes (each backend), transformers (chunked and whole), TransformerLens",
 )
 def _prefill(ctx: Context, cfg: PrefillConfig) -> PrefillReport | None:
     """Prefill one context every way: kvnotes (on the nnsight backend too with --backend nnsight),
-    transformers (SDPA), TransformerLens run_with_cache."""
+    transformers (SDPA) fed in kvnotes's chunks and in one forward, TransformerLens run_with_cache."""
     lengths = [n for n in cfg.lengths if n <= ctx.model.n_ctx] if ctx.fit_context else list(cfg.lengths)
     if not lengths:
         return None

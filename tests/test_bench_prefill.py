@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvnotes import bench_prefill as bp
 from kvnotes.analysis import get
@@ -45,9 +46,11 @@ def test_every_way_agrees_on_a_gemma3_checkpoint(hf_gemma3, report):
     ways = {w.name: w for w in point.ways}
     assert list(ways) == list(bp.WAYS)
     assert ways["kvnotes"].max_abs_logit_diff is None  # the reference the others are read against
-    for name in ("kvnotes_nnsight", "transformers", "transformer_lens"):
+    for name in ("kvnotes_nnsight", "transformers_chunked", "transformers", "transformer_lens"):
         assert ways[name].max_abs_logit_diff < 1e-3, name
         assert ways[name].max_abs_kv_diff < 1e-4, name
+    # the headline reads kvnotes against transformers fed in chunks, from the medians reported
+    assert point.speedup == pytest.approx(ways[bp.REFERENCE].seconds / ways["kvnotes"].seconds, rel=1e-12)
     windows = [hf_gemma3.window(l) for l in report.compared_layers]
     assert windows[0] is not None and windows[1] is None  # a sliding layer and a global one
 
@@ -65,6 +68,36 @@ def test_transformers_keeps_only_the_window_in_a_sliding_layer(hf_gemma3):
     assert [k.shape[1] for k in ours.keys] == [40, 40]
     logit, kv = bp._diffs(theirs, ours)
     assert logit < 1e-3 and kv < 1e-4
+
+
+def _fresh_cache_per_chunk(r, ids):
+    """A planted bug: each chunk prefilled into a cache of its own, blind to the chunks before."""
+    from transformers import DynamicCache
+
+    chunk = bp.engine.PREFILL_CHUNK
+    with torch.inference_mode():
+        for a in range(0, len(ids), chunk):
+            piece = torch.tensor([ids[a : a + chunk]])
+            out = r.hf(input_ids=piece, cache=DynamicCache(config=r.hf.config), use_cache=True, logits_to_keep=1)
+    return out
+
+
+@pytest.mark.parametrize("planted", [None, _fresh_cache_per_chunk], ids=["as-built", "fresh-cache-per-chunk"])
+def test_transformers_fed_in_chunks_equals_one_forward(hf_gemma3, monkeypatch, planted):
+    """Chunks of 32 over 96 tokens (three chunks; sliding windows of 8): the chunked way's logits
+    and sliding/global K/V equal the unchunked forward's, to the tolerances above (float32
+    attention summed in another order); a chunked prefill that forgets the earlier chunks fails."""
+    monkeypatch.setattr(bp.engine, "PREFILL_CHUNK", 32)
+    ids = context_ids(hf_gemma3, 96)
+    layers = bp.compared_layers(hf_gemma3)
+    runners = bp.Runners(model=hf_gemma3, hf=bp.load_hf_twin(hf_gemma3))
+    chunked = planted or bp._transformers_chunked
+    theirs = bp._transformers_readout(runners, chunked(runners, ids), ids, layers)
+    whole = bp._transformers_readout(runners, bp._transformers(runners, ids), ids, layers)
+    ours = bp._kvnotes_readout(runners, bp._kvnotes(runners, ids), ids, layers)  # chunked too
+    agree = [bp._diffs(theirs, ref) for ref in (whole, ours)]
+    ok = all(logit < 1e-3 and kv < 1e-4 for logit, kv in agree)
+    assert ok == (planted is None), agree
 
 
 def test_the_report_has_the_documented_keys_and_round_trips(report):
