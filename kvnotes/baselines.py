@@ -120,11 +120,21 @@ def tl_full_batched(pair: PatchPair) -> PatchFn:
     return run
 
 
+def _tl_put(cache, rows: Tensor, at: Tensor, source) -> None:
+    """`source`'s (a batch-1 `TransformerLensKeyValueCache`) K/V at slots `at` into `cache`'s rows
+    `rows`, in place, in every layer."""
+    for e, s in zip(cache.entries, source.entries):
+        e.past_keys[rows, at] = s.past_keys[0, at]  # [batch, slot, kv_head, d_head]
+        e.past_values[rows, at] = s.past_values[0, at]
+
+
 @torch.no_grad()
 def tl_kv_cache(pair: PatchPair) -> PatchFn:
     """TransformerLens's own KV cache: each prompt's prefix prefilled once into a
-    `TransformerLensKeyValueCache`; per batch the destination's cache is copied B times, row i's
-    slot overwritten with the source's entry, and only the decision tokens run.
+    `TransformerLensKeyValueCache`; the destination's entries are repeated to the batch once per
+    batch size (not per batch), and per batch row i's slot is overwritten with the source's
+    entry, only the decision tokens run against the frozen cache (nothing is appended, so nothing
+    is rolled back) and the overwritten rows are restored from the destination.
 
     TL caches keys *before* RoPE (after any qk-norm) and rotates every cached key again on each
     call, from position 0; the patched slot keeps its position, so the source's pre-RoPE key is
@@ -145,26 +155,34 @@ def tl_kv_cache(pair: PatchPair) -> PatchFn:
     decision = torch.tensor([list(pair.dst_ids[stop:])])
     grab, saved = _last_resid(model)
     vocab = torch.tensor(pair.vocab)
+    caches: dict[int, KVCache] = {}  # batch size -> the destination's cache repeated to it
+
+    def repeated(b: int) -> KVCache:
+        if b not in caches:
+            entries = [
+                Entry(
+                    past_keys=d.past_keys.repeat(b, 1, 1, 1),
+                    past_values=d.past_values.repeat(b, 1, 1, 1),
+                    frozen=True,
+                )
+                for d in dst.entries
+            ]  # [batch, slot, kv_head, d_head]
+            caches[b] = KVCache(entries, torch.ones(b, stop, dtype=torch.int), frozen=True)
+        return caches[b]
 
     def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
         rows, at = _rows_and_slots(slots)
-        b = len(slots)
-        entries = []
-        for d, s in zip(dst.entries, src.entries):
-            k = d.past_keys.expand(b, -1, -1, -1).clone()  # [batch, slot, kv_head, d_head]
-            v = d.past_values.expand(b, -1, -1, -1).clone()
-            k[rows, at] = s.past_keys[0, at]
-            v[rows, at] = s.past_values[0, at]
-            entries.append(Entry(past_keys=k, past_values=v, frozen=True))
-        cache = KVCache(entries, torch.ones(b, stop, dtype=torch.int), frozen=True)
-        tokens = decision.expand(b, -1)
-        tl.run_with_hooks(
+        cache = repeated(len(slots))
+        _tl_put(cache, rows, at, src)  # 1) overwrite the patched rows
+        tokens = decision.expand(len(slots), -1)
+        tl.run_with_hooks(  # 2) the decision tokens only
             tokens,
             past_kv_cache=cache,
             attention_mask=torch.ones_like(tokens),
             return_type=None,
             fwd_hooks=[grab],
         )
+        _tl_put(cache, rows, at, dst)  # 3) restore the rows
         return final_logits(model, saved["x"], vocab)
 
     return run
@@ -222,21 +240,38 @@ def nnsight_full_batched(pair: PatchPair) -> PatchFn:
     return run
 
 
+def _hf_put(cache, rows: Tensor, at: Tensor, source) -> None:
+    """`source`'s (a batch-1 `DynamicCache`) K/V at slots `at` into `cache`'s rows `rows`, in place,
+    in every layer that still holds those slots."""
+    for layer, s in zip(cache.layers, source.layers):
+        first = layer.get_seq_length() - layer.keys.shape[-2]  # first position the layer holds
+        keep = at >= first  # sliding layers: only slots still inside the window
+        j = at[keep] - first
+        layer.keys[rows[keep], :, j] = s.keys[0].transpose(0, 1)[j]  # [slot, kv_head, d_head]
+        layer.values[rows[keep], :, j] = s.values[0].transpose(0, 1)[j]
+
+
 @torch.no_grad()
 def nnsight_hf_cache(pair: PatchPair) -> PatchFn:
-    """Hugging Face's own cache: each prompt's prefix prefilled once by the Hugging Face model into
-    a `DynamicCache`; per batch the destination's cache is copied and repeated B times, row i's slot
-    overwritten with the source's entry, and only the decision tokens run, traced by nnsight with
-    `cache=` (transformers 5.24's name; `past_key_values=` is deprecated) and an attention mask over
-    the cache and the tokens (without one, nnsight supplies a mask of the tokens alone whenever the
-    cache is not passed as `past_key_values`, and the logits come out wrong).
+    """Hugging Face's own cache, used as a skilled user would: each prompt's prefix prefilled once
+    by the Hugging Face model into a `DynamicCache(config=...)`; the destination's cache repeated
+    to the batch once per batch size (not per batch), with its past recorded; per batch 1) row i's
+    slot overwritten in place with the source's entry, 2) only the decision tokens run, traced by
+    nnsight with `cache=` (transformers 5.24's name; `past_key_values=` is deprecated) and an
+    attention mask over the cache and the tokens (without one, nnsight supplies a mask of the
+    tokens alone whenever the cache is not passed as `past_key_values`, and the logits come out
+    wrong), 3) what they appended rolled back with the cache's own `crop`, 4) the rows restored.
 
-    The cache holds keys *after* RoPE, which the slot keeps (same position). A sliding-window layer
-    keeps only its last `sliding_window - 1` positions; a slot before them is not patched there:
-    no decision token can attend to it in that layer, so the patch has no effect in it."""
+    A sliding-window layer keeps only its last `sliding_window - 1` positions, and once it holds
+    that many, `crop` raises unless the cache records its past (`activate_past_recording`: it then
+    keeps the appended tokens until the crop, and the crop slices back the same window). A slot
+    before the window is not patched there: no decision token can attend to it in that layer, so
+    the patch has no effect in it. The cache holds keys *after* RoPE, which the slot keeps (same
+    position)."""
     from transformers import DynamicCache
 
     lm, hf, stop = pair.lm, pair.hf, pair.stop
+    n_dec = len(pair.dst_ids) - stop
 
     def prefill(ids: Sequence[int]) -> DynamicCache:
         cache = DynamicCache(config=hf.config)
@@ -245,22 +280,27 @@ def nnsight_hf_cache(pair: PatchPair) -> PatchFn:
 
     src, dst = prefill(pair.src_ids), prefill(pair.dst_ids)
     decision = torch.tensor([list(pair.dst_ids[stop:])])
+    caches: dict[int, DynamicCache] = {}  # batch size -> the destination's cache repeated to it
+
+    def repeated(b: int) -> DynamicCache:
+        if b not in caches:
+            cache = copy.deepcopy(dst)
+            cache.batch_repeat_interleave(b)
+            cache.activate_past_recording()
+            caches[b] = cache
+        return caches[b]
 
     def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
         rows, at = _rows_and_slots(slots)
-        cache = copy.deepcopy(dst)
-        cache.batch_repeat_interleave(len(slots))
-        for layer, s in zip(cache.layers, src.layers):
-            first = layer.get_seq_length() - layer.keys.shape[-2]  # first position the layer holds
-            keep = at >= first  # sliding layers: only slots still inside the window
-            j = at[keep] - first
-            layer.keys[rows[keep], :, j] = s.keys[0].transpose(0, 1)[j]  # [slot, kv_head, d_head]
-            layer.values[rows[keep], :, j] = s.values[0].transpose(0, 1)[j]
+        cache = repeated(len(slots))
+        _hf_put(cache, rows, at, src)  # 1) overwrite
         tokens = decision.expand(len(slots), -1)
-        mask = torch.ones(len(slots), stop + tokens.shape[1], dtype=torch.long)  # cache + tokens
-        with lm.trace(tokens, attention_mask=mask, cache=cache) as tracer:
+        mask = torch.ones(len(slots), stop + n_dec, dtype=torch.long)  # cache + tokens
+        with lm.trace(tokens, attention_mask=mask, cache=cache) as tracer:  # 2) decision tokens
             h = lm.model.norm.output[:, -1].save()
             tracer.stop()
+        cache.crop(-n_dec)  # 3) roll back what they appended
+        _hf_put(cache, rows, at, dst)  # 4) restore
         return _hf_answer_logits(hf, h, pair.vocab)
 
     return run

@@ -38,11 +38,12 @@ from kvnotes.baselines import (
 )
 from kvnotes.conformance import POLICY, QUERY, STATE, filled_pair
 from kvnotes.display import Displayable
-from kvnotes.engine import final_logits
+from kvnotes.engine import final_logits, run
 from kvnotes.errors import BadOption
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
+from kvnotes.notebook import Notebook
 from kvnotes.prompt import Prompt
 
 ENGINE_BATCH = 16  # the engine's batch size in reports written before it was probed
@@ -65,8 +66,9 @@ class BaselineResult:
 @dataclass(frozen=True, kw_only=True)
 class SweepResult:
     """One prompt length: the engine's and the naive way's medians (the engine's with min, max and
-    batch size), naive / engine, the two ways' largest recovery and logit differences, and the
-    strong baselines run (`baselines`) and not run, with the reason (`skipped`)."""
+    batch size), naive / engine, the two ways' largest recovery and logit differences, the
+    strong baselines run (`baselines`) and not run, with the reason (`skipped`), and the floor
+    (`floor_s`: the work every way must do) with the engine's time over it."""
 
     tokens: int
     n_patches: int
@@ -81,6 +83,10 @@ class SweepResult:
     repeats: int
     baselines: list[BaselineResult] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    # the floor: the decision tokens alone at the engine's batch size (see `floor_run`), timed
+    # beside the ways; engine_s / floor_s says how close the engine is to it (None: not measured)
+    floor_s: float | None = None
+    engine_over_floor: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> SweepResult:
@@ -89,7 +95,7 @@ class SweepResult:
             "engine_max_s": d["engine_s"],
             "engine_batch": ENGINE_BATCH,
             "repeats": 1,
-        }
+        }  # and before the floor: floor_s and engine_over_floor stay None
         return cls(**{**old, **d, "baselines": [BaselineResult(**b) for b in d.get("baselines", [])]})
 
 
@@ -132,6 +138,11 @@ class SweepReport(BenchReport):
                 f"  {'naive (one per patch)':<22}{1:>6}{r.naive_s:>10.3f}  {'':<17}{r.ratio:>9.2f}"
                 f"{r.max_logit_diff:>14.2e}",
             ]
+            if r.floor_s is not None:
+                lines.append(
+                    f"  {'floor (no prefix)':<22}{r.engine_batch:>6}{r.floor_s:>10.3f}  {'':<17}"
+                    f"{r.floor_s / r.engine_s:>9.2f}{'—':>14}   engine / floor {r.engine_over_floor:.2f}"
+                )
             for b in r.baselines:
                 lines.append(
                     f"  {b.name:<22}{b.batch_size:>6}{b.seconds:>10.3f}  "
@@ -178,6 +189,23 @@ def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[in
     ]
     model.tl.run_with_hooks(torch.tensor([list(prompt.ids)]), return_type=None, fwd_hooks=hooks)
     return final_logits(model, saved["x"], torch.tensor(vocab))
+
+
+def floor_run(model: KVModel, nb: Notebook, prompt: Prompt, vocab: tuple[int, int]):
+    """The floor of a patch sweep, as a `PatchFn`: the decision tokens alone, at the batch's size
+    and their own positions, through the engine's forward with an *empty* notebook. That is every
+    projection, norm and MLP over the decision tokens and the two answer columns of the unembed,
+    the work each way does for a batch of patches whatever it does about the prefix, plus
+    attention among the decision tokens themselves only (no prefix slot is read). The engine's
+    time over it is what attending to the prefix and patching cost."""
+    ids, pos = ops.query_tokens(model, nb, prompt)
+    empty, tok = Notebook.empty(model), torch.tensor([ids])
+
+    def floor(batch: Sequence[int]) -> torch.Tensor:
+        _, out = run(model, empty, tok.expand(len(batch), -1), pos, write=False, vocab=vocab)
+        return out.last
+
+    return floor
 
 
 def patch_sweep(
@@ -249,18 +277,24 @@ def patch_sweep(
             runs["engine_nnsight"] = _engine_on(nn, old, new, (a, b))
         candidates = (batch_size,) if batch_size else BATCH_SIZES  # a given size is only warmed up
         sizes = {
-            name: best_batch_size(run, slots, candidates)
-            for name, run in tqdm(runs.items(), desc="choosing batch sizes", disable=not progress)
+            name: best_batch_size(fn, slots, candidates)
+            for name, fn in tqdm(runs.items(), desc="choosing batch sizes", disable=not progress)
         }
         naive(slots[:1])  # warm-up
-        ways = {name: partial(sweep, run, slots, sizes[name]) for name, run in runs.items()}
+        floor = floor_run(model, nb_old, new, (a, b))
+        floor(slots[: sizes["engine"]])  # warm-up
+        ways = {name: partial(sweep, fn, slots, sizes[name]) for name, fn in runs.items()}
         timed = time_side_by_side(
-            {**ways, "naive": partial(sweep, naive, slots, 1)},
+            {
+                **ways,
+                "naive": partial(sweep, naive, slots, 1),
+                "floor": partial(sweep, floor, slots, sizes["engine"]),
+            },
             repeats,
             desc=f"patch sweep ({len(old)} tokens)",
             progress=progress,
         )
-    (eng, eng_ab), (nai, naive_ab) = timed.pop("engine"), timed.pop("naive")
+    (eng, eng_ab), (nai, naive_ab), (flo, _) = timed.pop("engine"), timed.pop("naive"), timed.pop("floor")
     rec_engine = recovery(logit_diff(eng_ab, 0, 1), ld_old, ld_new)
     rec_naive = recovery(logit_diff(naive_ab, 0, 1), ld_old, ld_new)
     return SweepResult(
@@ -288,6 +322,8 @@ def patch_sweep(
             for name, (t, logits) in timed.items()
         ],
         skipped=skipped,
+        floor_s=flo.median,
+        engine_over_floor=eng.median / flo.median,
     )
 
 

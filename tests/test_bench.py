@@ -4,11 +4,13 @@ logits; the JSON round-trips. Timings are reported, never asserted."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 import transformers as tf
 
+from kvnotes import baselines
 from kvnotes.baselines import WAYS
 from kvnotes.bench import SweepReport, SweepResult, patch_sweep, sweep_prompts
 from kvnotes.cli import main
@@ -33,6 +35,8 @@ RESULT_KEYS = {
     "repeats",
     "baselines",
     "skipped",
+    "floor_s",
+    "engine_over_floor",
 }
 BASELINE_KEYS = {"name", "seconds", "min_s", "max_s", "batch_size", "ratio", "max_abs_logit_diff"}
 
@@ -63,6 +67,60 @@ def test_every_baseline_equals_the_engine_on_a_model_with_a_hugging_face_twin(hf
         assert b.max_abs_logit_diff <= ATOL, b.name
         assert b.batch_size == 5 and b.seconds > 0
     assert r.max_logit_diff <= ATOL and r.max_recovery_diff <= ATOL
+    assert r.floor_s > 0 and r.engine_over_floor > 0
+
+
+def _every_other(put):
+    """A planted bug: of the calls that overwrite (odd) and restore (even) a batch's rows, the
+    restores are skipped, so a row keeps an earlier batch's patched slot."""
+    calls = iter(range(10**9))
+    return lambda *args: put(*args) if next(calls) % 2 == 0 else None
+
+
+PLANTED = {  # a way with one step of the strong baseline left out -> (the way, how to plant it)
+    "hf-not-rolled-back": (
+        "nnsight_hf_cache",
+        lambda mp: mp.setattr(tf.DynamicCache, "crop", lambda self, n: None),
+    ),
+    "hf-past-not-recorded": (
+        "nnsight_hf_cache",
+        lambda mp: mp.setattr(tf.DynamicCache, "activate_past_recording", lambda self: None),
+    ),
+    "hf-rows-not-restored": (
+        "nnsight_hf_cache",
+        lambda mp: mp.setattr(baselines, "_hf_put", _every_other(baselines._hf_put)),
+    ),
+    "tl-rows-not-restored": (
+        "tl_kv_cache",
+        lambda mp: mp.setattr(baselines, "_tl_put", _every_other(baselines._tl_put)),
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_a_strong_baseline_missing_a_step_is_caught(hf_gemma3, monkeypatch, bug):
+    """Three batches of 4 reuse one repeated cache: without the roll-back or the restore a later
+    batch reads an earlier one's leftovers, and its logits leave the engine's by more than ATOL;
+    without its past recorded, a sliding layer past its window refuses to be cropped."""
+    way, plant = PLANTED[bug]
+    plant(monkeypatch)
+    sweep = partial(patch_sweep, hf_gemma3, 80, n_slots=12, batch_size=4, repeats=1, progress=False)
+    if bug == "hf-past-not-recorded":
+        with pytest.raises(RuntimeError, match="activate_past_recording"):
+            sweep(baselines=(way,))
+        return
+    (b,) = sweep(baselines=(way,)).baselines
+    assert b.max_abs_logit_diff > ATOL
+
+
+def test_the_floor_is_reported_and_below_the_engine():
+    """The floor (the decision tokens alone, no prefix) at 450 tokens, where attending to the
+    prefix is most of the engine's work: below the engine's median, and the ratio is theirs."""
+    r = patch_sweep(load_model("tiny-llama"), 450, n_slots=32, repeats=5, baselines=(), progress=False)
+    assert 0 < r.floor_s < r.engine_s
+    assert r.engine_over_floor == pytest.approx(r.engine_s / r.floor_s, rel=1e-12)  # the same two medians
+    d = json.loads(json.dumps(SweepReport(model="tiny-llama", machine="m", results=[r]).to_dict()))
+    assert SweepReport.from_dict(d).results[0] == r
 
 
 def test_tl_baselines_on_tiny_gemma3_and_hf_ones_skipped_by_name(gemma3):
@@ -99,8 +157,9 @@ def test_cli_patch_sweep_writes_json(tmp_path, capsys):
             assert set(b) == BASELINE_KEYS and b["max_abs_logit_diff"] <= ATOL
             assert b["batch_size"] in (4, 8) and b["min_s"] <= b["seconds"] <= b["max_s"]
         assert sorted(r["skipped"]) == ["engine_nnsight", "nnsight_full_batched", "nnsight_hf_cache"]
+        assert r["floor_s"] > 0 and r["engine_over_floor"] > 0
     table = capsys.readouterr().out
-    for way in ("engine", "naive", *WAYS):
+    for way in ("engine", "naive", "floor", "engine / floor", *WAYS):
         assert way in table
 
 
@@ -119,3 +178,4 @@ def test_a_report_written_before_the_baselines_still_loads():
     r = SweepResult.from_dict({**old, "max_recovery_diff": 1e-5, "max_logit_diff": 1e-5})
     # exact: the value given, read back
     assert (r.engine_min_s, r.repeats, r.baselines, r.skipped) == (0.59, 1, [], {})
+    assert r.floor_s is None and r.engine_over_floor is None  # not measured then
