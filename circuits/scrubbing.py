@@ -170,7 +170,7 @@ def scrubbing(
     dens, notes_used, n_res = [], [], []
     xnotes, crossed = cross_fitted_notes(used, n_notes)
     xheads, _ = cross_fitted_heads(used, len(heads))  # the same halves, so the same fallback
-    xfit_used, xnotes_used, templates = [], [], []
+    xfit_used, xnotes_used, templates, crossed_used = [], [], [], []
     for i, t in enumerate(with_progress(used, "scrubbing")):
         prompts = resamples(t, task, n_resamples, seed=seed + 7919 * (i + 1))
         if not prompts:
@@ -209,6 +209,7 @@ def scrubbing(
         notes_used.append(t.token_strings(notes))
         xnotes_used.append(t.token_strings(xnotes[i]))
         xfit_used.append([f"L{l}H{h}" for l, h in xheads[i]])
+        crossed_used.append(crossed.pairs[i])
         n_res.append(len(prompts))
         templates.append(t.pair.template)
     scale = float(np.mean(dens)) if dens else float("nan")
@@ -234,7 +235,8 @@ def scrubbing(
         heads=[f"L{l}H{h}" for l, h in heads],
         n_notes=n_notes,
         note_tokens=notes_used,
-        cross_fitted=crossed,
+        cross_fitted=bool(crossed),
+        cross_fitted_pairs=crossed_used,
         heads_xfit=xfit_used,
         note_tokens_xfit=xnotes_used,
         resamples_per_trial=n_res,
@@ -270,7 +272,10 @@ class Scrubbing(ProbeResult):
     draws: int
     normalisation: str
     undefined: str | None = None  # why the preserved share is undefined here (no effect to preserve)
-    cross_fitted: bool | None = None  # hypothesis_xfit ranked on the other half (False: one trial, in-sample)
+    # True: every trial's hypothesis_xfit notes ranked on the other half (False: some by position,
+    # or one trial); per trial that ran, `cross_fitted_pairs`
+    cross_fitted: bool | None = None
+    cross_fitted_pairs: tuple[bool, ...] | None = None
     heads_xfit: tuple[tuple[str, ...], ...] | None = None  # per trial, the cross-fitted read heads
     note_tokens_xfit: tuple[tuple[str, ...], ...] | None = None  # per trial, the cross-fitted note slots
 

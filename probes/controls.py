@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,17 +61,56 @@ def _slot_keys(t: Trial) -> dict[int, tuple]:
     return keys
 
 
-def cross_fitted_notes(trials: Sequence[Trial], k: int) -> tuple[list[list[int]], bool]:
+@dataclass(frozen=True)
+class Crossing:
+    """Which trials `cross_fitted_notes` ranked on the other half of the trials, one flag per
+    trial: True where every slot it chose was scored there; False where some were ranked by
+    position instead (the other half has no pair of its template, or too few of its slots line
+    up) and where one trial was all there was (in-sample). True as a whole only when every trial
+    was cross-fitted; `fallback` counts the rest.
+
+    >>> c = Crossing((True, False, True))
+    >>> bool(c), c.fallback, c.summary()
+    (False, 1, '2/3 pairs ranked on the other half; 1 by position (no line-up there)')
+    """
+
+    pairs: tuple[bool, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.pairs) and all(self.pairs)
+
+    @property
+    def fallback(self) -> int:
+        return sum(not c for c in self.pairs)
+
+    def summary(self) -> str:
+        return crossing_summary(self.pairs)
+
+
+def crossing_summary(pairs) -> str:
+    """`Crossing.summary` from saved per-pair flags (None: a report written before them)."""
+    if pairs is None:
+        return "not recorded"
+    n, fell = len(pairs), sum(not c for c in pairs)
+    if n == 1:
+        return "1 pair: nothing to cross-fit on, ranked in-sample"
+    said = f"{n - fell}/{n} pairs ranked on the other half"
+    return said + (f"; {fell} by position (no line-up there)" if fell else "")
+
+
+def cross_fitted_notes(trials: Sequence[Trial], k: int) -> tuple[list[list[int]], Crossing]:
     """For each trial, its `k` downstream slots ranked on the OTHER half of the trials (even and odd
     indices): slots are lined up across pairs by `_slot_keys` and scored by the mean single-slot
     recovery the other half measured at the same key (a slot whose key the other half lacks
-    ranks last). Out of sample, unlike `top_notes`, which ranks a pair's slots on that pair. With
-    one trial it falls back to in-sample and says so."""
+    ranks last, latest position first). Out of sample, unlike `top_notes`, which ranks a pair's
+    slots on that pair. The `Crossing` says, per trial, whether every chosen slot was ranked on
+    the other half or some fell back to position (a template the other half lacks: at n = 6 with
+    4 templates, two pairs); with one trial it falls back to in-sample and says so."""
     n = len(trials)
     crossed = n >= 2
     keys = [_slot_keys(t) for t in trials]
     scores = [{keys[i][p]: r for r, p in note_scores(t)} for i, t in enumerate(trials)]
-    out = []
+    out, flags = [], []
     for i, t in enumerate(trials):
         others = [j for j in range(n) if (j % 2 != i % 2 if crossed else True)]
         mean: dict[tuple, list[float]] = {}
@@ -82,13 +121,21 @@ def cross_fitted_notes(trials: Sequence[Trial], k: int) -> tuple[list[list[int]]
         down = t.pair.downstream()
         down.sort(key=lambda p: (-rank.get(keys[i][p], float("-inf")), -p))
         out.append(down[:k])
-    return out, crossed
+        flags.append(crossed and _ranked_there([keys[i][p] for p in down[:k]], rank))
+    return out, Crossing(tuple(flags))
+
+
+def _ranked_there(keys: Sequence[tuple], rank: Mapping[tuple, float]) -> bool:
+    """Whether every chosen slot's key was scored by the other half (none ranked by position)."""
+    return all(key in rank for key in keys)
 
 
 def matched_slots(t: Trial, chosen: Sequence[int], rng: random.Random) -> list[int]:
-    """A random control for `chosen`: for each chosen slot, another downstream slot (between the
-    field and the decision) of the same token class (delimiter or not), none of them chosen; where
-    a class runs out, any other downstream slot. Never reaches outside the region."""
+    """A random control for `chosen`: for each chosen slot, in order, another downstream slot
+    (between the field and the decision) of the same token class (delimiter or not), none of them
+    chosen; where a class runs out, a slot of the other class (`off_class` counts those: a control
+    that left its class is not a matched one). Never reaches outside the region: where the region
+    runs out, fewer slots than chosen."""
     free = [p for p in t.pair.downstream() if p not in chosen]
     rng.shuffle(free)
     delim = dict(zip(free, (is_delimiter(s) for s in t.token_strings(free))))
@@ -99,6 +146,23 @@ def matched_slots(t: Trial, chosen: Sequence[int], rng: random.Random) -> list[i
         if same or rest:
             picked.append((same or rest)[0])
     return picked
+
+
+def off_class(t: Trial, chosen: Sequence[int], picked: Sequence[int]) -> int:
+    """How many of `matched_slots`' `picked` slots are not of the token class of the chosen slot
+    they stand for (the i-th picked for the i-th chosen)."""
+    pairs = list(zip(chosen, picked))
+    kinds = [is_delimiter(s) for s in t.token_strings([p for pair in pairs for p in pair])]
+    return sum(a != b for a, b in zip(kinds[0::2], kinds[1::2]))
+
+
+def paired(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[list, list, list]:
+    """`a` and `b` (one value or None per pair) over the same pairs: where either lacks a value,
+    both get None (so `dropped` counts it in each), and the per-pair difference a - b."""
+    both = [x is not None and y is not None for x, y in zip(a, b)]
+    a2 = [x if ok else None for x, ok in zip(a, both)]
+    b2 = [y if ok else None for y, ok in zip(b, both)]
+    return a2, b2, [x - y if ok else None for x, y, ok in zip(a, b, both)]
 
 
 def _blocked_lost(t: Trial, rows: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -117,18 +181,22 @@ def knockout(
     pair in the new-value run, and as control to `k` random slots (`draws` draws, averaged).
 
     Values are the fraction of the decision lost: (ld_new - ld_knocked) / (ld_new - ld_old);
-    0 = nothing lost, 1 = back to the old value's decision. Parts: `top` (headline), `random`.
+    0 = nothing lost, 1 = back to the old value's decision.
 
-    Out of sample: `top_xfit` blocks the k slots ranked on the other half of the pairs
+    Headline, out of sample: `top_xfit` blocks the k slots ranked on the other half of the pairs
     (`cross_fitted_notes`), `matched` as many slots matched to those in region and token class
-    (`matched_slots`, `draws` draws; left out, and counted in `dropped`, on a pair whose region has
-    fewer than 2k slots). `top` and `random` are in-sample (the top slots of the pair's
-    own map; the random slots drawn outside them, topped up from before the field): compare
-    `top_xfit` with `matched`.
+    (`matched_slots`, `draws` draws), and `xfit_minus_matched` is their difference pair by pair
+    (its CI is the paired comparison). The three run over the same pairs: on a pair whose region
+    has fewer than 2k slots there is no matched control, and the pair is left out of all three
+    (counted in their `dropped`). `cross_fitted_pairs` says which pairs were ranked on the other
+    half (not by position), `matched_off_class` how many control slots had to leave their token
+    class. In-sample, kept beside them: `top` (the top slots of the pair's own map) and `random`
+    (slots drawn outside them, topped up from before the field).
     """
     used, excluded = split_by_effect(trials, min_effect)
     top_lost, rand_lost, chosen = [], [], []
     xfit_lost, matched_lost = [], []
+    off, drawn = 0, 0
     xfit, crossed = cross_fitted_notes(used, k)
     for i, t in enumerate(with_progress(used, "knockout")):
         rng = random.Random(f"knockout/{seed}/{i}")
@@ -143,9 +211,13 @@ def knockout(
         xfit_lost.append(float(lost[0]))
         whole = all(len(c) == len(xfit[i]) for c in controls)  # else the region is too small to match
         matched_lost.append(float(lost[1:].mean()) if whole else None)
+        if whole:
+            off += sum(off_class(t, xfit[i], c) for c in controls)
+            drawn += sum(len(c) for c in controls)
+    xfit_lost, matched_lost, diff = paired(xfit_lost, matched_lost)
     return Knockout.of(
         name="knockout",
-        headline="top",
+        headline="top_xfit",
         parts={
             k: Estimate.of(v, clusters=clusters_of(used))  # one value (or None) per used trial
             for k, v in (
@@ -153,14 +225,18 @@ def knockout(
                 ("random", rand_lost),
                 ("top_xfit", xfit_lost),
                 ("matched", matched_lost),
+                ("xfit_minus_matched", diff),
             )
         },
-        cross_fitted=crossed,
+        cross_fitted=bool(crossed),
+        cross_fitted_pairs=crossed.pairs,
+        matched_off_class=(off, drawn),
         excluded=excluded,
         k=k,
         draws=draws,
         slots=chosen,
-        description=f"block the decision's attention to the top-{k} note slots (vs {k} random slots)",
+        description=f"block the decision's attention to the top-{k} note slots, ranked on the other "
+        "pairs (vs as many slots matched to them)",
     )
 
 
@@ -198,17 +274,20 @@ def false_note_injection(
     """Into the old notebook (consistent with its live field) write the new run's K/V at the
     top-k note slots, k in `ks`: does the decision follow the injected note against the field?
 
-    Parts per k: `k{k}` recovery toward the injected conclusion; `follows_k{k}` whether the
-    chosen answer became the injected one (over pairs whose old and new choices differ); and
-    `random_k{k}`, the same injection into k slots drawn at random from the same downstream region,
-    as control (when the region has no more than k slots, control and top-k are the same slots).
-    Headline: the largest k.
+    Headline, out of sample, at the largest k: `xfit_k{k}` injects the k slots ranked on the other
+    half of the pairs (`cross_fitted_notes`), `matched_k{k}` as many slots matched to those in
+    region and token class (`matched_slots`), and `xfit_minus_matched_k{k}` is their difference
+    pair by pair (its CI is the paired comparison). The three run over the same pairs: on a pair
+    whose region has fewer than 2k slots there is no matched control, and the pair is left out of
+    all three at that k (counted in their `dropped`). `cross_fitted_pairs` says which pairs were
+    ranked on the other half (not by position), `matched_off_class` per k how many control slots
+    had to leave their token class.
 
-    `k{k}` ranks each pair's slots on that pair's own map, so `k1` is the maximum of the list its
-    control samples from. Out of sample: `xfit_k{k}` injects the k slots ranked on the other half
-    of the pairs (`cross_fitted_notes`), `matched_k{k}` as many slots matched to those in region and
-    token class (`matched_slots`); on a pair whose region has fewer than 2k slots there is no such
-    control, and its value is left out (counted in the part's `dropped`).
+    In-sample, kept beside them: `k{k}` (recovery toward the injected conclusion, the pair's own
+    top-k slots, so `k1` is the maximum of the list its control samples from), `follows_k{k}`
+    (whether the chosen answer became the injected one, over pairs whose old and new choices
+    differ) and `random_k{k}` (the same injection into k slots drawn at random from the same
+    downstream region; when the region has no more than k slots, the same slots as `k{k}`).
     """
     used, excluded = split_by_effect(trials, min_effect)
     ks = sorted(set(int(k) for k in ks))
@@ -216,19 +295,8 @@ def false_note_injection(
     rand = {k: [] for k in ks}
     follows = {k: [] for k in ks}
     follows_c = []  # the template of each pair whose choice flips (the pairs `follows` counts)
-    xfit = {k: [] for k in ks}
-    matched = {k: [] for k in ks}
-    xfit_slots, crossed = cross_fitted_notes(used, ks[-1])
+    xfit, matched = _injected_out_of_sample(used, ks, seed)
     for i, t in enumerate(with_progress(used, "false_note_injection")):
-        mrng = random.Random(f"inject-matched/{seed}/{i}")
-        controls = [matched_slots(t, xfit_slots[i][:k], mrng) for k in ks]
-        specs = [Patch(positions=tuple(xfit_slots[i][:k])) for k in ks]
-        specs += [Patch(positions=tuple(c)) for c in controls]
-        r = t.sweep(specs)
-        for j, k in enumerate(ks):
-            xfit[k].append(float(r[j]))
-            whole = len(controls[j]) == len(xfit_slots[i][:k])  # else the region is too small to match
-            matched[k].append(float(r[len(ks) + j]) if whole else None)
         rng = random.Random(f"inject/{seed}/{i}")
         ranked = top_notes(t, ks[-1])
         down = t.pair.downstream()
@@ -248,17 +316,48 @@ def false_note_injection(
     parts = {f"k{k}": Estimate.of(v, clusters=every) for k, v in rec.items()}
     parts.update({f"follows_k{k}": Estimate.of(v, clusters=follows_c) for k, v in follows.items()})
     parts.update({f"random_k{k}": Estimate.of(v, clusters=every) for k, v in rand.items()})
-    parts.update({f"xfit_k{k}": Estimate.of(v, clusters=every) for k, v in xfit.items()})
-    parts.update({f"matched_k{k}": Estimate.of(v, clusters=every) for k, v in matched.items()})
+    for k in ks:
+        x, m, diff = paired(xfit["values"][k], matched[k])
+        parts[f"xfit_k{k}"] = Estimate.of(x, clusters=every)
+        parts[f"matched_k{k}"] = Estimate.of(m, clusters=every)
+        parts[f"xfit_minus_matched_k{k}"] = Estimate.of(diff, clusters=every)
     return FalseNoteInjection.of(
-        cross_fitted=crossed,
+        cross_fitted=bool(xfit["crossed"]),
+        cross_fitted_pairs=xfit["crossed"].pairs,
+        matched_off_class=xfit["off_class"],
         name="false_note_injection",
-        headline=f"k{ks[-1]}",
+        headline=f"xfit_k{ks[-1]}",
         parts=parts,
         excluded=excluded,
         ks=ks,
-        description="write the opposite conclusion's K/V into the top-k note slots of a consistent notebook",
+        description="write the opposite conclusion's K/V into the top-k note slots of a consistent "
+        "notebook, ranked on the other pairs (vs as many slots matched to them)",
     )
+
+
+def _injected_out_of_sample(used: Sequence[Trial], ks: Sequence[int], seed: int) -> tuple[dict, dict]:
+    """False-note injection into each trial's cross-fitted top-k slots and into slots matched to
+    them: `({"values": {k: [...]}, "crossed": Crossing, "off_class": {k: (left, drawn)}},
+    {k: [matched value or None]})`, one value per trial."""
+    xfit = {k: [] for k in ks}
+    matched = {k: [] for k in ks}
+    off = {k: [0, 0] for k in ks}
+    xfit_slots, crossed = cross_fitted_notes(used, ks[-1])
+    for i, t in enumerate(with_progress(used, "false_note_injection (cross-fitted)")):
+        mrng = random.Random(f"inject-matched/{seed}/{i}")
+        controls = [matched_slots(t, xfit_slots[i][:k], mrng) for k in ks]
+        specs = [Patch(positions=tuple(xfit_slots[i][:k])) for k in ks]
+        specs += [Patch(positions=tuple(c)) for c in controls]
+        r = t.sweep(specs)
+        for j, k in enumerate(ks):
+            xfit[k].append(float(r[j]))
+            whole = len(controls[j]) == len(xfit_slots[i][:k])  # else the region is too small to match
+            matched[k].append(float(r[len(ks) + j]) if whole else None)
+            if whole:
+                off[k][0] += off_class(t, xfit_slots[i][:k], controls[j])
+                off[k][1] += len(controls[j])
+    info = {"values": xfit, "crossed": crossed, "off_class": {k: tuple(v) for k, v in off.items()}}
+    return info, matched
 
 
 @dataclass(frozen=True)
@@ -273,11 +372,19 @@ class Knockout(ProbeResult):
     out of sample, the cross-fitted top slots (`top_xfit`) vs slots matched to them (`matched`)."""
 
     PARTS = ("top", "random")
-    PART_PATTERNS = ("top_xfit", "matched")  # optional: reports written before them load too
+    # optional: reports written before them load too
+    PART_PATTERNS = ("top_xfit", "matched", "xfit_minus_matched")
+    IN_SAMPLE = ("top", "random")
     k: int
     draws: int
     slots: tuple[KnockedSlots, ...]
-    cross_fitted: bool | None = None  # top_xfit ranked on the other half (False: one pair, in-sample)
+    # True: every pair's top_xfit ranked on the other half (False: some by position, or one pair)
+    cross_fitted: bool | None = None
+    cross_fitted_pairs: tuple[bool, ...] | None = None  # per used pair: ranked on the other half
+    matched_off_class: tuple[int, int] | None = None  # control slots that left their class, of all drawn
+
+    def notes(self) -> list[tuple[str, str]]:
+        return _control_notes(self, {self.k: self.matched_off_class})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,9 +400,37 @@ class FalseNoteInjection(ProbeResult):
     (`follows_k{k}`), and the same injection into random slots (`random_k{k}`); out of sample, the
     cross-fitted top slots (`xfit_k{k}`) and slots matched to them (`matched_k{k}`)."""
 
-    PART_PATTERNS = (r"k\d+", r"follows_k\d+", r"random_k\d+", r"xfit_k\d+", r"matched_k\d+")
+    PART_PATTERNS = (
+        r"k\d+",
+        r"follows_k\d+",
+        r"random_k\d+",
+        r"xfit_k\d+",
+        r"matched_k\d+",
+        r"xfit_minus_matched_k\d+",
+    )
+    IN_SAMPLE = (r"k\d+", r"follows_k\d+", r"random_k\d+")
     ks: tuple[int, ...]
-    cross_fitted: bool | None = None
+    cross_fitted: bool | None = None  # as Knockout's
+    cross_fitted_pairs: tuple[bool, ...] | None = None
+    matched_off_class: Mapping[int, tuple[int, int]] | None = None  # per k, as Knockout's
+
+    def notes(self) -> list[tuple[str, str]]:
+        return _control_notes(self, self.matched_off_class)
+
+
+def _control_notes(r, off: Mapping | None) -> list[tuple[str, str]]:
+    """The table's rows on how the out-of-sample figures were chosen: pairs cross-fitted, and
+    control slots that left their token class."""
+    if r.not_applicable or r.cross_fitted_pairs is None:
+        return []
+    rows = [(f"{r.name}.cross_fitted", crossing_summary(r.cross_fitted_pairs))]
+    for k, got in sorted((off or {}).items()):
+        if got is not None:
+            left, drawn = got
+            where = f"matched_k{k}" if r.name == "false_note_injection" else "matched"
+            said = f"{left} of {drawn} control slots left their token class" if drawn else "no pair had room"
+            rows.append((f"{r.name}.{where} off class", said))
+    return rows
 
 
 @dataclass(frozen=True)

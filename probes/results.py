@@ -349,6 +349,9 @@ class ProbeResult(Displayable):
     CURVE_PATTERNS: ClassVar[tuple[str, ...]] = ()
     TABLES: ClassVar[tuple[str, ...]] = ()
     OPEN: ClassVar[bool] = False  # True: any part, curve and table names (the generic result)
+    # parts measured in-sample (names or patterns): labelled so in tables and listed under
+    # `in_sample` in JSON, beside the out-of-sample figures a headline should be
+    IN_SAMPLE: ClassVar[tuple[str, ...]] = ()
 
     name: str
     headline: str
@@ -432,6 +435,14 @@ class ProbeResult(Displayable):
             raise TypeError(f"{type(self).__name__} has no curve {name!r}; it declares {list(self.CURVES)}")
         return self.curves.get(name)
 
+    def in_sample(self) -> list[str]:
+        """The parts of this result measured in-sample (`IN_SAMPLE`)."""
+        return [k for k in self.parts if any(re.fullmatch(p, k) for p in self.IN_SAMPLE)]
+
+    def notes(self) -> list[tuple[str, str]]:
+        """Further table rows a result class adds after its figures (how its controls were chosen)."""
+        return []
+
     def dropped(self) -> int:
         """Non-finite values left out of all this result's parts and curves (0: none)."""
         return sum(e.dropped for e in self.parts.values()) + sum(
@@ -454,6 +465,7 @@ class ProbeResult(Displayable):
             **self.estimate.to_dict(),
             "headline": self.headline,
             "description": self.description,
+            **({"in_sample": self.in_sample()} if self.in_sample() else {}),
             **{k: v.to_dict() for k, v in self.parts.items()},
             **{k: v.to_dict() for k, v in self.curves.items()},
             **{k: encode(v) for k, v in self.tables.items()},
@@ -498,9 +510,22 @@ class ProbeResult(Displayable):
         )
 
     def rows(self) -> list[tuple[str, str]]:
-        return [
-            (f"{self.name}.{k}" + (" *" if k == self.headline else ""), str(v)) for k, v in self.parts.items()
-        ] + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()]
+        """One row per part (the headline starred, in-sample parts labelled so), per curve, and
+        the class's `notes`."""
+        inside = set(self.in_sample())
+        return (
+            [
+                (
+                    f"{self.name}.{k}"
+                    + (" (in-sample)" if k in inside else "")
+                    + (" *" if k == self.headline else ""),
+                    str(v),
+                )
+                for k, v in self.parts.items()
+            ]
+            + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()]
+            + self.notes()
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -510,7 +535,7 @@ class GenericResult(ProbeResult):
     OPEN: ClassVar[bool] = True
 
 
-_RESERVED = {"mean", "ci", "values", "clusters", "headline", "description", "details"}
+_RESERVED = {"mean", "ci", "values", "clusters", "headline", "description", "details", "in_sample"}
 _CORE = {"name", "headline", "parts", "curves", "tables", "description"}
 _TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts and curves hold objects)
 
