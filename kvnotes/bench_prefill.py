@@ -430,7 +430,7 @@ def prefill_bench(
     >>> from kvnotes import load_model
     >>> report = prefill_bench(load_model("tiny-llama"), [64], repeats=1, progress=False)
     >>> [w.name for w in report.results[0].ways], list(report.results[0].skipped)
-    (['kvnotes', 'transformer_lens'], ['kvnotes_nnsight', 'transformers'])
+    (['kvnotes', 'transformer_lens'], ['kvnotes_nnsight', 'transformers_chunked', 'transformers'])
     """
     bad = [n for n in lengths if not isinstance(n, int) or n < 2]
     if bad:
