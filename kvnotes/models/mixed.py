@@ -1,43 +1,79 @@
-"""Mixed organisms: a decision that reads the field directly AND reads notes, in a known share.
+"""Mixed organisms: a decision that reads the field directly AND reads notes, in a known share,
+through the notes' values at one layer and their keys at another.
 
 The trained organisms (`kvnotes.models.organisms`) each leave one route open, so field refresh =
 0 / transplant = 1 (or the reverse) follow from the attention masks alone. On a real model both
-routes are open and the question is their mix. A mixed organism is a case whose mix is known:
-its weights are compiled by hand (in the spirit of tracr), not trained, so every figure the
-probes should report follows from the construction below and `share`, the notes' share.
+routes are open and the question is their mix, and what differs between two runs can sit in the
+keys as well as the values, at any layer. A mixed organism is a case whose mix is known: its
+weights are compiled by hand (in the spirit of tracr), not trained, so every figure the probes
+should report follows from the construction below, `share` (the notes' share of the decision)
+and `KEY_PART` (the part of that share read through the notes' keys).
 
-Two layers, two heads, no normalisation, no MLP (its weights are 0). The residual stream has one
-named direction per feature (`DIMS`); every query and key lives in head dimensions that RoPE
-leaves alone (`rotary_dim` = 4 of 16), so attention is by content wherever the prompt puts things.
+Three layers, two heads, no normalisation, no MLP (its weights are 0). The residual stream has one
+named direction per feature (`DIMS`). Head dimensions 0-3 are rotated by RoPE (`rotary_dim` 4 of
+16, NeoX pairing: dims 1 and 3 are the low-frequency pair, `ROTARY_BASE` ** -1/2 = 1e-3 radians
+per token); everything but one key lives in the dimensions past them, where attention is by
+content wherever the prompt puts things.
 
 - layer 0, head 0, the note writer: a `;` token (a *writer*) attends to the gating field's value
   token and copies the value's sign (+1 for the value whose answer is `answers[0]`, -1 for the
   other) into `note`, and a 1 into `has_note`. Every other token (and a `;` before the field)
   attends to the first token, which carries nothing. So the notes are exactly the `;` slots
-  between the field and the decision.
+  between the field and the decision: two in every prompt of the `mixed-organism` task.
 - layer 1, head 0, the direct read: every token attends to the field's value token and writes
   (1 - share) x its sign into `out`.
-- layer 1, head 1, the note read: every token attends evenly to the slots with `has_note` and
-  writes share x the mean of their `note` into `out`.
+- layer 1, head 1, the value route: every token attends evenly to the slots with `has_note` (a key
+  the same in both runs) and writes share (1 - KEY_PART) x the mean of their `note` (a value that
+  differs) into `out`.
+- layer 2, heads 0 and 1, the key route: head 0's key is `note` in the low-frequency rotary pair,
+  head 1's is -`note` past the rotary dims; each query is constant. So head 0 attends to the notes
+  that say +1 and head 1 to those that say -1 (a note of the other sign scores -SCORE, every other
+  slot 0). Both read `has_note`, 1 at every note in both runs, and write +-share KEY_PART into `out`:
+  head 0 gives share KEY_PART x [some note says +1], head 1 -share KEY_PART x [some note says -1].
+  With two notes, [some +1] - [some -1] = mean(note) for each of the four sign patterns
+  ((1 - 0), (1 - 1), (0 - 1)), so this route too is linear in each note, and what it reads
+  differs between the runs only in the notes' keys.
 - unembedding: `out` x GAIN onto the first answer, minus that onto the second.
 
-So at the decision ld = 2 GAIN ((1 - share) sign(field) + share mean(note)), linear in both routes,
-and the softmaxes are saturated (scores 0 or SCORE = 30 logits, so a leak of e^-30 per slot):
+So at the decision, with s the field's sign and n the mean of the notes' signs as the decision
+reads them at layer 1 (values) and at layer 2 (keys),
 
-| probe (recovery toward the new value's decision)    | known answer       |
-|------------------------------------------------------|--------------------|
-| field-only refresh                                   | 1 - share          |
-| notes transplant (every downstream slot)             | share              |
-| note map: single-slot transplant at each note        | share / notes      |
-| note map: any other downstream slot                  | 0                  |
-| false-note injection at the notes (all of them)      | share              |
-| knockout of the notes (fraction of the effect lost)  | share / 2          |
+    ld = 2 GAIN ((1 - share) s + share (1 - KEY_PART) n_values@1 + share KEY_PART n_keys@2),
 
-Knockout removes the notes' term from ld_new, share x ld_new; the effect ld_new - ld_old is
-2 x ld_new because the two values' decisions are symmetric, so the fraction lost is share / 2.
+linear in every route. The softmaxes are saturated: scores are 0 or SCORE = 30 logits, except head 0
+at layer 2, where the rotary pair turns SCORE into SCORE cos(1e-3 d) for a note d tokens before the
+decision. Over the whole context (d < n_ctx = 512) that stays above 26 logits (cos 0.51 = 0.87), so
+each slot off the winners leaks at most e^-26 (1e-11); within a prompt of the task (d < 40) it
+varies by less than 0.03 logits. Both notes carry the same value there, so how the winners share
+their weight does not matter. (The high-frequency pair turns 1 radian per token: there a note's
+score would swing between +SCORE and -SCORE with its distance.) In a pair the field's sign flips, so
+each probe's recovery (toward the new value's decision) is the share of the routes it moves:
 
-These hold for any prompt of the `mixed-organism` task (`designed_notes` lists its note slots);
-tests/models/test_mixed_organism.py checks each one through the probes, at n = 32.
+| probe (recovery toward the new value's decision)  | known answer (k = KEY_PART, notes = 2)  |
+|----------------------------------------------------|-----------------------------------------|
+| field-only refresh                                 | 1 - share                               |
+| notes transplant, K and V (every downstream slot)  | share                                   |
+| notes transplant, K only                           | share k                                 |
+| notes transplant, V only                           | share (1 - k)                           |
+| notes transplant at layer 0, 1, 2 alone            | 0, share (1 - k), share k               |
+| note map: single-slot transplant at each note      | share / notes                           |
+| note map: each note at layer 0, 1, 2 alone         | 0, share (1 - k) / notes, share k / notes |
+| note map: any other downstream slot                | 0                                       |
+| false-note injection at 1, both notes              | share / notes, share                    |
+| knockout of the notes (fraction of the effect lost)| share / 2                               |
+
+A single note moves n halfway in both routes: (+1 + -1) / 2 = 0 in the values, and
+[some +1] - [some -1] = 1 - 1 = 0 in the keys. Knockout removes the notes' terms (with no note in
+view the three note heads spread over slots whose `note` and `has_note` are 0) from ld_new, share x
+ld_new; the effect ld_new - ld_old is 2 x ld_new because the two values' decisions are symmetric, so
+the fraction lost is share / 2. A transplant that copies only values, only keys or only the last
+layer recovers share (1 - k), share k or share k instead of share, each a known part short; so does
+a note map restricted the same way, per note.
+
+These hold for any prompt of the `mixed-organism` task (`designed_notes` lists its note slots;
+`designed_answers` gives the table for a share); tests/models/test_mixed_organism.py checks each
+one through the probes, at n = 32, and that a transplant copying only values, only keys or only
+the last layer fails those checks.
 """
 
 from __future__ import annotations
@@ -53,10 +89,15 @@ from kvnotes.models.tiny import tiny_tokenizer
 MIXED_ORGANISMS: dict[str, float] = {"mixed-organism-25": 0.25, "mixed-organism-75": 0.75}
 TASK = "mixed-organism"
 WRITER = ";"  # token text (stripped) of the slots that take notes
-SCORE = 30.0  # attention logit of a matching key; every other key scores 0
+NOTES = 2  # note slots in every prompt of the task: the ";" after the field
+SCORE = 30.0  # attention logit of a matching key; every other key scores 0 (or -SCORE)
 GAIN = 4.0  # logits per unit of `out`: the decision's logit difference is +-2 GAIN = +-8
-D_MODEL, N_HEADS, D_HEAD, ROTARY_DIM = 32, 2, 16, 4
+KEY_PART = 0.6  # the part of the notes' share read through their keys (layer 2); the rest, values (layer 1)
+N_LAYERS, D_MODEL, N_HEADS, D_HEAD, ROTARY_DIM = 3, 32, 2, 16, 4
+ROTARY_BASE = 1e6  # the low-frequency pair turns 1e-3 rad per token: cos > 0.87 across n_ctx = 512
+N_CTX = 512
 DIMS = {"one": 0, "first": 1, "field": 2, "sign": 3, "writer": 4, "has_note": 5, "note": 6, "out": 7}
+_LOW = 1  # the head dimension of the low-frequency rotary pair (NeoX pairing: with dim 3)
 _Q = ROTARY_DIM  # the head dimensions content lives in: past the rotated ones
 _Q2 = ROTARY_DIM + 1
 
@@ -68,14 +109,15 @@ def hooked_config(name: str, d_vocab: int):
         d_model=D_MODEL,
         d_head=D_HEAD,
         n_heads=N_HEADS,
-        n_layers=2,
+        n_layers=N_LAYERS,
         d_mlp=4,
-        n_ctx=512,
+        n_ctx=N_CTX,
         d_vocab=d_vocab,
         act_fn="relu",
         positional_embedding_type="rotary",
         rotary_dim=ROTARY_DIM,
-        rotary_base=10000,
+        rotary_base=ROTARY_BASE,
+        rotary_adjacent_pairs=False,
         normalization_type=None,
         default_prepend_bos=True,
         tokenizer_prepends_bos=True,
@@ -83,6 +125,30 @@ def hooked_config(name: str, d_vocab: int):
         original_architecture="kvnotes-mixed-organism",
         seed=None,
     )
+
+
+def designed_answers(share: float) -> dict[str, float]:
+    """The module docstring's table for notes' share `share`: each probe's recovery toward the new
+    value's decision (knockout: the fraction of the effect lost). `note` is one note's single-slot
+    transplant (and injection), `note_layer_{l}` one note at layer l alone, `layer_{l}` every
+    downstream slot at layer l alone, `other_slot` a downstream slot that is not a note."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must be in [0, 1], got {share}")
+    by_layer = (0.0, share * (1 - KEY_PART), share * KEY_PART)  # what each layer reads of the notes
+    out = {
+        "field_refresh": 1 - share,
+        "kv": share,
+        "k_only": share * KEY_PART,
+        "v_only": share * (1 - KEY_PART),
+        "note": share / NOTES,
+        "other_slot": 0.0,
+        "inject_one": share / NOTES,
+        "inject_all": share,
+        "knockout": share / 2,
+    }
+    out.update({f"layer_{l}": v for l, v in enumerate(by_layer)})
+    out.update({f"note_layer_{l}": v / NOTES for l, v in enumerate(by_layer)})
+    return out
 
 
 def token_ids(tokenizer) -> dict[str, object]:
@@ -129,8 +195,7 @@ def compile_weights(share: float, tl) -> None:
             W_E[tok, d["sign"]] = sign
         for tok in ids["writers"]:
             W_E[tok, d["writer"]] = 1.0
-        scale = tl.blocks[0].attn.attn_scale
-        s = SCORE * float(scale)
+        s = SCORE * float(tl.blocks[0].attn.attn_scale)
 
         a0 = tl.blocks[0].attn  # the note writer
         a0.W_Q[0, d["one"], _Q] = s  # everyone looks at the first token...
@@ -147,10 +212,19 @@ def compile_weights(share: float, tl) -> None:
         a1.W_K[0, d["field"], _Q] = 1.0
         a1.W_V[0, d["sign"], _Q] = 1.0
         a1.W_O[0, _Q, d["out"]] = 1.0 - share
-        a1.W_Q[1, d["one"], _Q] = s  # head 1 reads the notes
+        a1.W_Q[1, d["one"], _Q] = s  # head 1, the value route: keys alike in both runs, values not
         a1.W_K[1, d["has_note"], _Q] = 1.0
         a1.W_V[1, d["note"], _Q] = 1.0
-        a1.W_O[1, _Q, d["out"]] = share
+        a1.W_O[1, _Q, d["out"]] = share * (1 - KEY_PART)
+
+        a2 = tl.blocks[2].attn  # the key route: keys differ between the runs, values not
+        a2.W_Q[0, d["one"], _LOW] = s  # head 0: notes saying +1, by a rotated key
+        a2.W_K[0, d["note"], _LOW] = 1.0
+        a2.W_Q[1, d["one"], _Q] = s  # head 1: notes saying -1, by an unrotated key
+        a2.W_K[1, d["note"], _Q] = -1.0
+        for h, sign in ((0, 1.0), (1, -1.0)):
+            a2.W_V[h, d["has_note"], _Q] = 1.0
+            a2.W_O[h, _Q, d["out"]] = sign * share * KEY_PART
 
         first, second = ids["answers"]
         tl.unembed.W_U[d["out"], first] = GAIN
@@ -173,7 +247,7 @@ def load_mixed_organism(name: str) -> KVModel:
 
     >>> m = load_mixed_organism("mixed-organism-25")
     >>> m.n_layers, m.window(0)
-    (2, None)
+    (3, None)
     """
     from transformer_lens import HookedTransformer
 
