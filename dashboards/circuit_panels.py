@@ -22,6 +22,7 @@ from dashboards.figures import (
 )
 from dashboards.probe_panels import est, n_note, say
 from dashboards.registry import for_type, panel
+from probes.controls import crossing_summary
 from probes.results import Curve
 
 
@@ -151,7 +152,7 @@ def scrubbing_panel(r: Scrubbing, key: str) -> list[Panel]:
             f"{say(r.part('hypothesis_xfit'))} of the effect, a circuit matched to it in region, "
             f"token class and layers {say(r.part('matched_circuit'))}; chosen on the same pairs it "
             f"preserves {say(r.part('hypothesis'))}."
-            + ("" if r.cross_fitted else " With one pair nothing could be cross-fitted: all in-sample.")
+            + ("" if r.cross_fitted else f" Cross-fitting: {_crossing(r)}.")
         )
     else:  # a report written before the out-of-sample parts
         reading = (
@@ -357,3 +358,11 @@ def prompt_attribution_panels(a, key: str = "attribution") -> list[Panel]:
             )
         )
     return panels
+
+
+def _crossing(r: Scrubbing) -> str:
+    """How the hypothesis was cross-fitted, where it was not on every pair (a report written before
+    the per-pair flags had False only for a single pair)."""
+    if r.cross_fitted_pairs is None:
+        return "with one pair nothing could be cross-fitted, all in-sample"
+    return crossing_summary(r.cross_fitted_pairs)

@@ -234,7 +234,7 @@ class AgentTurns:
     strategy: str
     turns: int
     prompts: int
-    agreement: float | None  # share of turns whose likelier answer matches recompute's
+    agreement: float | None  # share of turns whose likelier answer matches recompute's (None for recompute)
     follows: float | None  # share of turns whose likelier answer follows the toggled value
     cumulative_ttft: float  # seconds summed over all turns of all prompts
     hit_rate: float | None
@@ -308,7 +308,9 @@ class ServeReport(BenchReport):
                     f"{a.cumulative_ttft:>10.2f}{pct(a.hit_rate):>9}"
                 )
         lines.append(
-            "agree: same likelier answer as the fresh prompt; |Δld|: mean gap to its log-prob difference; "
+            "agree: same likelier answer as the fresh prompt sent as a new request under a cache salt of "
+            "its own (computed from scratch; in the agent loop recompute is that reference, so its agree "
+            "is —); |Δld|: mean gap to its log-prob difference; "
             "follows / fresh: the likelier answer is the rule's for the current value (0.5 with one "
             "constant answer)"
         )
@@ -359,18 +361,26 @@ async def _drive(server: Server, planned: Sequence[Planned], answers, salt: str,
             bar.close()
 
 
-async def _sequential(server: Server, prompts: Sequence[str], answers, salt: str | None) -> list[Completion]:
+async def _sequential(
+    server: Server, prompts: Sequence[str], answers, salt: str | Sequence[str] | None
+) -> list[Completion]:
+    """`prompts` one at a time, under `salt` (one for all, or one per prompt)."""
     import httpx
 
+    salts = [salt] * len(prompts) if salt is None or isinstance(salt, str) else list(salt)
     async with httpx.AsyncClient(timeout=None) as client:
-        return [await complete(client, server, p, answers=answers, salt=salt) for p in prompts]
+        return [await complete(client, server, p, answers=answers, salt=s) for p, s in zip(prompts, salts)]
 
 
-def _references(server: Server, prompts: Sequence[str], answers, memo: dict, salt: str) -> list[Completion]:
-    """The completion of each fresh prompt, from `memo` where a run already sent that exact text
-    (an in-place run sends exactly the fresh prompts), else sent now, one at a time."""
+def _references(server: Server, prompts: Sequence[str], answers, memo: dict) -> list[Completion]:
+    """The completion of each fresh prompt sent as a new request that no cached block can serve:
+    each under a cache salt of its own, so the server computes it from scratch (what no strategy
+    reuses, the reference every strategy's decision is read against, in-place's included, whose
+    prompt is the same text but whose blocks come from the session's earlier requests). From `memo`
+    where one was already sent (another strategy's run), else sent now, one at a time."""
     todo = [p for p in dict.fromkeys(prompts) if p not in memo]
-    memo.update(zip(todo, run_sync(_sequential(server, todo, answers, salt))))
+    salts = [f"kvnotes-reference-{uuid.uuid4().hex}" for _ in todo]
+    memo.update(zip(todo, run_sync(_sequential(server, todo, answers, salts))))
     return [memo[p] for p in prompts]
 
 
@@ -418,9 +428,7 @@ def run_point(
     wall = max(c.sent + c.latency for c in done) - sent0
     ttfts = [c.ttft for c in done]
     memo = reference if reference is not None else {}
-    if strategy == "in_place":  # its prompts are the fresh prompts: their completions are the reference
-        memo.update({p.fresh: c for p, c in zip(planned, done)})
-    refs = _references(server, [p.fresh for p in planned], answers, memo, "kvnotes-reference")
+    refs = _references(server, [p.fresh for p in planned], answers, memo)
     fresh = [c.decision for c in refs]
     gaps = [abs(_ld(a) - _ld(b)) for a, b in zip(done, refs) if _ld(a) is not None and _ld(b) is not None]
     mine = [c.decision for c in done]
@@ -439,7 +447,9 @@ def run_point(
         ld_gap=statistics.mean(gaps) if gaps else None,
         follows=_share([None if a is None else a == p.expected for a, p in zip(mine, planned)]),
         fresh_follows=_share([None if b is None else b == p.expected for b, p in zip(fresh, planned)]),
-        prompt_tokens=statistics.mean([c.prompt_tokens for c in done if c.prompt_tokens] or [0]) or None,
+        # float: the mean of equal token counts is an int
+        prompt_tokens=float(statistics.mean([c.prompt_tokens for c in done if c.prompt_tokens] or [0]))
+        or None,
         queried_tokens=delta.queries,
         hit_tokens=delta.hits,
         seconds=wall,
@@ -500,7 +510,8 @@ def agent_loop(
             values = Values(t, random.Random(f"serve/agent/{seed}/{k}"))  # the same toggles for each
         for strategy in AGENT_STRATEGIES:
             for turn, ((d, expected), (ref, _)) in enumerate(zip(decided[strategy], decided["recompute"])):
-                ok = None if d is None or ref is None else d == ref
+                # recompute is the reference: its agreement with itself could not fail (not applicable)
+                ok = None if d is None or ref is None or strategy == "recompute" else d == ref
                 rows[strategy]["agree"].append(ok)
                 rows[strategy]["follows"].append(None if d is None else d == expected)
                 if ok is not None:
@@ -577,9 +588,8 @@ def serve_bench(
         say(notes[-1])
     reference: dict = {}
     points = []
-    order = sorted(strategies, key=lambda s: s != "in_place")  # in_place's completions are the reference
     for rate in rates:
-        for strategy in order:
+        for strategy in strategies:
             p = run_point(
                 server,
                 task,

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import random
+import time
+import zlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvnotes.bench_serve import Values, plan, sessions
+from kvnotes import bench_serve
+from kvnotes.bench_serve import Values, plan, run_point, sessions
 from kvnotes.errors import BadArgument, UnknownField
+from kvnotes.server import CacheCounters, Completion, Server
 from kvnotes.serving import NEVER, Compaction, PromptManager, fill, hoist
 from kvnotes.tasks import load_task
 
@@ -213,3 +217,71 @@ def test_every_strategy_answers_the_same_changes_at_the_same_times():
     assert all(p.prompt.startswith(f0[p.session].removesuffix(ss[p.session].tail)) for p in p0)
     assert [p.value for p in p2] == [p.value for p in p0]
     assert all(b.at > a.at for a, b in zip(p0, p0[1:]))
+
+
+class StaleCache(Server):
+    """A stand-in for vLLM whose prefix cache is wrong: a request under a salt an earlier request
+    used answers as the first prompt under that salt did (what a stale block would give); one under
+    a new salt is computed from scratch, its decision a fixed function of its text. Nothing listens
+    at its url: `complete` is this object's own."""
+
+    def __init__(self):
+        super().__init__(url="http://127.0.0.1:9", model="stale-cache")
+        self.first: dict[str | None, str] = {}
+        self.sent: list[tuple[str, str | None, int]] = []  # prompt, salt, decision given
+
+    @staticmethod
+    def truth(prompt: str) -> int:
+        return zlib.crc32(prompt.encode()) % 2
+
+    def count_tokens(self, text: str) -> int:
+        return words(text)
+
+    def counters(self) -> CacheCounters:
+        return CacheCounters(queries=0.0, hits=0.0)
+
+    async def complete(self, client, server, prompt, *, answers=(), salt=None, timeout=0):
+        d = self.truth(self.first.setdefault(salt, prompt))
+        self.sent.append((prompt, salt, d))
+        lps = (-0.1, -2.0) if d == 0 else (-2.0, -0.1)
+        now = time.perf_counter()
+        return Completion(ttft=1e-3, latency=1e-3, sent=now, text="", answer_logprobs=lps, prompt_tokens=10)
+
+
+def _self_reference(monkeypatch, memo: dict):
+    """In-place's own completions taken as the fresh prompts' reference (its prompt is the fresh
+    prompt's text), as the bench once did."""
+    real = bench_serve._drive
+
+    async def drive(server, planned, *a, **kw):
+        done = await real(server, planned, *a, **kw)
+        memo.update({p.fresh: c for p, c in zip(planned, done)})
+        return done
+
+    monkeypatch.setattr(bench_serve, "_drive", drive)
+
+
+@pytest.mark.parametrize("planted", [None, _self_reference])
+def test_in_place_agreement_is_read_against_a_request_computed_from_scratch(monkeypatch, planted):
+    server, memo = StaleCache(), {}
+    monkeypatch.setattr(bench_serve, "complete", server.complete)
+    if planted:
+        planted(monkeypatch, memo)
+    task = load_task("refund-window")
+    ss = sessions(task, words, 200, 2, seed=0)
+    p = run_point(server, task, ss, "in_place", 1000.0, 16, (0, 1), reference=memo, progress=False)
+    run = [(q, d) for q, s, d in server.sent if s.startswith("kvnotes-in_place-")][len(ss) :]  # after priming
+    refs = [s for _, s, _ in server.sent if s.startswith("kvnotes-reference-")]
+    assert len(run) == 16
+    want = sum(d == server.truth(q) for q, d in run) / len(run)
+    assert want < 1, "the stale cache changed no decision here: the check could not fail"
+    try:
+        # 1e-12: a share of 16 counts, computed two ways
+        assert abs(p.decision_agreement - want) < 1e-12, (p.decision_agreement, want)
+        salts = [s for _, s, _ in server.sent]
+        assert refs and all(salts.count(s) == 1 for s in refs)  # each reference computed from scratch
+    except AssertionError:
+        if planted:
+            return
+        raise
+    assert not planted, "the planted bug passed"

@@ -82,6 +82,7 @@ def test_bench_serve_on_a_real_vllm_server(tmp_path, capsys):
     agent = {a.strategy: a for a in report.agent}
     assert set(agent) == {"erratum", "in_place", "recompute"}
     assert agent["erratum"].agreement is not None and agent["erratum"].follows is not None
+    assert agent["recompute"].agreement is None  # the reference: agreement with itself is not applicable
     assert agent["recompute"].cumulative_ttft > agent["erratum"].cumulative_ttft  # no reuse costs more
     assert agent["recompute"].hit_rate < agent["erratum"].hit_rate
     assert "serve — gemma-3-270m" in capsys.readouterr().out
