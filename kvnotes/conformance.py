@@ -15,6 +15,7 @@ import inspect
 import math
 import random
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cache
 
@@ -33,30 +34,15 @@ from kvnotes.prompt import Prompt, Template
 # fp32 tolerances, relative to the largest magnitude of the reference tensor.
 RTOL = 2e-5
 ATOL_FLOOR = 1e-5
-# Re-rotation compares against a prefill at *another absolute offset*. That prefill is itself not
-# bit-identical to the one at offset 0 in fp32: every attention score is rounded at other angles,
-# and the drift compounds over layers. On Gemma 3 270M with a ~700-token chunk the values — which
-# re-rotation never touches — already differ from the offset-0 prefill by ~2e-4 of their scale.
-# So this one invariant gets a looser relative tolerance, which grows with the farthest position
-# past HF_POSITIONS as RTOL_HF's does (the angles' rounding grows with the position: a Hugging Face
-# forward on the nnsight backend, computing cos/sin per call, drifts 2.9e-4 of the scale on
-# Gemma's 551-token chunk moved to 565); a real RoPE mistake (wrong base, off-by-one position,
-# wrong pairing) errs by O(|k|), three orders of magnitude above it.
-RTOL_SHIFTED = 2e-4
-# The Hugging Face reference invariants judge every (prompt, layer, K or V) tensor and the logits
-# on their own: |engine - transformers| <= rtol * max|transformers tensor| + ATOL_HF, with
-# rtol = RTOL_HF * max(1, n / HF_POSITIONS) on an n-token prompt. The two implementations round
-# differently in float32 (TransformerLens's precomputed RoPE tables vs cos/sin of position *
-# inv_freq per call, other matmul splits); the RoPE angle's rounding grows with the position
-# (~ position * 6e-8 rad), and the drift compounds over layers, so the tolerance grows with the
-# prompt's length. Measured worst ratio (docs/engine.md, "Exactness"): 4.5e-5 on Gemma 3 270M's
-# 552-token prompt (layer 9 values), under 4e-6 on the tiny checkpoints; a real error in a layer
-# (a slot rotated one position off, a window one slot too wide, a wrong RoPE base) errs by O(1)
-# of that layer's own scale.
-RTOL_HF = 2.5e-4
-HF_POSITIONS = 512
-ATOL_HF = 1e-6
-
+# The reference invariants and re-rotation are calibrated per model and per tensor against a
+# float64 forward of the same weights (the truth): each tensor's tolerance is GAP_MULTIPLE times
+# the float32 forward's own gap from float64 in that tensor (its float32 rounding, as measured),
+# and at least GAP_FLOOR x the tensor's largest magnitude (a few float32 ulps, for a tensor that
+# float32 happens to round almost exactly). Measured (docs/engine.md, "Exactness"): the engine's
+# error is at most ~3x that gap on every tiny Hugging Face family and on Gemma 3 270M, while an
+# RMSNorm eps of 1e-5 where the checkpoint says 1e-6 moves some tensor by 7-26x it on most families.
+GAP_MULTIPLE = 4.0
+GAP_FLOOR = 2.5e-7
 POLICY = (
     "[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
     "has shipped, deny the cancellation and offer a return instead.]]\n"
@@ -78,6 +64,9 @@ class InvariantResult:
     # where the figures come from: the prompt, or for per-layer invariants the prompt, layer and
     # quantity with the highest error / tolerance ratio (its error and its own tolerance above)
     worst: str = ""
+    # the calibrated invariants (gauged against float64): the largest |error| / float32 gap of any
+    # of their tensors, i.e. the engine's error in units of float32's own rounding there
+    gap_multiple: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,10 +102,13 @@ class VerifyReport(Displayable):
         ]
         if self.reference:
             lines.append(f"reference: {self.reference}")
-        lines.append(f"{'':3}{'invariant':34}{'max |error|':>14}{'tolerance':>12}  result  worst")
+        lines.append(
+            f"{'':3}{'invariant':34}{'max |error|':>14}{'tolerance':>12}{'x f32 gap':>10}  result  worst"
+        )
         for i, r in enumerate(self.invariants, 1):
+            units = "" if r.gap_multiple is None else f"{r.gap_multiple:.2f}"
             lines.append(
-                f"{i:<3}{r.name:34}{r.max_abs_error:>14.3e}{r.tolerance:>12.1e}  "
+                f"{i:<3}{r.name:34}{r.max_abs_error:>14.3e}{r.tolerance:>12.1e}{units:>10}  "
                 f"{'pass' if r.passed else 'FAIL':6}  {r.worst}"
             )
         for name, why in self.skipped.items():
@@ -164,6 +156,8 @@ def _aligned_pair(model: KVModel, tpl: Template) -> tuple[Prompt, Prompt]:
 
 
 Measure = tuple[str, float, float]  # (which tensor, max |error|, largest |reference| in it)
+# a measure against a float64 truth: (which tensor, max |error|, largest |truth| in it, its float32 gap)
+Gauged = tuple[str, float, float, float]
 
 
 def _maxdiff_nb(a: Notebook, b: Notebook, what: str = "") -> list[Measure]:
@@ -171,10 +165,10 @@ def _maxdiff_nb(a: Notebook, b: Notebook, what: str = "") -> list[Measure]:
     if not torch.equal(a.positions, b.positions):
         b = b.select(a.positions)
     out = []
-    for l, (x, y) in enumerate(zip(a.keys, b.keys)):
-        out.append((f"{what}layer {l} keys", (x - y).abs().max().item(), y.abs().max().item()))
-    for l, (x, y) in enumerate(zip(a.values, b.values)):
-        out.append((f"{what}layer {l} values", (x - y).abs().max().item(), y.abs().max().item()))
+    for kind, xs, ys in (("keys", a.keys, b.keys), ("values", a.values, b.values)):
+        for l, (x, y) in enumerate(zip(xs, ys)):
+            err = (x.to(y.dtype) - y).abs().max().item()
+            out.append((f"{what}layer {l} {kind}", err, y.abs().max().item()))
     return out
 
 
@@ -182,13 +176,83 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor, what: str = "logits") -> list[Mea
     return [(what, (a - b).abs().max().item(), b.abs().max().item())]
 
 
+# --- float64: the truth the calibrated tolerances measure against --------------------------------
+@contextmanager
+def float64_everywhere():
+    """For its duration, `torch.float32`, `torch.float` and `Tensor.float()` mean float64.
+
+    transformers' modeling code computes its RMSNorms, softmax and RoPE angles in float32 whatever
+    the model's dtype (`x.float()`, `x.to(torch.float32)`, `dtype=torch.float`), and so does the
+    nnsight backend's re-rotation: a model cast to float64 would still round there in float32.
+    Under this context it does not, so a float64 forward is float64 throughout.
+    """
+    saved = torch.float32, torch.float, torch.Tensor.float
+    torch.float32 = torch.float = torch.float64
+    torch.Tensor.float = torch.Tensor.double
+    try:
+        yield
+    finally:
+        torch.float32, torch.float, torch.Tensor.float = saved
+
+
+@contextmanager
+def hf_in_float64(hf_model):
+    """`hf_model` in float64 for the duration, its rotary embeddings rebuilt in float64 (their
+    inverse frequencies were computed in float32 at load); left as it came afterwards (float32
+    to float64 and back is exact)."""
+    dtype = next(hf_model.parameters()).dtype
+    rotaries = [(n, m) for n, m in hf_model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+    def put(name: str, module) -> None:
+        parent, _, attr = name.rpartition(".")
+        setattr(hf_model.get_submodule(parent) if parent else hf_model, attr, module)
+
+    hf_model.to(torch.float64)
+    try:
+        with float64_everywhere():
+            for name, m in rotaries:
+                put(name, type(m)(m.config).to(torch.float64))
+            yield hf_model
+    finally:
+        for name, m in rotaries:
+            put(name, m)
+        hf_model.to(dtype)
+
+
+@contextmanager
+def in_float64(model: KVModel):
+    """`model` itself computing in float64 for the duration (weights, RoPE tables, every norm and
+    softmax), back to float32 bit for bit afterwards. The engine then runs its own arithmetic, and
+    any bug planted in it or in the weights, in float64."""
+    if model.tl is None:  # the nnsight backend runs the transformers module itself
+        with hf_in_float64(model.hf), float64_everywhere():
+            yield model
+        return
+    tl, dtype = model.tl, model.tl.cfg.dtype
+    attns = [b.attn for b in tl.blocks if hasattr(b.attn, "rotary_cos")]
+    tables = [(a.rotary_sin, a.rotary_cos) for a in attns]
+    tl.to(torch.float64, print_details=False)  # sets tl.cfg.dtype too
+    try:
+        for a in attns:  # recomputed in float64, as TransformerLens does for a float64 model
+            a._extend_rotary_embeddings(a.rotary_cos.shape[0])
+        with float64_everywhere():
+            yield model
+    finally:
+        tl.to(dtype, print_details=False)
+        for a, (sin, cos) in zip(attns, tables):
+            a.rotary_sin, a.rotary_cos = sin, cos
+
+
 # --- the Hugging Face reference ------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class Reference:
-    """transformers' own forward on the verification prompts: what the hf invariants compare with.
+    """transformers' own forward on the verification prompts, in float64 (the truth the hf
+    invariants compare with) and in float32 (the rounding gap that sizes their tolerances).
 
     Per prompt label: the prompt's ids, the cache's post-RoPE keys and values per layer
-    (`[batch, n_kv_heads, pos, d_head]`, the notebook's layout), and the logits at every position.
+    (`[batch, n_kv_heads, pos, d_head]`, the notebook's layout) and the logits at every position,
+    all float64; `gaps` holds, per tensor ("short: layer 3 keys", "short: logits"), the largest
+    |float32 forward - float64 forward| in it.
     """
 
     source: str
@@ -196,13 +260,15 @@ class Reference:
     keys: dict[str, tuple[torch.Tensor, ...]]
     values: dict[str, tuple[torch.Tensor, ...]]
     logits: dict[str, torch.Tensor]  # [batch, pos, d_vocab]
+    gaps: dict[str, float] = field(default_factory=dict)
 
 
 def hf_reference(
     model: KVModel, prompts: dict[str, tuple[Prompt, Prompt]] | None = None, *, hf_model=None
 ) -> Reference:
-    """Run `model`'s Hugging Face counterpart (loaded from `model.hf_source`, or `hf_model` as given)
-    on the verification prompts (the `old` prompt of each pair), eager attention, with a cache.
+    """Run `model`'s Hugging Face counterpart (loaded from `model.hf_source`, or `hf_model` as given,
+    which is left as it came) on the verification prompts (the `old` prompt of each pair), eager
+    attention, with a cache: once in float32, once in float64 throughout (`hf_in_float64`).
 
     The cache is a plain `DynamicCache`, whose every layer keeps every slot (the config-built
     default trims sliding layers to their window), so every slot of every layer is compared.
@@ -221,12 +287,21 @@ def hf_reference(
         hf_model.set_attn_implementation("eager")
     hf_model.eval()
     prompts = prompts if prompts is not None else verification_prompts(model)
-    ids, keys, values, logits = {}, {}, {}, {}
+    ids = {label: tuple(old.ids) for label, (old, _) in prompts.items()}
     with torch.no_grad():
-        for label, (old, _) in prompts.items():
-            ids[label] = tuple(old.ids)
-            keys[label], values[label], logits[label] = _hf_forward(hf_model, list(old.ids))
-    return Reference(source=source, ids=ids, keys=keys, values=values, logits=logits)
+        f32 = {label: _hf_forward(hf_model, list(i)) for label, i in ids.items()}
+        with hf_in_float64(hf_model):
+            f64 = {label: _hf_forward(hf_model, list(i)) for label, i in ids.items()}
+    gaps = {}
+    for label in ids:
+        (k32, v32, l32), (k64, v64, l64) = f32[label], f64[label]
+        for what, xs, ys in (("keys", k32, k64), ("values", v32, v64)):
+            for l, (x, y) in enumerate(zip(xs, ys)):
+                gaps[f"{label}: layer {l} {what}"] = (x.double() - y).abs().max().item()
+        gaps[f"{label}: logits, every position"] = (l32.double() - l64).abs().max().item()
+    keys, values, logits = ({label: f64[label][i] for label in ids} for i in range(3))
+    source += "; float64 throughout (the truth), float32 beside it for the rounding gap"
+    return Reference(source=source, ids=ids, keys=keys, values=values, logits=logits, gaps=gaps)
 
 
 def _hf_forward(hf_model, ids: list[int]):
@@ -242,24 +317,25 @@ def _hf_forward(hf_model, ids: list[int]):
     return keys, values, out.logits
 
 
-def hf_tolerance(scale: float, n_positions: int) -> float:
-    """The hf invariants' tolerance for one tensor of an `n_positions`-token prompt whose
-    reference has largest magnitude `scale`."""
-    return RTOL_HF * max(1.0, n_positions / HF_POSITIONS) * scale + ATOL_HF
+def calibrated_tolerance(gap: float, scale: float) -> float:
+    """The tolerance of one tensor whose float32 computation is `gap` from its float64 truth and
+    whose truth has largest magnitude `scale`: GAP_MULTIPLE x gap, at least GAP_FLOOR x scale."""
+    return max(GAP_MULTIPLE * gap, GAP_FLOOR * scale)
 
 
-def _hf_checks(model: KVModel, label: str, ref: Reference) -> dict[str, Callable[[], list]]:
-    """Each check returns [(where, max abs error, its tolerance)], one per tensor judged."""
+def _hf_checks(model: KVModel, label: str, ref: Reference) -> dict[str, Callable[[], list[Gauged]]]:
+    """Each check returns one gauged measure per tensor judged: the engine (float32) against
+    transformers' float64 forward, with that tensor's float32 rounding gap."""
     ids = list(ref.ids[label])
 
-    def _measure(where: str, mine: torch.Tensor, expected: torch.Tensor) -> tuple[str, float, float]:
+    def _measure(where: str, mine: torch.Tensor, expected: torch.Tensor) -> Gauged:
         if mine.shape != expected.shape:
             raise BadArgument(
                 f"{where}: the engine gives shape {tuple(mine.shape)} where transformers gives "
                 f"{tuple(expected.shape)}; the model's Hugging Face counterpart has another layout"
             )
-        err = (mine - expected).abs().max().item()
-        return where, err, hf_tolerance(expected.abs().max().item(), len(ids))
+        err = (mine.double() - expected).abs().max().item()
+        return where, err, expected.abs().max().item(), ref.gaps[where]
 
     def kv_equals_cache():
         nb = ops.prefill(model, ids)
@@ -318,12 +394,16 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
         return _maxdiff(ops.decide(model, patched, new).last, decided_new())
 
     def rerotation_equals_offset_prefill():
+        """Gauged against the offset prefill in float64 (the truth): the float32 offset prefill's
+        own gap from it is the rounding a prefill at those positions cannot avoid."""
         chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
         q = min(len(old.ids) + 13, model.n_ctx - len(chunk) - 8)  # past the prompt, inside n_ctx
         moved = ops.rerotate(model, ops.prefill(model, chunk), q)
-        # the offset prefill's own rounding grows with its farthest position (as RTOL_HF's does)
-        grow = max(1.0, (q + len(chunk)) / HF_POSITIONS)
-        return [(w, e, s * grow) for w, e, s in _maxdiff_nb(moved, ops.prefill(model, chunk, offset=q))]
+        at_q = ops.prefill(model, chunk, offset=q)
+        with in_float64(model):
+            truth = ops.prefill(model, chunk, offset=q)
+        gaps = _maxdiff_nb(at_q, truth)
+        return [(w, e, s, g) for (w, e, s), (_, g, _) in zip(_maxdiff_nb(moved, truth), gaps)]
 
     def refresh_unchanged_is_noop():
         return _maxdiff_nb(ops.refresh(model, nb_old(), old, "order_status"), nb_old())
@@ -377,7 +457,6 @@ DESCRIPTIONS = {
     "logits_equal_transformers": "logits at every position = Hugging Face transformers' forward",
 }
 EXACT = {"kv_deviation_before_field_is_zero", "patch_all_reproduces_source"}
-SHIFTED = {"rerotation_equals_offset_prefill"}
 HF_INVARIANTS = ("prefill_kv_equals_transformers", "logits_equal_transformers")
 SELF_INVARIANTS = tuple(n for n in DESCRIPTIONS if n not in HF_INVARIANTS)
 
@@ -444,41 +523,39 @@ def verify(
     )
 
 
-def _self_result(name: str, per: dict[str, list[Measure]]) -> InvariantResult:
-    """Every tensor against its own tolerance (0 for the exact invariants, else
-    max(ATOL_FLOOR, rtol x its own largest magnitude)); the figures are those of the worst one."""
-    rtol = RTOL_SHIFTED if name in SHIFTED else RTOL
+def _self_result(name: str, per: dict[str, list[Measure]] | dict[str, list[Gauged]]) -> InvariantResult:
+    """Every tensor against its own tolerance (0 for the exact invariants; for the calibrated ones,
+    those gauged against float64, `calibrated_tolerance`; else max(ATOL_FLOOR, RTOL x its own
+    largest magnitude)); the figures are those of the worst one."""
 
-    def tol(scale: float) -> float:
-        return 0.0 if name in EXACT else max(ATOL_FLOOR, rtol * scale)
+    def judge(where: str, e: float, s: float, *gap: float) -> tuple[str, float, float, float | None]:
+        if gap:
+            return where, e, calibrated_tolerance(gap[0], s), gap[0]
+        return where, e, 0.0 if name in EXACT else max(ATOL_FLOOR, RTOL * s), None
 
-    judged = [(f"{label}: {where}", e, tol(s)) for label, ms in per.items() for where, e, s in ms]
-    where, err, t = max(judged, key=lambda m: m[1] / m[2] if m[2] else (math.inf if m[1] else 0.0))
-    return InvariantResult(
-        name=name,
-        description=DESCRIPTIONS[name],
-        max_abs_error=err,
-        tolerance=t,
-        passed=all(e <= t for _, e, t in judged),
-        per_prompt={label: max(e for _, e, _ in ms) for label, ms in per.items()},
-        worst=where,
-    )
+    judged = [judge(f"{label}: {m[0]}", *m[1:]) for label, ms in per.items() for m in ms]
+    return _result(name, judged)
 
 
-def _hf_result(name: str, measures: list[tuple[str, float, float]]) -> InvariantResult:
-    """Every tensor against its own tolerance; the figures are those of the worst one."""
-    judged = measures
-    where, err, tol = max(judged, key=lambda m: m[1] / m[2])
+def _hf_result(name: str, measures: list[Gauged]) -> InvariantResult:
+    """Every tensor against its own calibrated tolerance; the figures are those of the worst one."""
+    return _result(name, [(w, e, calibrated_tolerance(g, s), g) for w, e, s, g in measures])
+
+
+def _result(name: str, judged: list[tuple[str, float, float, float | None]]) -> InvariantResult:
+    where, err, tol, _ = max(judged, key=lambda m: m[1] / m[2] if m[2] else (math.inf if m[1] else 0.0))
     per_prompt: dict[str, float] = {}
-    for w, e, _ in judged:
+    for w, e, _, _ in judged:
         label = w.split(":")[0]
         per_prompt[label] = max(per_prompt.get(label, 0.0), e)
+    units = [e / g for _, e, _, g in judged if g]
     return InvariantResult(
         name=name,
         description=DESCRIPTIONS[name],
         max_abs_error=err,
         tolerance=tol,
-        passed=all(e <= t for _, e, t in judged),
+        passed=all(e <= t for _, e, t, _ in judged),
         per_prompt=per_prompt,
         worst=where,
+        gap_multiple=max(units) if units else None,
     )

@@ -141,6 +141,23 @@ def _patch_skips_last_layer(mp, model=None):
     mp.setattr(OPS, "patched_slots", patched_slots)
 
 
+def _norm_eps(mp, model, eps: float):
+    """Every RMSNorm's eps set to `eps` where the checkpoint says otherwise (1e-6 on every tiny
+    checkpoint and on Gemma 3 270M): TransformerLens keeps it in `cfg.eps` and in each norm
+    module's `eps`, transformers in each norm's `eps` or `variance_epsilon`."""
+    if model.tl is None:
+        modules = list(model.hf.modules())
+    else:
+        mp.setattr(model.tl.cfg, "eps", eps)
+        modules = list(model.tl.modules())
+    found = [
+        (m, a) for m in modules for a in ("eps", "variance_epsilon") if isinstance(vars(m).get(a), float)
+    ]
+    assert found and all(abs(getattr(m, a) - eps) > eps / 2 for m, a in found), "no other eps to change"
+    for m, a in found:
+        mp.setattr(m, a, eps)
+
+
 def _batch_shuffled(mp, model=None):
     real = OPS.patched_slots
 
