@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvnotes.cli import main
 from kvnotes.errors import BadArgument, OutOfRange
@@ -162,19 +163,74 @@ def test_edit_cost_moves_the_field_and_round_trips(tmp_path):
 
 
 # last in the module: the gemma fixture gives torch every core until the module ends
-@pytest.mark.gemma
-def test_gemma_decides_as_full_recompute_at_the_default_seam(gemma):
-    # order-cancel, where Gemma 3 270M's answer moves with the order's status: its policy and
-    # few-shot block precompiled once, spliced after 8 hosts with alternating statuses, for 4
-    # prompt samples (32 contexts). Both answers must occur among the full decisions, or agreement
-    # could not fail; a splice moves the logit difference by a few tenths, so contexts within that
-    # of the boundary may flip, and the threshold is the one set for the default seam: 0.9.
-    runs = [
-        seam_agreement(gemma, MultiHost.from_task(gemma, "order-cancel", 8, seed=seed), seam=DEFAULT_SEAM)
-        for seed in range(4)
-    ]
-    full = [f for r in runs for f in r.full_ld]
-    composed = [c for r in runs for c in r.composed_ld]
+#
+# The spliced chunk must decide as full recompute. Decision agreement alone cannot tell a splice
+# without re-rotation from a correct one: on a pilot of 48 other contexts (seeds 100-105) the
+# correct splice agreed on 47 and the one without re-rotation on 46, so separating them by
+# agreement would take some 760 contexts (one-sided 5% errors each way). What a missing
+# re-rotation does is dilute the chunk's keys: it pulls the decision toward the boundary (on the
+# pilot, the spliced log-odds difference over full recompute's had median 0.68 without
+# re-rotation, 1.06 with it). So each context also counts as kept when the spliced decision keeps
+# at least KEEP of full recompute's log-odds difference, on its side (one-sided: the correct
+# splice overshoots by a few tenths, as it may). On the pilot that held for 44/48 contexts with
+# re-rotation and 21/48 without. With N_SEEDS x 8 = 40 contexts and the bar at KEPT_SHARE, a
+# binomial with the pilot's rates gives a correct splice under the bar, or one without
+# re-rotation over it, with probability < 1e-3 each (< 9% each at the ends of the pilot rates'
+# 95% Clopper-Pearson intervals, 0.80 and 0.59). Both were fixed on the pilot, before these
+# contexts (seeds 0-4) were run. Decision agreement keeps its bar of 0.9, set for the default
+# seam before either (a splice moves the log-odds by a few tenths, so contexts that close to
+# the boundary may flip).
+KEEP = 0.7
+KEPT_SHARE = 29 / 40
+N_SEEDS = 5
+
+
+@pytest.fixture(scope="module")
+def spliced(gemma):
+    """order-cancel, where Gemma 3 270M's answer moves with the order's status: its policy and
+    few-shot block precompiled once per prompt sample, spliced after 8 hosts with alternating
+    statuses, against full recompute of each context."""
+    cases = [MultiHost.from_task(gemma, "order-cancel", 8, seed=seed) for seed in range(N_SEEDS)]
+    runs = [seam_agreement(gemma, case, seam=DEFAULT_SEAM) for case in cases]
+    return cases, [f for r in runs for f in r.full_ld], [c for r in runs for c in r.composed_ld]
+
+
+def _without_rerotation(monkeypatch):
+    """The chunk's slots moved to their new positions with their keys left at the old angles."""
+    from dataclasses import replace
+
+    import kvnotes.ops
+
+    def moved(model, notebook, positions):  # noqa: ARG001 - the signature of kvnotes.ops.rerotate
+        shift = positions if isinstance(positions, int) else None
+        new = notebook.positions + shift if shift is not None else torch.as_tensor(positions).reshape(-1)
+        return replace(notebook, positions=new, spans={})
+
+    monkeypatch.setattr(kvnotes.ops, "rerotate", moved)
+
+
+def _check_splice(full: list[float], composed: list[float]) -> None:
+    assert len(full) == 8 * N_SEEDS and 0 < sum(f > 0 for f in full) < len(full), full  # both answers
     agree = sum((c > 0) == (f > 0) for c, f in zip(composed, full)) / len(full)
-    assert len(full) == 32 and 0 < sum(f > 0 for f in full) < 32, full
-    assert agree >= 0.9, list(zip(full, composed))
+    kept = sum(c / f >= KEEP for c, f in zip(composed, full)) / len(full)
+    assert agree >= 0.9 and kept >= KEPT_SHARE, (agree, kept, list(zip(full, composed)))
+
+
+@pytest.mark.gemma
+@pytest.mark.parametrize("planted", [None, _without_rerotation])
+def test_gemma_decides_as_full_recompute_at_the_default_seam(gemma, spliced, monkeypatch, planted):
+    cases, full, composed = spliced
+    if planted is None:
+        _check_splice(full, composed)
+        return
+    planted(monkeypatch)
+    again = []  # the spliced decisions again (full recompute does not splice: it is reused)
+    for case in cases:
+        chunk, (a, b) = precompile(gemma, list(case.chunk)), case.answers
+        for host, live in zip(case.hosts, case.lives):
+            out = compose_and_decide(
+                gemma, list(host), chunk, list(live), list(case.query), seam=DEFAULT_SEAM
+            )
+            again.append(float(out[a] - out[b]))
+    with pytest.raises(AssertionError):
+        _check_splice(full, again)
