@@ -92,6 +92,8 @@ def crossing_summary(pairs) -> str:
     if pairs is None:
         return "not recorded"
     n, fell = len(pairs), sum(not c for c in pairs)
+    if n == 0:
+        return "no pairs"
     if n == 1:
         return "1 pair: nothing to cross-fit on, ranked in-sample"
     said = f"{n - fell}/{n} pairs ranked on the other half"
@@ -274,7 +276,8 @@ def false_note_injection(
     """Into the old notebook (consistent with its live field) write the new run's K/V at the
     top-k note slots, k in `ks`: does the decision follow the injected note against the field?
 
-    Headline, out of sample, at the largest k: `xfit_k{k}` injects the k slots ranked on the other
+    Headline, out of sample, at the largest k at which some pair has a matched control (k8 where
+    the region has 16 slots or more): `xfit_k{k}` injects the k slots ranked on the other
     half of the pairs (`cross_fitted_notes`), `matched_k{k}` as many slots matched to those in
     region and token class (`matched_slots`), and `xfit_minus_matched_k{k}` is their difference
     pair by pair (its CI is the paired comparison). The three run over the same pairs: on a pair
@@ -321,12 +324,15 @@ def false_note_injection(
         parts[f"xfit_k{k}"] = Estimate.of(x, clusters=every)
         parts[f"matched_k{k}"] = Estimate.of(m, clusters=every)
         parts[f"xfit_minus_matched_k{k}"] = Estimate.of(diff, clusters=every)
+    # the largest k at which some pair's region had room for a matched control (on a short region
+    # k8 has none): a choice on region sizes, not on the figures
+    room = [k for k in ks if parts[f"xfit_k{k}"].n] or ks
     return FalseNoteInjection.of(
         cross_fitted=bool(xfit["crossed"]),
         cross_fitted_pairs=xfit["crossed"].pairs,
         matched_off_class=xfit["off_class"],
         name="false_note_injection",
-        headline=f"xfit_k{ks[-1]}",
+        headline=f"xfit_k{room[-1]}",
         parts=parts,
         excluded=excluded,
         ks=ks,
