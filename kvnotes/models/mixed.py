@@ -97,7 +97,7 @@ N_LAYERS, D_MODEL, N_HEADS, D_HEAD, ROTARY_DIM = 3, 32, 2, 16, 4
 ROTARY_BASE = 1e6  # the low-frequency pair turns 1e-3 rad per token: cos > 0.87 across n_ctx = 512
 N_CTX = 512
 DIMS = {"one": 0, "first": 1, "field": 2, "sign": 3, "writer": 4, "has_note": 5, "note": 6, "out": 7}
-_LOW = 1  # the head dimension of the low-frequency rotary pair (NeoX pairing: with dim 3)
+LOW_PAIR = 1  # the head dimension of the low-frequency rotary pair (NeoX pairing: with dim 3)
 _Q = ROTARY_DIM  # the head dimensions content lives in: past the rotated ones
 _Q2 = ROTARY_DIM + 1
 
@@ -218,8 +218,8 @@ def compile_weights(share: float, tl) -> None:
         a1.W_O[1, _Q, d["out"]] = share * (1 - KEY_PART)
 
         a2 = tl.blocks[2].attn  # the key route: keys differ between the runs, values not
-        a2.W_Q[0, d["one"], _LOW] = s  # head 0: notes saying +1, by a rotated key
-        a2.W_K[0, d["note"], _LOW] = 1.0
+        a2.W_Q[0, d["one"], LOW_PAIR] = s  # head 0: notes saying +1, by a rotated key
+        a2.W_K[0, d["note"], LOW_PAIR] = 1.0
         a2.W_Q[1, d["one"], _Q] = s  # head 1: notes saying -1, by an unrotated key
         a2.W_K[1, d["note"], _Q] = -1.0
         for h, sign in ((0, 1.0), (1, -1.0)):

@@ -17,17 +17,20 @@ import pytest
 
 import probes.causal
 from kvnotes import load_model
+from kvnotes.models import mixed
 from kvnotes.models.mixed import (
-    _LOW,
-    _Q,
     KEY_PART,
+    LOW_PAIR,
     MIXED_ORGANISMS,
     N_LAYERS,
+    ROTARY_BASE,
     ROTARY_DIM,
     designed_answers,
     designed_notes,
+    load_mixed_organism,
 )
 from kvnotes.ops import Patch
+from kvnotes.tasks.sampler import neutral_notes
 from probes.causal import field_refresh, note_map, note_scores, notes_transplant
 from probes.controls import cross_fitted_notes, false_note_injection, knockout
 from probes.trials import make_trials
@@ -76,7 +79,6 @@ def check_note_map(share: float, trials) -> None:
     for l in range(N_LAYERS):
         _close(f"note_map.layer_{l}", result.parts[f"layer_{l}"].values, want[f"layer_{l}"])
     _close(f"note_map.layers_0-{N_LAYERS - 1}", result.parts[f"layers_0-{N_LAYERS - 1}"].values, want["kv"])
-    _close("note_map.field_slots", result.parts["field_slots"].values, want["field_refresh"])
     for t, m in zip(trials, result.maps):
         notes = designed_notes(t.pair.new)
         assert len(notes) == 2
@@ -89,6 +91,7 @@ def check_note_map(share: float, trials) -> None:
         for p in notes:
             for l, r in enumerate(grid[p]):
                 _close(f"note_map slot {p} at layer {l}", [r], want[f"note_layer_{l}"])
+    _close("note_map.field_slots", result.parts["field_slots"].values, want["field_refresh"])
 
 
 def test_the_shares_come_back(case):
@@ -109,14 +112,43 @@ def test_the_runs_differ_in_the_notes_values_at_layer_1_and_keys_at_layer_2(case
             dk = (t.old_nb.keys[l] - t.new_nb.keys[l])[0][:, idx].abs()  # [head, note, d_head]
             dv = (t.old_nb.values[l] - t.new_nb.values[l])[0][:, idx].abs()
             if l == 2:
-                assert bool((dk[0, :, _LOW] > 1.0).all()) and bool((dk[1, :, _Q] > 1.0).all())
+                assert bool((dk[0, :, LOW_PAIR] > 1.0).all()) and bool((dk[1, :, ROTARY_DIM] > 1.0).all())
                 assert float(dk[0, :, ROTARY_DIM:].max()) < EXACT  # head 0's is all in the rotated dims
             else:
                 assert float(dk.max()) < EXACT, f"layer {l}'s keys at the notes differ"
             if l == 1:
-                assert bool((dv[1, :, _Q] > 1.0).all())
+                assert bool((dv[1, :, ROTARY_DIM] > 1.0).all())
             else:
                 assert float(dv.max()) < EXACT, f"layer {l}'s values at the notes differ"
+
+
+def check_far_transplant(model) -> None:
+    """With filler the notes sit 400+ tokens before the decision; K+V, K only and V only still at
+    their designed answers on every pair."""
+    want = designed_answers(MIXED_ORGANISMS[model.name])
+    trials = make_trials(model, "mixed-organism", 8, filler=neutral_notes(8), progress=False)
+    far = min(t.pair.new.span("decision").start - p for t in trials for p in designed_notes(t.pair.new))
+    assert far > 400, f"the notes are only {far} tokens before the decision: add filler"
+    result = notes_transplant(trials)
+    for part in ("kv", "k_only", "v_only"):
+        _close(f"notes_transplant.{part} ({far}+ tokens away)", result.parts[part].values, want[part])
+
+
+@pytest.mark.parametrize(
+    "base, holds", [(ROTARY_BASE, True), (1e4, False)], ids=["base-1e6", "planted-base-1e4"]
+)
+def test_the_rotated_key_route_stays_saturated_across_the_context(base, holds, monkeypatch):
+    """At the organism's RoPE base the low-frequency pair turns under 0.5 rad over 400+ tokens (cos
+    0.9), so the key route's softmax stays saturated; planted at the usual base, 1e4, it turns past
+    a right angle there and the key route, K only and K+V with it, misses."""
+    monkeypatch.setattr(mixed, "ROTARY_BASE", base)
+    model = load_mixed_organism("mixed-organism-25")
+    if holds:
+        check_far_transplant(model)
+        return
+    with pytest.raises(AssertionError) as caught:
+        check_far_transplant(model)
+    print(f"rotary base {base:g}: {str(caught.value).splitlines()[0]}")
 
 
 def planted(bug: str, n_layers: int):
