@@ -1,15 +1,20 @@
 """`verify` on the embedded Gemma 3 270M: all ten invariants pass against transformers' own
-Gemma3ForCausalLM on the same GGUF weights, and the planted engine bugs of tests/test_verify.py
-make their invariants fail on real weights too (and the Hugging Face reference invariants, for
-every bug that changes a prefill). Marked `gemma`; part of the default suite."""
+Gemma3ForCausalLM on the same GGUF weights (in float64, the truth; in float32 for the rounding gap
+that sizes each tensor's tolerance), and the planted engine bugs of tests/test_verify.py make their
+invariants fail on real weights too (and the Hugging Face reference invariants, for every bug that
+changes a prefill, an RMSNorm eps of 1e-5 or 1e-4 where the GGUF says 1e-6 included). Marked
+`gemma`; part of the default suite."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 
 from kvnotes.conformance import HF_INVARIANTS, hf_reference, verify
 from tests.test_verify import (
     _local_base_in_global_layers,
+    _norm_eps,
     _rerotation_delta_off_by_one,
     _rope_plus_one,
     _stale_slot_attended,
@@ -23,7 +28,7 @@ KV = "prefill_kv_equals_transformers"
 @pytest.fixture(scope="module")
 def reference(gemma):
     """transformers' Gemma3ForCausalLM from the GGUF (about a minute to load), run once on
-    verify's two prompts; the model itself is dropped afterwards."""
+    verify's two prompts in float32 and in float64; the model itself is dropped afterwards."""
     return hf_reference(gemma)
 
 
@@ -33,7 +38,8 @@ def test_the_engine_equals_transformers_on_gemma(gemma, reference):
     assert report.passed, report.table()
     assert [r.name for r in report.invariants] == list(HF_INVARIANTS) and not report.skipped
     assert report.prompts["long"] > report.max_window == 512  # sliding layers really slide
-    assert "GGUF" in report.reference
+    assert "GGUF" in report.reference and "float64" in report.reference
+    assert all(r.gap_multiple is not None for r in report.invariants)  # judged in float32's own units
 
 
 # bug -> (sabotage, the invariants it must fail). A shift of every position alike is no bug under
@@ -51,6 +57,8 @@ GEMMA_BUGS = {
     "window-off-by-one": (_window_off_by_one, ("decide_equals_full_forward", KV)),
     "local-rope-base-in-global-layers": (_local_base_in_global_layers, ("decide_equals_full_forward", KV)),
     "recomputed-slot-still-attended": (_stale_slot_attended, ("refresh_unchanged_is_noop",)),
+    "norm-eps-1e-5": (partial(_norm_eps, eps=1e-5), (KV,)),
+    "norm-eps-1e-4": (partial(_norm_eps, eps=1e-4), (KV,)),
 }
 
 
@@ -59,6 +67,7 @@ def test_planted_bugs_fail_their_invariants_on_gemma(gemma, reference, monkeypat
     sabotage, invariants = GEMMA_BUGS[bug]
     sabotage(monkeypatch, gemma)
     report = verify(gemma, progress=False, only=invariants, reference=reference)
+    print(report.table())
     for r in report.invariants:
         assert not r.passed and r.max_abs_error > r.tolerance, f"{r.name} missed {bug}: {report.table()}"
     assert not report.passed
