@@ -14,13 +14,20 @@ import torch
 import transformers as tf
 
 import kvnotes
+from kvnotes import ops
 from kvnotes.conformance import (
     DESCRIPTIONS,
+    GAP_FLOOR,
+    GAP_MULTIPLE,
     HF_INVARIANTS,
     SELF_INVARIANTS,
     VerifyReport,
+    _hf_forward,
+    _hf_result,
     _self_result,
+    hf_in_float64,
     hf_reference,
+    in_float64,
     verify,
 )
 from kvnotes.errors import BadArgument
@@ -299,6 +306,51 @@ def test_the_reference_catches_engine_bugs_in_a_prefill(hf_gemma3, monkeypatch, 
         assert {r.name: r for r in report.invariants}["logits_equal_transformers"].passed
     monkeypatch.undo()
     assert verify(model, progress=False, only=HF_INVARIANTS, reference=ref).passed
+
+
+def test_the_float64_reference_is_float64_throughout(checkpoint):
+    """A transformers model merely cast to float64 still rounds its norms, softmax and RoPE angles in
+    float32; under `hf_in_float64` it does not, and the model is left as it came."""
+    hf = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
+    ids = list(range(10, 40))
+    with torch.no_grad():
+        before = _hf_forward(hf, ids)[2]
+        with hf_in_float64(hf):
+            truth = _hf_forward(hf, ids)[2]
+        after = _hf_forward(hf, ids)[2]
+        cast = _hf_forward(hf.to(torch.float64), ids)[2]
+    assert truth.dtype == torch.float64 and torch.equal(before, after)  # left as it came, bit for bit
+    gap = (before.double() - truth).abs().max().item()
+    # a float64 forward agrees with itself to float64 rounding; the mere cast keeps float32's in it
+    assert (cast - truth).abs().max().item() > 1e-3 * gap > 0
+
+
+def test_a_model_in_float64_comes_back_bit_for_bit(gemma3):
+    """`in_float64` (re-rotation's truth): the engine's own prefill in float64, then float32 again."""
+    ids = list(range(3, 40))
+    before = ops.prefill(gemma3, ids)
+    with torch.no_grad(), in_float64(gemma3):
+        truth = ops.prefill(gemma3, ids)
+    after = ops.prefill(gemma3, ids)
+    assert truth.keys[0].dtype == torch.float64 and gemma3.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(before.keys + before.values, after.keys + after.values))
+    err = max((a.double() - b).abs().max().item() for a, b in zip(before.keys, truth.keys))
+    assert err > 0  # float32 rounds; float64 is what it rounds from
+
+
+def test_a_calibrated_tolerance_is_a_multiple_of_the_gap_with_a_floor():
+    """Each tensor against GAP_MULTIPLE x its own float32 gap: just past it fails, just under
+    passes, and a tensor float32 rounds exactly still gets GAP_FLOOR of its scale."""
+    gap, scale = 1e-6, 1.0
+    over = _hf_result(
+        "prefill_kv_equals_transformers", [("short: layer 0 keys", GAP_MULTIPLE * gap * 1.01, scale, gap)]
+    )
+    under = _hf_result(
+        "prefill_kv_equals_transformers", [("short: layer 0 keys", GAP_MULTIPLE * gap * 0.99, scale, gap)]
+    )
+    assert not over.passed and under.passed and over.gap_multiple > GAP_MULTIPLE > under.gap_multiple
+    exact = _hf_result("logits_equal_transformers", [("short: logits", 0.5 * GAP_FLOOR * 10.0, 10.0, 0.0)])
+    assert exact.passed and exact.tolerance == pytest.approx(GAP_FLOOR * 10.0)
 
 
 # --- the public namespace ------------------------------------------------------------------------
