@@ -8,12 +8,25 @@ answer tokens at the last position (only those two columns are unembedded, as th
 
 - `tl_full_batched`: one TransformerLens forward over B copies of the whole prompt, hooks on
   `hook_rot_k`/`hook_v`.
-- `tl_kv_cache`: TransformerLens's own `TransformerLensKeyValueCache`, prefilled once, copied B
-  times and patched; only the decision tokens run.
+- `tl_kv_cache`: TransformerLens's own `TransformerLensKeyValueCache`, prefilled once and repeated
+  to the batch once per run; per batch the patched rows overwritten, only the decision tokens run
+  (the cache is frozen: nothing appended), the rows restored.
 - `nnsight_full_batched`: one nnsight trace of the Hugging Face model over B copies of the whole
   prompt, `k_proj`/`v_proj` outputs set.
-- `nnsight_hf_cache`: Hugging Face's `DynamicCache`, prefilled once, copied B times and patched;
-  only the decision tokens run, traced by nnsight.
+- `nnsight_hf_cache`: Hugging Face's `DynamicCache(config=...)`, prefilled once and repeated to the
+  batch once per run with its past recorded; per batch the patched rows overwritten, only the
+  decision tokens run, traced by nnsight, what they appended rolled back with the cache's `crop`,
+  the rows restored.
+
+The two cache ways are written as a skilled user would; what was tried for them and not kept:
+a fresh copy of the repeated cache per batch (deepcopy and `batch_repeat_interleave`, or
+`expand(B).clone()`: a copy of the whole cache per batch); eager attention instead of SDPA (about
+4x slower for `nnsight_hf_cache` in a smoke run at 1,024 tokens, batch 16); calling the Hugging
+Face decoder directly instead of through an nnsight trace (no clear difference in smoke runs on a
+loaded machine); a `StaticCache`, which cannot be rolled back on Gemma's sliding layers (its
+`StaticSlidingWindowLayer` is a ring buffer, croppable only when no longer than the window). A
+last batch smaller than the rest gets a repeated cache of its own size (64 patches over the
+candidate sizes never leave one).
 
 A way is built in two steps: its function (above) does the work done once per prompt pair
 (capturing the source K/V, prefilling a cache; not timed, as the engine's prefills are not) and

@@ -8,7 +8,9 @@ that set every prefix slot's K/V to the patched notebook's, and (c) the strong b
 `kvnotes.baselines`: TransformerLens batched and with its own KV cache, nnsight over the Hugging
 Face model batched and with Hugging Face's own cache. Every way unembeds only the last position
 and only the two answer tokens, as the engine does (no full-vocabulary logits anywhere), and each
-is timed as the median of `repeats` sweeps, the ways in turn, at its best batch size.
+is timed as the median of `repeats` sweeps, the ways in turn, at its best batch size. Beside them
+the floor (`floor_run`: the decision tokens alone at the engine's batch size, no prefix) is timed
+the same way, and engine / floor says how close the engine is to the work no way can skip.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class SweepResult:
     # the floor: the decision tokens alone at the engine's batch size (see `floor_run`), timed
     # beside the ways; engine_s / floor_s says how close the engine is to it (None: not measured)
     floor_s: float | None = None
+    floor_min_s: float | None = None
+    floor_max_s: float | None = None
     engine_over_floor: float | None = None
 
     @classmethod
@@ -95,7 +99,7 @@ class SweepResult:
             "engine_max_s": d["engine_s"],
             "engine_batch": ENGINE_BATCH,
             "repeats": 1,
-        }  # and before the floor: floor_s and engine_over_floor stay None
+        }  # and before the floor: floor_s, floor_min_s, floor_max_s, engine_over_floor stay None
         return cls(**{**old, **d, "baselines": [BaselineResult(**b) for b in d.get("baselines", [])]})
 
 
@@ -140,7 +144,8 @@ class SweepReport(BenchReport):
             ]
             if r.floor_s is not None:
                 lines.append(
-                    f"  {'floor (no prefix)':<22}{r.engine_batch:>6}{r.floor_s:>10.3f}  {'':<17}"
+                    f"  {'floor (no prefix)':<22}{r.engine_batch:>6}{r.floor_s:>10.3f}  "
+                    f"{f'({r.floor_min_s:.3f}–{r.floor_max_s:.3f})':<17}"
                     f"{r.floor_s / r.engine_s:>9.2f}{'—':>14}   engine / floor {r.engine_over_floor:.2f}"
                 )
             for b in r.baselines:
@@ -323,6 +328,8 @@ def patch_sweep(
         ],
         skipped=skipped,
         floor_s=flo.median,
+        floor_min_s=flo.min,
+        floor_max_s=flo.max,
         engine_over_floor=eng.median / flo.median,
     )
 

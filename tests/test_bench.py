@@ -36,6 +36,8 @@ RESULT_KEYS = {
     "baselines",
     "skipped",
     "floor_s",
+    "floor_min_s",
+    "floor_max_s",
     "engine_over_floor",
 }
 BASELINE_KEYS = {"name", "seconds", "min_s", "max_s", "batch_size", "ratio", "max_abs_logit_diff"}
@@ -115,9 +117,12 @@ def test_a_strong_baseline_missing_a_step_is_caught(hf_gemma3, monkeypatch, bug)
 
 def test_the_floor_is_reported_and_below_the_engine():
     """The floor (the decision tokens alone, no prefix) at 450 tokens, where attending to the
-    prefix is most of the engine's work: below the engine's median, and the ratio is theirs."""
-    r = patch_sweep(load_model("tiny-llama"), 450, n_slots=32, repeats=5, baselines=(), progress=False)
-    assert 0 < r.floor_s < r.engine_s
+    prefix is most of the engine's work (about a third of the engine's time is the floor on a
+    quiet machine): below the engine. Compared by the fastest of five repeats, which another
+    process's load inflates least (a median flipped once under a concurrent model load)."""
+    r = patch_sweep(load_model("tiny-llama"), 450, n_slots=16, repeats=5, baselines=(), progress=False)
+    assert 0 < r.floor_min_s < r.engine_min_s
+    assert r.floor_min_s <= r.floor_s <= r.floor_max_s
     assert r.engine_over_floor == pytest.approx(r.engine_s / r.floor_s, rel=1e-12)  # the same two medians
     d = json.loads(json.dumps(SweepReport(model="tiny-llama", machine="m", results=[r]).to_dict()))
     assert SweepReport.from_dict(d).results[0] == r
@@ -178,4 +183,4 @@ def test_a_report_written_before_the_baselines_still_loads():
     r = SweepResult.from_dict({**old, "max_recovery_diff": 1e-5, "max_logit_diff": 1e-5})
     # exact: the value given, read back
     assert (r.engine_min_s, r.repeats, r.baselines, r.skipped) == (0.59, 1, [], {})
-    assert r.floor_s is None and r.engine_over_floor is None  # not measured then
+    assert (r.floor_s, r.floor_min_s, r.engine_over_floor) == (None, None, None)  # not measured then
