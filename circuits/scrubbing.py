@@ -47,7 +47,7 @@ from kvnotes.hooks import hook_name
 from kvnotes.ops import Patch, decide, patch_batch, prefill, query_tokens
 from kvnotes.tasks import Task, load_task, sample
 from probes.causal import effect_estimate, split_by_effect, top_notes
-from probes.controls import cross_fitted_notes, matched_slots, random_slots
+from probes.controls import cross_fitted_notes, matched_slots, paired, random_slots
 from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
@@ -150,18 +150,19 @@ def scrubbing(
 
     Out of sample: `hypothesis_xfit` keeps, per trial, the top `len(heads)` read heads and top
     `n_notes` note slots ranked on the other half of the trials (`cross_fitted_heads`,
-    `cross_fitted_notes`; in-sample with one trial, `cross_fitted` False); `matched_circuit`,
-    its control, as many slots matched in region and token class (`matched_slots`) and heads in
-    the same layers (`matched_heads`), `draws` draws (left out, and counted in `dropped`, on a
-    trial whose region has fewer than 2·`n_notes` slots). Compare `hypothesis_xfit` with
-    `matched_circuit`.
+    `cross_fitted_notes`; `cross_fitted` False, with `cross_fitted_pairs` per trial, where some
+    trial's slots were ranked by position or there was one trial); `matched_circuit`, its control,
+    as many slots matched in region and token class (`matched_slots`) and heads in the same
+    layers (`matched_heads`), `draws` draws. On a trial whose region has fewer than 2·`n_notes`
+    slots there is no matched circuit, and the trial is left out of both (counted in their
+    `dropped`). Compare `hypothesis_xfit` with `matched_circuit`.
 
     >>> from kvnotes import load_model
     >>> from probes import make_trials
     >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
     >>> r = scrubbing(trials, "order-cancel", [(1, 0)], n_resamples=1, draws=1, min_effect=0.0)
-    >>> r.cross_fitted, len(r.heads_xfit[0])
-    (True, 1)
+    >>> r.cross_fitted, len(r.heads_xfit[0])  # one pair of each of two templates: nothing lines up
+    (False, 1)
     """
     task = load_task(task)
     used, excluded = split_by_effect(trials, min_effect)
@@ -212,6 +213,10 @@ def scrubbing(
         crossed_used.append(crossed.pairs[i])
         n_res.append(len(prompts))
         templates.append(t.pair.template)
+    # compared with each other, so over the same trials: one without a matched circuit leaves both
+    nums["hypothesis_xfit"], nums["matched_circuit"], _ = paired(
+        nums["hypothesis_xfit"], nums["matched_circuit"]
+    )
     scale = float(np.mean(dens)) if dens else float("nan")
     undefined = None
     if not abs(scale) >= min_effect or scale == 0.0:  # (also with min_effect 0: never divide by zero)
