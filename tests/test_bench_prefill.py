@@ -78,7 +78,9 @@ def _fresh_cache_per_chunk(r, ids):
     with torch.inference_mode():
         for a in range(0, len(ids), chunk):
             piece = torch.tensor([ids[a : a + chunk]])
-            out = r.hf(input_ids=piece, cache=DynamicCache(config=r.hf.config), use_cache=True, logits_to_keep=1)
+            out = r.hf(
+                input_ids=piece, cache=DynamicCache(config=r.hf.config), use_cache=True, logits_to_keep=1
+            )
     return out
 
 
