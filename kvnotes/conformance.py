@@ -108,7 +108,7 @@ class VerifyReport(Displayable):
             f"{'':3}{'invariant':34}{'max |error|':>14}{'tolerance':>12}{'x f32 gap':>10}  result  worst"
         )
         for i, r in enumerate(self.invariants, 1):
-            units = "" if r.gap_multiple is None else f"{r.gap_multiple:.2f}"
+            units = "" if r.gap_multiple is None else f"{r.gap_multiple:.3g}"
             lines.append(
                 f"{i:<3}{r.name:34}{r.max_abs_error:>14.3e}{r.tolerance:>12.1e}{units:>10}  "
                 f"{'pass' if r.passed else 'FAIL':6}  {r.worst}"
