@@ -9,7 +9,7 @@ hypothesis preserves, how fast gradients rank it, and which SAE features carry i
     read_heads(trials).tables["ranking"][:5]           # the heads that read the conclusion
     run_circuits(model, "order-cancel", n=8)          # every analysis, as one CircuitReport
 
-Each analysis is declared in the registry (`kvnotes.analysis`) beside its code.
+Each analysis is declared in the registry (`kvnotes.analysis.registry`) beside its code.
 """
 
 from __future__ import annotations
@@ -17,10 +17,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvnotes.analysis import MIN_EFFECT, Section, UnknownAnalysisError, choose, for_command, register_section
+from kvnotes.analysis.registry import (
+    MIN_EFFECT,
+    Section,
+    UnknownAnalysisError,
+    choose,
+    for_command,
+    register_section,
+)
+from kvnotes.analysis.results import ProbeReport, ProbeResult, collect
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
-from probes.results import ProbeReport, ProbeResult, collect
 
 _META = ("model", "task", "n", "seed", "meta")
 
@@ -111,7 +118,7 @@ def run_circuits(
     >>> round(r.analyses["read_heads"].parts["all_heads"].mean, 2)  # every head patched: the new decision
     1.0
     """
-    from kvnotes.analysis import get
+    from kvnotes.analysis.registry import get
 
     names = check_analyses(names)
     configs = {"write_heads": get("write_heads").make_config(n=n, k_max=k_max, draws=max(draws // 2, 1))}

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from circuits.heads import all_heads, read_sweep
-from kvnotes.analysis import Context, analysis, option
+from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument
 from kvnotes.hooks import hook_name
@@ -29,7 +30,6 @@ from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, PromptLike, query_tokens
 from kvnotes.types import Float, Tensor
 from probes.causal import effect_estimate, split_by_effect
-from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
 
 

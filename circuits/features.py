@@ -57,7 +57,8 @@ from circuits.sae import (
     load_sae,
     train_sae,
 )
-from kvnotes.analysis import Context, analysis, option
+from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument
 from kvnotes.hooks import hook_name
@@ -65,7 +66,6 @@ from kvnotes.notebook import Notebook
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
 from probes.causal import split_by_effect
-from probes.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials
 
 Labels = Int[np.ndarray, " n"] | Bool[np.ndarray, " n"]  # the answer index (conclusion) of each prompt

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from circuits.heads import Head, Sweep, all_heads, grouping, kv_head, read_sweep, write_sweep
-from kvnotes.analysis import Context, analysis, option, replace_default
+from kvnotes.analysis.registry import Context, analysis, option, replace_default
+from kvnotes.analysis.results import Curve, Estimate, ProbeResult
 from probes.causal import effect_estimate, split_by_effect
-from probes.results import Curve, Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
 
 K_MAX = 12

@@ -41,14 +41,14 @@ import numpy as np
 import torch
 
 from circuits.heads import Head, all_heads, cross_fitted_heads, masks_for
-from kvnotes.analysis import Context, analysis, option
+from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
 from kvnotes.ops import Patch, decide, patch_batch, prefill, query_tokens
 from kvnotes.tasks import Task, load_task, sample
 from probes.causal import effect_estimate, split_by_effect, top_notes
 from probes.controls import cross_fitted_notes, matched_slots, paired, random_slots
-from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 VARIANTS = ("hypothesis", "random_circuit", "notes_only", "heads_only", "with_field")

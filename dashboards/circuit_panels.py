@@ -22,8 +22,8 @@ from dashboards.figures import (
 )
 from dashboards.probe_panels import est, n_note, say
 from dashboards.registry import for_type, panel
+from kvnotes.analysis.results import Curve
 from probes.controls import crossing_summary
-from probes.results import Curve
 
 
 def _curve(c: Curve | None, name: str, **kw) -> dict:

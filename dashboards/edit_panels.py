@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from dashboards.figures import GREEN, RED, Panel, ci_bars, ci_curves, fmt, plotly_text, style
 from dashboards.probe_panels import est, n_note, say, series
 from dashboards.registry import for_type, panel
-from probes.results import ProbeResult
+from kvnotes.analysis.results import ProbeResult
 
 # --- edit and compose ---------------------------------------------------------------------------
 
@@ -492,7 +492,7 @@ def serve_panels(b, key: str) -> list[Panel]:
 
 @for_type("SlotSweep")
 def slot_sweep_panels(r, key: str) -> list[Panel]:
-    """The per-slot transplant sweep run as one nnsight session (`kvnotes.remote`): recovery per slot."""
+    """The per-slot transplant sweep as one nnsight session (`kvnotes.serving.remote`): recovery per slot."""
     fig = go.Figure(
         [
             go.Bar(

@@ -20,7 +20,7 @@ from dashboards.figures import (
     visible,
 )
 from dashboards.registry import in_summary, panel, summary
-from probes.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, ProbeResult
 
 
 def est(e: Estimate | None, name: str, **kw) -> dict:

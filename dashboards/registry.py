@@ -1,5 +1,5 @@
 """Which panels draw which result. Panel modules register a function per analysis (by the name it
-has in `kvnotes.analysis`), per section (a summary over several analyses' results) or per result
+has in `kvnotes.analysis.registry`), per section (a summary over several analyses' results) or per result
 type (results that are not analyses: `verify`, a prompt's attribution). `render` looks them up;
 an analysis without a panel of its own gets the generic one (its parts as bars with CIs).
 

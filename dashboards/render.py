@@ -23,8 +23,8 @@ import dashboards.edit_panels  # noqa: F401
 from dashboards.figures import Panel, ci_bars, esc
 from dashboards.probe_panels import est, n_note
 from dashboards.registry import PANELS, SUMMARIES, TYPES
-from kvnotes.analysis import analyses, sections
-from probes.results import ProbeReport, ProbeResult
+from kvnotes.analysis.registry import analyses, sections
+from kvnotes.analysis.results import ProbeReport, ProbeResult
 
 # --- from results to panels ---------------------------------------------------------------------
 

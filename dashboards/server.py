@@ -42,9 +42,9 @@ from urllib.parse import urlencode
 
 from flask import Flask, Response, redirect, render_template, request, send_file
 
-from circuits.report import Report
 from dashboards.render import compare_html
-from kvnotes.server import check_port
+from kvnotes.analysis.report import Report
+from kvnotes.serving.vllm import check_port
 
 __all__ = ["Catalog", "create_app", "dashboard_server", "host_is_loopback", "serve", "report_id"]
 

@@ -51,7 +51,7 @@ def cmd_verify(args) -> int:
     return 0 if report.passed else 1
 
 
-# --- the analysis commands, generated from the registry (kvnotes.analysis) ------------------------
+# --- the analysis commands, generated from the registry (kvnotes.analysis.registry) ------------------------
 
 COMMAND_HELP = {
     "probe": "causal probes of where a model keeps its conclusion, and the regime sweep",
@@ -111,8 +111,8 @@ def _registry_spec() -> dict:
     changed since it was written (building it imports every analysis module, torch with them).
     Where this process has the registry already (a notebook, a test that registered an analysis
     of its own), the spec is built from it as it stands."""
-    if "kvnotes.analysis" in sys.modules:
-        from kvnotes.analysis import cli_spec
+    if "kvnotes.analysis.registry" in sys.modules:
+        from kvnotes.analysis.registry import cli_spec
 
         return cli_spec()
     import hashlib
@@ -138,7 +138,7 @@ def _registry_spec() -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    from kvnotes.analysis import cli_spec
+    from kvnotes.analysis.registry import cli_spec
 
     spec = cli_spec()
     try:
@@ -213,7 +213,7 @@ def add_analysis_commands(sub) -> None:
 
 
 def _configs(names: list[str], args) -> dict:
-    from kvnotes.analysis import get
+    from kvnotes.analysis.registry import get
 
     given = {
         field: getattr(args, dest) for dest, field in args.dests.items() if getattr(args, dest) is not None
@@ -222,10 +222,10 @@ def _configs(names: list[str], args) -> dict:
 
 
 def cmd_task_analyses(args) -> int:
-    from kvnotes.analysis import choose
+    from kvnotes.analysis.registry import choose
+    from kvnotes.analysis.results import collect
     from kvnotes.models import default_task
     from kvnotes.tasks import load_task
-    from probes.results import collect
 
     names = choose(
         args.command_name,
@@ -240,7 +240,7 @@ def cmd_task_analyses(args) -> int:
 
 
 def cmd_model_analysis(args) -> int:
-    from kvnotes.analysis import Context, get
+    from kvnotes.analysis.registry import Context, get
     from kvnotes.errors import KVNotesError
 
     a = get(args.analysis)
@@ -301,8 +301,8 @@ def cmd_attribute(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from circuits.report import ReportConfig, run_report
     from dashboards.render import write_report
+    from kvnotes.analysis.report import ReportConfig, run_report
     from kvnotes.models import default_task
     from kvnotes.tasks import load_task
 
@@ -352,8 +352,8 @@ def _terminate_as_interrupt():
 
 
 def cmd_render(args) -> int:
-    from circuits.report import Report
     from dashboards.render import write_report
+    from kvnotes.analysis.report import Report
 
     report = Report.load(args.report)
     out = (
@@ -394,7 +394,7 @@ def cmd_export(args) -> int:
 def cmd_sweep(args) -> int:
     from kvnotes.errors import KVNotesError
     from kvnotes.models import default_task, load_model
-    from kvnotes.remote import slot_sweep
+    from kvnotes.serving.remote import slot_sweep
     from kvnotes.tasks import load_task
     from kvnotes.tasks.sampler import sample
 
@@ -415,7 +415,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_vllm_env(args) -> int:
-    from kvnotes.server import make_vllm_env
+    from kvnotes.serving.vllm import make_vllm_env
 
     python = make_vllm_env(args.dir, gpu=args.gpu)
     print(f"vLLM environment ready; pass --vllm-python {python}")

@@ -252,7 +252,7 @@ def forward(
     if not model.weights:
         raise BadArgument(
             f"{model.name} was loaded without its weights (remote=True): it runs only remote "
-            "experiments (kvnotes.remote); load it with its weights for local runs"
+            "experiments (kvnotes.serving.remote); load it with its weights for local runs"
         )
     captured: dict[str, Tensor] = {}
     plan = _resolve(model, hooks, capture, captured)

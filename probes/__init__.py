@@ -7,7 +7,7 @@
     field_refresh(trials).estimate          # recovery: mean, 95% CI, per-prompt values
     run_probes(model, "order-cancel", n=8)   # all six, as one ProbeReport
 
-Each probe is declared in the analysis registry (`kvnotes.analysis`) beside its code; the
+Each probe is declared in the analysis registry (`kvnotes.analysis.registry`) beside its code; the
 `probe`, `edit` and `compose` commands and the report run them from there.
 """
 
@@ -15,10 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvnotes.analysis import MIN_EFFECT, Section, UnknownAnalysisError, choose, for_command, register_section
+from kvnotes.analysis.registry import (
+    MIN_EFFECT,
+    Section,
+    UnknownAnalysisError,
+    choose,
+    for_command,
+    register_section,
+)
+from kvnotes.analysis.results import ProbeReport, ProbeResult, collect
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
-from probes.results import ProbeReport, ProbeResult, collect
 
 register_section(
     Section(
@@ -42,6 +49,7 @@ register_section(
     )
 )
 
+from kvnotes.analysis.results import Estimate  # noqa: E402
 from probes.agent import agent_loop  # noqa: E402  (each module registers its analyses on import)
 from probes.causal import field_refresh, note_map, notes_transplant  # noqa: E402
 from probes.compose import seam_repair  # noqa: E402
@@ -50,7 +58,6 @@ from probes.cot import cot_refresh  # noqa: E402
 from probes.edit import edit_methods  # noqa: E402
 from probes.memory import memory_blocks  # noqa: E402
 from probes.regime import regime  # noqa: E402
-from probes.results import Estimate  # noqa: E402
 from probes.trials import Trial, make_trials  # noqa: E402
 from probes.weights import weight_edit  # noqa: E402
 

@@ -13,17 +13,17 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis import Context, Options, analysis, option
+from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.bench.ttft import HOST
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.ops import append, decide, precompile, prefill, splice
 from kvnotes.tasks import Task, load_task, sample
-from kvnotes.ttft import HOST
 from probes.compose import chunk_end
 from probes.edit import ERRATUM
-from probes.results import Estimate, ProbeResult
 
 
 def agent_loop(

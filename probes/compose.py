@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.analysis import Context, Options, Section, analysis, option, register_section
+from kvnotes.analysis.registry import Context, Options, Section, analysis, option, register_section
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.errors import TaskError
 from kvnotes.metrics import logit_cosine
@@ -25,7 +26,6 @@ from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, precompile, prefill, splice
 from kvnotes.tasks import Task, load_task, sample
 from probes.regime import filler_text
-from probes.results import Estimate, ProbeResult
 
 SEAMS = (0, 1, 2, 4, 8, 16)
 OFFSETS = (32, 128)

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.analysis import Context, analysis, option
+from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.errors import BadArgument
 from kvnotes.ops import Patch
 from kvnotes.prompt import is_delimiter
 from kvnotes.tasks import RULE
 from probes.causal import effect_estimate, note_scores, split_by_effect, top_notes
-from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
 
 INJECT_K = (1, 2, 4, 8)

@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnotes.analysis import Context, analysis, option
+from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.metrics import recovery
 from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, prefill, refresh
-from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 CUE = "reasoning:"

@@ -20,11 +20,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnotes.analysis import Context, Section, analysis, option, register_section
+from kvnotes.analysis.registry import Context, Section, analysis, option, register_section
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, refresh
-from kvnotes.serving import ERRATUM  # the one erratum line, shared with the serving prompt manager
+from kvnotes.serving.manager import ERRATUM  # the one erratum line, shared with the serving prompt manager
 from probes.causal import single_slot_map
-from probes.results import Estimate, ProbeResult
 from probes.trials import Pairs, Trial, shared_trials, with_progress
 
 KS = (1, 2, 4, 8, 16, 32, 64)

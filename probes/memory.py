@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis import Context, Options, analysis, option
+from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, precompile, prefill, splice
-from probes.results import Estimate, ProbeResult
 
 NAMES = ("Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi")
 HOST = "Customer memory, written by the support system.\n"

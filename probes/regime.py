@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis import Context, analysis, option
+from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task, TaskError, load_task
 from kvnotes.tasks.sampler import fit_notes
 from probes.causal import field_refresh, notes_transplant
-from probes.results import Estimate, ProbeResult
 from probes.trials import MIN_EFFECT, Pairs, clusters_of, make_trials
 
 DISTANCES = (0, 16, 32, 64, 128, 256, 512, 768)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis import MIN_EFFECT, Context, Options, option
+from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, option
 from kvnotes.engine import Hook
 from kvnotes.errors import BadOption
 from kvnotes.metrics import Metric, answer_columns, logit_diff, recovery

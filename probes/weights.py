@@ -50,7 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.analysis import Context, analysis, option
+from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.errors import KVNotesError, OutOfRange, UnsupportedArchitecture
 from kvnotes.hooks import hook_name
@@ -63,7 +64,6 @@ from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
 from probes.causal import split_by_effect
 from probes.edit import ERRATUM
-from probes.results import Estimate, ProbeResult
 from probes.trials import (
     MIN_EFFECT,
     Pairs,

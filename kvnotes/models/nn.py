@@ -371,7 +371,7 @@ def load_nnsight(
         default: transformers' choice, SDPA where the model supports it); a call that hooks
         attention scores or patterns switches to kvnotes' eager attention for that call.
     remote: build the model without its weights (nnsight's meta build: config and tokenizer
-        only), for experiments that run on NDIF (`kvnotes.remote`); local runs need the weights.
+        only), for experiments that run on NDIF (`kvnotes.serving.remote`); local runs need the weights.
     """
     problem = nnsight_available()
     if problem:

@@ -21,12 +21,12 @@ from circuits.sae import (
     load_sae,
     train_sae,
 )
+from kvnotes.analysis.results import ProbeResult
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
 from kvnotes.ops import decide
 from kvnotes.tasks import load_task, sample
 from probes import make_trials
-from probes.results import ProbeResult
 from tests.helpers import get_model
 
 ORGANISM = "notes-organism"

@@ -41,9 +41,9 @@ _built: dict[str, Path] = {}
 
 def build(model: str, task: Path, out: Path) -> Path:
     """Run a quick report and render its index.html into `out`."""
-    from circuits.report import ReportConfig, run_report
     from dashboards.render import write_report
     from kvnotes import load_model
+    from kvnotes.analysis.report import ReportConfig, run_report
 
     report = run_report(load_model(model), [str(task)], out, ReportConfig.quick(**SIZES), progress=False)
     write_report(report, out)

@@ -11,13 +11,13 @@ from dataclasses import replace
 import pytest
 
 from circuits import CircuitReport
-from circuits.report import Part, Report, ReportConfig, ReportFileError, run_report
 from dashboards.figures import esc
 from dashboards.render import figure, html, panels, report_html, write_report
+from kvnotes.analysis.report import Part, Report, ReportConfig, ReportFileError, run_report
+from kvnotes.analysis.results import Estimate, ProbeReport, ProbeResult
+from kvnotes.bench.ttft import EditCostReport, TTFTReport
 from kvnotes.cli import main
-from kvnotes.ttft import EditCostReport, TTFTReport
 from probes.causal import NoteMap
-from probes.results import Estimate, ProbeReport, ProbeResult
 from tests.helpers import get_model
 
 SIZES = dict(
@@ -220,7 +220,7 @@ def test_cli_report_quick_on_a_tiny_model(tmp_path, capsys):
 def test_verify_and_bench_reports_display_themselves():
     import plotly.graph_objects as go
 
-    from kvnotes.bench import patch_sweep_report
+    from kvnotes.bench.sweep import patch_sweep_report
     from kvnotes.conformance import verify
 
     model = get_model("tiny-llama")

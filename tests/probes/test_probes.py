@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from kvnotes.analysis.results import Estimate
 from kvnotes.cli import main
 from kvnotes.ops import Patch, decide, patch, refresh
 from kvnotes.tasks import RULE
@@ -25,7 +26,6 @@ from probes import (
 )
 from probes.causal import single_slot_map
 from probes.controls import knockout_hooks
-from probes.results import Estimate
 from tests.helpers import MODEL_NAMES, get_model
 
 TASK = "order-cancel"

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from kvnotes.analysis.results import Curve, Estimate, bootstrap_ci, cluster_bootstrap_ci
 from kvnotes.errors import BadOption
-from probes.results import Curve, Estimate, bootstrap_ci, cluster_bootstrap_ci
 from probes.trials import Pairs
 
 
@@ -73,7 +73,7 @@ def test_template_option_is_checked():
 
 
 def test_report_config_sets_the_template():
-    from circuits.report import ReportConfig
+    from kvnotes.analysis.report import ReportConfig
 
     cfg = ReportConfig.full(template=1)
     assert cfg.config("field_refresh").template == 1 and cfg.config("read_heads").template == 1

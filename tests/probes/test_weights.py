@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
+from kvnotes.analysis.results import ProbeReport, ProbeResult
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.ops import decide
 from probes import make_trials
-from probes.results import ProbeReport, ProbeResult
 from probes.weights import (
     applied,
     check_layer,

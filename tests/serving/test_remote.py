@@ -14,7 +14,7 @@ import transformers as tf
 from kvnotes import load_model, ops
 from kvnotes.cli import main
 from kvnotes.errors import BadArgument, KVNotesError
-from kvnotes.remote import RemoteUnavailable, SlotSweep, slot_sweep
+from kvnotes.serving.remote import RemoteUnavailable, SlotSweep, slot_sweep
 from kvnotes.tasks import load_task
 from kvnotes.tasks.sampler import sample
 from tests.checkpoints import FAMILIES, build_checkpoint

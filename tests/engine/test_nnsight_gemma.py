@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
+from kvnotes.analysis.results import collect
 from kvnotes.conformance import DESCRIPTIONS, verify
 from kvnotes.models import load_model
-from probes.results import collect
 
 PROBES = ["field_refresh", "notes_transplant", "knockout", "dissociation", "false_note_injection"]
 TOL = 1e-3

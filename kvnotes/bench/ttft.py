@@ -36,8 +36,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
-from kvnotes.analysis import Context, Options, analysis, option
-from kvnotes.bench import BenchReport, machine
+from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.bench.sweep import BenchReport, machine
 from kvnotes.conformance import FILLER
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument, OutOfRange

@@ -12,9 +12,9 @@ import pytest
 from dashboards.figures import Panel, ci_bars
 from dashboards.probe_panels import est, n_note
 from dashboards.registry import PANELS, panel
-from kvnotes.analysis import Analysis, Context, option, register, report_analyses, unregister
+from kvnotes.analysis.registry import Analysis, Context, option, register, report_analyses, unregister
+from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.cli import main
-from probes.results import Estimate, ProbeResult
 from probes.trials import Pairs, shared_trials
 
 # --- the whole of the new analysis -------------------------------------------------------------
@@ -124,7 +124,7 @@ def test_it_runs_from_its_command(registered, tmp_path, capsys):
 
 
 def test_it_runs_in_the_report_is_saved_reads_back_and_draws_its_panel(registered, tmp_path):
-    from circuits.report import Report
+    from kvnotes.analysis.report import Report
 
     others = [n for n in report_analyses() if n != "decision_flips"]
     out = tmp_path / "report"

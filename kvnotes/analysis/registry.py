@@ -8,11 +8,11 @@ runners (`run_probes`, `run_circuits`, ...) are all generated from, or loop over
 `dashboards` registers the panels that draw each result. Adding an analysis is one `@analysis`
 (or `register`) beside its code (docs/adding-an-analysis.md).
 
-    from kvnotes.analysis import analyses
+    from kvnotes.analysis.registry import analyses
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
 The built-in analyses register when their packages are imported; `analyses()` imports every
-package named in the `kvnotes.analyses` entry-point group (`probes`, `circuits` and `kvnotes.ttft`
+package named in the `kvnotes.analyses` entry-point group (`probes`, `circuits` and `kvnotes.bench.ttft`
 here), so another package can add its own the same way.
 """
 

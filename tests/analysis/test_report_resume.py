@@ -24,7 +24,7 @@ import pathlib, signal, sys, time
 # Ctrl-C reaches a run in the foreground; a process started in the background by a shell without job
 # control (as CI may start the suite) inherits SIGINT ignored, and Python then leaves it ignored.
 signal.signal(signal.SIGINT, signal.default_int_handler)
-import circuits.report as report
+import kvnotes.analysis.report as report
 run_part = report._task_part
 def held(model, task, section, *args, **kwargs):
     if section.name == "circuits":
@@ -79,7 +79,7 @@ def test_a_killed_report_keeps_its_first_part_and_resumes_from_it(sig, tmp_path,
 
 
 def test_a_failing_part_keeps_the_parts_before_it(tmp_path, monkeypatch, capsys):
-    import circuits.report as report
+    import kvnotes.analysis.report as report
 
     run_part = report._task_part
 

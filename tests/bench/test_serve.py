@@ -1,4 +1,4 @@
-"""The erratum-aware prompt manager (kvnotes.serving) and the serve bench's workload, without a server."""
+"""The erratum-aware prompt manager (kvnotes.serving.manager) and the serve workload, no server."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvnotes import bench_serve
-from kvnotes.bench_serve import Values, plan, run_point, sessions
+from kvnotes.bench import serve as bench_serve
+from kvnotes.bench.serve import Values, plan, run_point, sessions
 from kvnotes.errors import BadArgument, UnknownField
-from kvnotes.server import CacheCounters, Completion, Server
-from kvnotes.serving import NEVER, Compaction, PromptManager, fill, hoist
+from kvnotes.serving.manager import NEVER, Compaction, PromptManager, fill, hoist
+from kvnotes.serving.vllm import CacheCounters, Completion, Server
 from kvnotes.tasks import load_task
 
 TEMPLATE = (
@@ -149,7 +149,7 @@ def test_engine_session_prefills_once_then_appends_only_errata(gemma3):
     import torch
 
     from kvnotes.ops import decide, prefill
-    from kvnotes.serving import EngineSession
+    from kvnotes.serving.manager import EngineSession
 
     m = gemma3
     er = EngineSession(m, manager())

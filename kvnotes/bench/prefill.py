@@ -41,12 +41,12 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import engine, ops
-from kvnotes.analysis import Context, Options, analysis, option
-from kvnotes.bench import BenchReport, both_backends, machine
+from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.bench.sweep import BenchReport, both_backends, machine
+from kvnotes.bench.ttft import _text_ids
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
-from kvnotes.ttft import _text_ids
 from kvnotes.types import Float, Tensor
 
 WAYS = ("kvnotes", "kvnotes_nnsight", "transformers_chunked", "transformers", "transformer_lens")

@@ -5,7 +5,7 @@
 over the decision tokens only — (b) the naive way a TransformerLens user would take without a
 notebook: one full forward of the whole prompt per patch, with hooks on `hook_rot_k`/`hook_v`
 that set every prefix slot's K/V to the patched notebook's, and (c) the strong baselines of
-`kvnotes.baselines`: TransformerLens batched and with its own KV cache, nnsight over the Hugging
+`kvnotes.bench.baselines`: TransformerLens batched and with its own KV cache, nnsight over the Hugging
 Face model batched and with Hugging Face's own cache. Every way unembeds only the last position
 and only the two answer tokens, as the engine does (no full-vocabulary logits anywhere), and each
 is timed as the median of `repeats` sweeps, the ways in turn, at its best batch size. Beside them
@@ -26,8 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
-from kvnotes.analysis import MODEL, Context, Options, Section, analysis, option, register_section
-from kvnotes.baselines import (
+from kvnotes.analysis.registry import MODEL, Context, Options, Section, analysis, option, register_section
+from kvnotes.bench.baselines import (
     BATCH_SIZES,
     WAYS,
     HFTwin,
@@ -228,7 +228,7 @@ def patch_sweep(
     """Time the per-slot transplant sweep every way on a prompt of about `n_tokens` tokens.
 
     batch_size: every batched way's batch size; None picks each way's own by a short probe
-    (`best_batch_size`). baselines: the strong baselines to run (`kvnotes.baselines.WAYS`).
+    (`best_batch_size`). baselines: the strong baselines to run (`kvnotes.bench.baselines.WAYS`).
     twin: `hf_twin(model)`'s result, to load the Hugging Face counterpart once for several lengths.
     nn: the same weights on the nnsight backend: its engine runs beside as `engine_nnsight`, on
     its own notebooks of the same prompts (the nnsight baselines then trace its module).
@@ -380,7 +380,7 @@ class SweepConfig(Options):
     tokens: tuple[int, ...] = option((256, 1024), "prompt lengths", least=1)
     slots: int = option(64, "how many trailing slots to sweep", least=1)
     repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
-    baselines: tuple[str, ...] = option(tuple(WAYS), "strong baselines to run (kvnotes.baselines)")
+    baselines: tuple[str, ...] = option(tuple(WAYS), "strong baselines to run (kvnotes.bench.baselines)")
 
     def __post_init__(self):
         super().__post_init__()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.server import ServerError, connect, launch, parse_metrics
+from kvnotes.serving.vllm import ServerError, connect, launch, parse_metrics
 
 SERVER = textwrap.dedent(
     """
@@ -172,7 +172,7 @@ def test_sigterm_to_the_benchmark_still_stops_the_server(fake, tmp_path):
     python, pids = fake
     model = str(tmp_path / "model")
     code = (
-        "from kvnotes.server import launch\n"
+        "from kvnotes.serving.vllm import launch\n"
         f"with launch({model!r}, python={str(python)!r}, ready_timeout=300, progress=False):\n"
         "    pass\n"
     )

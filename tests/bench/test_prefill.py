@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from kvnotes import bench_prefill as bp
-from kvnotes.analysis import get
-from kvnotes.bench_prefill import PrefillReport, context_ids, prefill_bench
+from kvnotes.analysis.registry import get
+from kvnotes.bench import prefill as bp
+from kvnotes.bench.prefill import PrefillReport, context_ids, prefill_bench
 from kvnotes.cli import main
 from kvnotes.models import load_model
 from kvnotes.models.hf import load_hf

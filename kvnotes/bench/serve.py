@@ -4,7 +4,7 @@ Many sessions share one long policy, rendered from a task: its rule, few-shot ex
 session's own state block (the gating field among it), neutral notes (`--tokens` in all), then the
 question. Requests arrive as a Poisson process at each `--rates` value; each picks a session at
 random and changes its gating field first. A `PromptManager` per session turns the change into the
-prompt its strategy sends (`kvnotes.serving`): `erratum` appends one line, `in_place` rewrites the
+prompt its strategy sends (`kvnotes.serving.manager`): `erratum` appends one line, `in_place` rewrites the
 field, `hoist` keeps the field's line at the end. Per strategy and rate the bench reads:
 
 - the prefix-cache hit rate, from vLLM's token counters (`vllm:prefix_cache_queries_total`,
@@ -43,11 +43,19 @@ from typing import ClassVar
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis import Context, Options, analysis, option
-from kvnotes.bench import BenchReport
+from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.bench.sweep import BenchReport
 from kvnotes.errors import BadOption, KVNotesError
-from kvnotes.server import Completion, Server, complete, run_sync
-from kvnotes.serving import DEFAULT_COMPACTION, NEVER, STRATEGIES, Compaction, PromptManager, escape, fill
+from kvnotes.serving.manager import (
+    DEFAULT_COMPACTION,
+    NEVER,
+    STRATEGIES,
+    Compaction,
+    PromptManager,
+    escape,
+    fill,
+)
+from kvnotes.serving.vllm import Completion, Server, complete, run_sync
 from kvnotes.tasks import Task, load_task
 from kvnotes.tasks.sampler import fit_notes, shots_text, values_for
 
@@ -683,7 +691,7 @@ def _serve(ctx: Context, cfg: ServeConfig) -> ServeReport:
     """Erratum vs in-place vs hoist prompts against a real vLLM server: hit rate, TTFT, decisions."""
     import shlex
 
-    from kvnotes.server import connect, launch
+    from kvnotes.serving.vllm import connect, launch
 
     if bool(cfg.vllm_python) == bool(cfg.server):
         raise BadOption(

@@ -54,7 +54,7 @@ def vllm_processes(model_dir: Path) -> list[int]:
 
 def test_bench_serve_on_a_real_vllm_server(tmp_path, capsys):
     """The whole command, as a user runs it: export, launch, every strategy, the agent loop, stop."""
-    from kvnotes.bench_serve import ServeReport
+    from kvnotes.bench.serve import ServeReport
     from kvnotes.cli import main
     from kvnotes.models.cache import default_cache_dir
 

@@ -10,11 +10,7 @@ import json
 import pytest
 import torch
 
-from kvnotes.cli import main
-from kvnotes.errors import BadArgument, OutOfRange
-from kvnotes.models import default_task
-from kvnotes.ops import decide, precompile, prefill
-from kvnotes.ttft import (
+from kvnotes.bench.ttft import (
     DEFAULT_SEAM,
     HOST,
     QUERY,
@@ -30,6 +26,10 @@ from kvnotes.ttft import (
     seam_agreement,
     ttft,
 )
+from kvnotes.cli import main
+from kvnotes.errors import BadArgument, OutOfRange
+from kvnotes.models import default_task
+from kvnotes.ops import decide, precompile, prefill
 from tests.helpers import assert_close, assert_notebooks_close, get_model
 
 

@@ -1,0 +1,76 @@
+"""One analysis framework: the registry (each analysis declared once, beside its code), the typed
+results every analysis returns, and the report that runs them and saves them.
+
+    from kvnotes.analysis import analyses, ReportConfig, run_report
+    sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
+
+- `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`, `run`.
+- `results`: `Estimate`, `Curve`, `ProbeResult`, `ProbeReport`, the bootstrap.
+- `report`: `ReportConfig`, `Report`, `run_report` (`report.json`, resumable).
+
+The registry's names are imported eagerly (it is light: the CLI reads it without torch); the
+results' and the report's on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from kvnotes.analysis.registry import (
+    MIN_EFFECT,
+    Analysis,
+    Context,
+    Options,
+    Section,
+    analyses,
+    analysis,
+    get,
+    option,
+    register,
+    register_section,
+    run,
+    sections,
+    unregister,
+)
+
+_LAZY = {
+    "Estimate": "kvnotes.analysis.results",
+    "Curve": "kvnotes.analysis.results",
+    "ProbeResult": "kvnotes.analysis.results",
+    "ProbeReport": "kvnotes.analysis.results",
+    "bootstrap_ci": "kvnotes.analysis.results",
+    "ReportConfig": "kvnotes.analysis.report",
+    "Report": "kvnotes.analysis.report",
+    "run_report": "kvnotes.analysis.report",
+}
+
+__all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
+    "Analysis",
+    "Context",
+    "Curve",
+    "Estimate",
+    "MIN_EFFECT",
+    "Options",
+    "ProbeReport",
+    "ProbeResult",
+    "Report",
+    "ReportConfig",
+    "Section",
+    "analyses",
+    "analysis",
+    "bootstrap_ci",
+    "get",
+    "option",
+    "register",
+    "register_section",
+    "run",
+    "run_report",
+    "sections",
+    "unregister",
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvnotes.analysis' has no attribute {name!r}")

@@ -1,0 +1,631 @@
+"""Typed, JSON-serialisable probe results: per-prompt values, their mean, a bootstrap 95% CI.
+
+A `ProbeResult` holds one or more named `Estimate`s ("parts") and says which one is its
+headline; `to_dict()` puts the headline's `mean`/`ci`/`values` at the top level and every part
+under its own name in the same shape, so `{"mean", "ci", "values"}` reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import math
+import re
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+import numpy as np
+
+from kvnotes.analysis.registry import MIN_EFFECT
+from kvnotes.display import Displayable
+from kvnotes.errors import ResultSchemaError
+
+N_RESAMPLES = 2000
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-prompt `values`, their `mean` and a bootstrap 95% CI of the mean.
+
+    Undefined figures (no values; a CI from fewer than two values) are None, never NaN. Values
+    that are None, NaN or infinite (a recovery whose pair has no effect) are left out of the mean
+    and counted in `dropped`, which tables and pages show whenever it is not 0.
+
+    `clusters` labels each value with the group it came from (the template of its prompt pair):
+    pairs of one template are not independent, so with two or more clusters the CI resamples
+    clusters, then values within them (`cluster_bootstrap_ci`); otherwise it is the percentile
+    bootstrap over values (`bootstrap_ci`).
+
+    >>> e = Estimate.of([0.9, 1.0, 1.1, 1.0, float("nan")])
+    >>> round(e.mean, 3), e.n, e.dropped, e.ci[0] <= e.mean <= e.ci[1]
+    (1.0, 4, 1, True)
+    >>> c = Estimate.of([0.9, 1.0, None, 1.9, 2.0], clusters=[0, 0, 1, 1, 1])
+    >>> c.values, c.clusters, c.dropped  # exact: the values given
+    ((0.9, 1.0, 1.9, 2.0), (0, 0, 1, 1), 1)
+    """
+
+    values: tuple[float, ...]
+    mean: float | None
+    ci: tuple[float, float] | None
+    dropped: int = 0  # values given that were None or not finite
+    clusters: tuple[int, ...] | None = None  # one label per value (its pair's template), if given
+
+    @classmethod
+    def of(
+        cls, values: Sequence[float | None], *, seed: int = 0, clusters: Sequence[int] | None = None
+    ) -> Estimate:
+        given = list(values)
+        if clusters is not None and len(clusters) != len(given):
+            raise ValueError(f"{len(clusters)} cluster labels for {len(given)} values; give one per value")
+        keep = [i for i, v in enumerate(given) if v is not None and math.isfinite(float(v))]
+        vals = tuple(float(given[i]) for i in keep)
+        labels = None if clusters is None else tuple(int(clusters[i]) for i in keep)
+        dropped = len(given) - len(vals)
+        if not vals:
+            return cls(values=(), mean=None, ci=None, dropped=dropped, clusters=labels)
+        if labels is not None and len(set(labels)) >= 2:
+            ci = cluster_bootstrap_ci(vals, labels, seed=seed)
+        else:
+            ci = bootstrap_ci(vals, seed=seed)
+        return cls(values=vals, mean=float(np.mean(vals)), ci=ci, dropped=dropped, clusters=labels)
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    def to_dict(self) -> dict:
+        out = {"mean": self.mean, "ci": list(self.ci) if self.ci else None, "values": list(self.values)}
+        if self.dropped:
+            out["dropped"] = self.dropped
+        if self.clusters is not None:
+            out["clusters"] = list(self.clusters)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Estimate:
+        ci = tuple(d["ci"]) if d["ci"] else None
+        clusters = d.get("clusters")
+        return cls(
+            values=tuple(d["values"]),
+            mean=d["mean"],
+            ci=ci,
+            dropped=d.get("dropped", 0),
+            clusters=None if clusters is None else tuple(int(c) for c in clusters),
+        )
+
+    def __str__(self) -> str:
+        dropped = f" ({self.dropped} undefined or non-finite left out)" if self.dropped else ""
+        if self.mean is None:
+            return "undefined (no usable prompts)" + dropped
+        ci = f"[{self.ci[0]:+.3f}, {self.ci[1]:+.3f}]" if self.ci else "[n<2]"
+        return f"{self.mean:+.3f} {ci} n={self.n}" + dropped
+
+
+def bootstrap_ci(
+    values: Sequence[float], *, seed: int = 0, confidence: float = CONFIDENCE
+) -> tuple[float, float] | None:
+    """Percentile bootstrap CI of the mean (scipy.stats.bootstrap), None for fewer than 2 values."""
+    from scipy.stats import bootstrap
+
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return None
+    if np.all(x == x[0]):  # every resample has the same mean
+        return (float(x[0]), float(x[0]))
+    res = bootstrap(
+        (x,),
+        np.mean,
+        n_resamples=N_RESAMPLES,
+        confidence_level=confidence,
+        method="percentile",
+        random_state=np.random.default_rng(seed),
+    )
+    return (float(res.confidence_interval.low), float(res.confidence_interval.high))
+
+
+def cluster_bootstrap_ci(
+    values: Sequence[float], clusters: Sequence[int], *, seed: int = 0, confidence: float = CONFIDENCE
+) -> tuple[float, float] | None:
+    """Two-stage percentile bootstrap CI of the mean of `values` grouped by `clusters`: each of
+    `N_RESAMPLES` resamples draws as many clusters as there are, with replacement, then within each
+    drawn cluster as many of its values as it has, with replacement, and takes the mean of all
+    values drawn. None for fewer than 2 values.
+
+    Values that agree within clusters and differ between them make it wider than `bootstrap_ci`,
+    which takes them as independent:
+
+    >>> x = [0.0, 0.0, 0.1, 1.0, 1.0, 1.1]
+    >>> lo, hi = cluster_bootstrap_ci(x, [0, 0, 0, 1, 1, 1])
+    >>> naive = bootstrap_ci(x)
+    >>> round(lo, 2), round(hi, 2), hi - lo > naive[1] - naive[0]
+    (0.02, 1.05, True)
+    """
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return None
+    if np.all(x == x[0]):
+        return (float(x[0]), float(x[0]))
+    _, label = np.unique(np.asarray(clusters), return_inverse=True)
+    sizes = np.bincount(label)  # [g]
+    g, width = len(sizes), int(sizes.max())
+    table = np.zeros((g, width))  # cluster c's values, left-aligned, padded
+    table[label, _rank_within(label)] = x
+    rng = np.random.default_rng(seed)
+    picked = rng.integers(0, g, size=(N_RESAMPLES, g))  # stage 1: clusters
+    n = sizes[picked]  # [r, g] values to draw from each picked cluster
+    idx = (rng.random((N_RESAMPLES, g, width)) * n[..., None]).astype(np.int64)  # stage 2
+    drawn = table[picked[..., None], idx] * (np.arange(width) < n[..., None])
+    means = drawn.sum((1, 2)) / n.sum(1)
+    tail = (1 - confidence) / 2
+    lo, hi = np.quantile(means, [tail, 1 - tail])
+    return (float(lo), float(hi))
+
+
+def _rank_within(label: np.ndarray) -> np.ndarray:
+    """For each element, how many earlier elements share its label (its column in a padded table)."""
+    out = np.zeros(len(label), dtype=np.int64)
+    seen: dict[int, int] = {}
+    for i, c in enumerate(label.tolist()):
+        out[i] = seen.get(c, 0)
+        seen[c] = out[i] + 1
+    return out
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One Estimate per value of `x` (e.g. recovery against the number of heads patched, k).
+
+    >>> c = Curve.of("k", [1, 2], [[0.1, 0.3], [0.5, 0.7]])
+    >>> c.x, [round(e.mean, 2) for e in c.points]
+    ((1, 2), [0.2, 0.6])
+    """
+
+    x_name: str
+    x: tuple[int | float, ...]
+    points: tuple[Estimate, ...]
+
+    @classmethod
+    def of(
+        cls,
+        x_name: str,
+        x: Sequence[int | float],
+        values: Sequence[Sequence[float | None]],
+        *,
+        seed: int = 0,
+        clusters: Sequence[int] | None = None,
+    ) -> Curve:
+        """`clusters`: one label per value of each list (every list runs over the same prompts);
+        a None value (a pair that could not be measured) is dropped, as `Estimate.of` drops it."""
+        if len(x) != len(values):
+            raise ValueError(f"{len(x)} x values but {len(values)} lists of values")
+        points = tuple(Estimate.of(v, seed=seed, clusters=clusters) for v in values)
+        return cls(x_name=x_name, x=tuple(x), points=points)
+
+    @property
+    def means(self) -> list[float | None]:
+        return [p.mean for p in self.points]
+
+    def to_dict(self) -> dict:
+        return {
+            "x_name": self.x_name,
+            "x": list(self.x),
+            "mean": self.means,
+            "ci": [list(p.ci) if p.ci else None for p in self.points],
+            "values": [list(p.values) for p in self.points],
+            **({"dropped": [p.dropped for p in self.points]} if any(p.dropped for p in self.points) else {}),
+            **(
+                {"clusters": [None if p.clusters is None else list(p.clusters) for p in self.points]}
+                if any(p.clusters is not None for p in self.points)
+                else {}
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Curve:
+        dropped = d.get("dropped") or [0] * len(d["mean"])
+        clusters = d.get("clusters") or [None] * len(d["mean"])
+        pts = tuple(
+            Estimate.from_dict({"mean": m, "ci": c, "values": v, "dropped": k, "clusters": g})
+            for m, c, v, k, g in zip(d["mean"], d["ci"], d["values"], dropped, clusters)
+        )
+        return cls(x_name=d["x_name"], x=tuple(d["x"]), points=pts)
+
+    def __str__(self) -> str:
+        return "  ".join(
+            f"{self.x_name}={x:g}: {'n/a' if p.mean is None else f'{p.mean:+.2f}'}"
+            for x, p in zip(self.x, self.points)
+        )
+
+
+def encode(value: Any) -> Any:
+    """A result field as JSON-safe data: Estimates and Curves by their `to_dict`, dataclasses by
+    field, tuples as lists, mapping keys as strings, numpy scalars as Python numbers."""
+    if isinstance(value, Estimate | Curve):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def decode(hint: Any, data: Any, where: str = "result") -> Any:
+    """`data` (as `encode` wrote it) read back as the annotated type `hint`; wrong shapes raise
+    ResultSchemaError naming `where`."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return data
+    if origin in (Union, types.UnionType):
+        if data is None and type(None) in args:
+            return None
+        arm = next(a for a in args if a is not type(None))
+        return decode(arm, data, where)
+    if hint in (Estimate, Curve):
+        _expect(isinstance(data, Mapping), where, "a mapping", data)
+        try:
+            return hint.from_dict(data)
+        except (KeyError, TypeError) as e:
+            raise ResultSchemaError(f"{where}: not a {hint.__name__} ({type(e).__name__}: {e})") from e
+    if dataclasses.is_dataclass(hint):
+        _expect(isinstance(data, Mapping), where, "a mapping", data)
+        return _decode_fields(hint, data, where)
+    if origin is tuple:
+        _expect(isinstance(data, list | tuple), where, "a list", data)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
+        _expect(len(data) == len(args), where, f"{len(args)} items", data)
+        return tuple(decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+    if origin in (list, Sequence, collections.abc.Sequence):
+        _expect(isinstance(data, list | tuple), where, "a list", data)
+        return [decode(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin in (dict, Mapping, collections.abc.Mapping):
+        _expect(isinstance(data, Mapping), where, "a mapping", data)
+        key, val = args or (Any, Any)
+        return {(int(k) if key is int else k): decode(val, v, f"{where}.{k}") for k, v in data.items()}
+    if hint is float:
+        _expect(isinstance(data, int | float) and not isinstance(data, bool), where, "a number", data)
+        return float(data)
+    if hint in (int, str, bool):
+        ok = isinstance(data, hint) and (hint is bool or not isinstance(data, bool))
+        _expect(ok, where, f"a {hint.__name__}", data)
+        return data
+    return data
+
+
+def _expect(ok: bool, where: str, what: str, data: Any) -> None:
+    if not ok:
+        raise ResultSchemaError(f"{where} should be {what}, got {type(data).__name__} {str(data)[:60]!r}")
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _decode_fields(cls: type, data: Mapping, where: str) -> Any:
+    hints = _hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ResultSchemaError(
+            f"{where}: unknown key(s) {unknown} for {cls.__name__}; it has {sorted(known)}"
+        )
+    missing = [
+        n
+        for n, f in known.items()
+        if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ResultSchemaError(f"{where}: {cls.__name__} needs key(s) {missing}, which are missing")
+    return cls(**{n: decode(hints[n], v, f"{where}.{n}") for n, v in data.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeResult(Displayable):
+    """One analysis's figures. The statistics are named `parts` (each an Estimate over prompt
+    pairs; `headline` names the one whose mean is the result's `mean`), `curves` and `tables` of
+    rows. Everything else an analysis reports is a typed field of its own subclass, declared next
+    to the function that computes it (`FieldRefresh`, `ReadHeads`, ...).
+
+    A subclass declares the parts, curves and tables it writes: `PARTS` (always present),
+    `PART_PATTERNS` (regular expressions for families such as `layer_3`), `CURVES` and `TABLES`.
+    Construction checks them, so a producer cannot write a name that its panel does not read,
+    and `part(name)` refuses a name the class does not declare. `to_dict`/`from_dict` round-trip
+    exactly; in JSON the headline's `mean`/`ci`/`values` sit at the top level, each part, curve
+    and table under its own name, and the typed fields under `details`.
+    """
+
+    PARTS: ClassVar[tuple[str, ...]] = ()
+    PART_PATTERNS: ClassVar[tuple[str, ...]] = ()
+    CURVES: ClassVar[tuple[str, ...]] = ()
+    CURVE_PATTERNS: ClassVar[tuple[str, ...]] = ()
+    TABLES: ClassVar[tuple[str, ...]] = ()
+    OPEN: ClassVar[bool] = False  # True: any part, curve and table names (the generic result)
+    # parts measured in-sample (names or patterns): labelled so in tables and listed under
+    # `in_sample` in JSON, beside the out-of-sample figures a headline should be
+    IN_SAMPLE: ClassVar[tuple[str, ...]] = ()
+
+    name: str
+    headline: str
+    parts: Mapping[str, Estimate]
+    curves: Mapping[str, Curve] = field(default_factory=dict)
+    tables: Mapping[str, list] = field(default_factory=dict)
+    description: str = ""
+    excluded: tuple[Mapping, ...] = ()  # pairs left out, each with its index and the reason
+    not_applicable: str | None = None  # why this analysis could not run here (then parts are empty)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.__repr__ = ProbeResult.__repr__  # a subclass's dataclass keeps the one-line repr
+
+    def __post_init__(self):
+        if self.headline not in self.parts:
+            raise ValueError(f"headline {self.headline!r} is not one of the parts {list(self.parts)}")
+        names = [*self.parts, *self.curves, *self.tables]
+        clash = {n for n in names if names.count(n) > 1} | (set(names) & _RESERVED)
+        if clash:
+            raise ValueError(
+                f"part, curve and table names must be distinct and not reserved: {sorted(clash)}"
+            )
+        self._check_names()
+        for f in self.detail_fields():
+            object.__setattr__(self, f, decode(_hints(type(self))[f], encode(getattr(self, f)), f))
+
+    def _check_names(self) -> None:
+        if self.OPEN:
+            return
+        cls = type(self).__name__
+        kinds = (
+            ("part", self.parts, self.PARTS, self.PART_PATTERNS),
+            ("curve", self.curves, self.CURVES, self.CURVE_PATTERNS),
+            ("table", self.tables, self.TABLES, ()),
+        )
+        for kind, have, declared, patterns in kinds:
+            extra = [n for n in have if n not in declared and not any(re.fullmatch(p, n) for p in patterns)]
+            if extra:
+                raise TypeError(
+                    f"{cls} does not declare the {kind}(s) {extra}: add them to its "
+                    f"{kind.upper()}S (or a pattern) so its panel can read them"
+                )
+            missing = [] if self.not_applicable else [n for n in declared if n not in have]
+            if missing:
+                raise TypeError(f"{cls} needs the {kind}(s) {missing}, which the producer did not write")
+
+    @classmethod
+    def of(cls, **fields_) -> ProbeResult:
+        """Construct from plain values (lists, dicts, numpy numbers), each turned into its field's
+        declared type first: what producers call."""
+        hints = _hints(cls)
+        return cls(
+            **{
+                k: decode(hints[k], encode(v), k) if k in _TYPED_CORE or k not in _CORE else v
+                for k, v in fields_.items()
+            }
+        )
+
+    @classmethod
+    def detail_fields(cls) -> list[str]:
+        """The typed fields beyond the statistics (saved under `details` in JSON)."""
+        return [f.name for f in dataclasses.fields(cls) if f.name not in _CORE]
+
+    def declares(self, part: str) -> bool:
+        return self.OPEN or part in self.PARTS or any(re.fullmatch(p, part) for p in self.PART_PATTERNS)
+
+    def part(self, name: str) -> Estimate:
+        """The part `name` (an empty Estimate when the analysis could not run or the part is a
+        family member not measured); a name the class does not declare is a TypeError."""
+        if not self.declares(name):
+            raise TypeError(
+                f"{type(self).__name__} has no part {name!r}; it declares "
+                f"{list(self.PARTS) + list(self.PART_PATTERNS)}"
+            )
+        return self.parts.get(name) or Estimate.of([])
+
+    def curve(self, name: str) -> Curve | None:
+        """The curve `name`, or None where it was not measured; an undeclared name is a TypeError."""
+        if not (self.OPEN or name in self.CURVES or any(re.fullmatch(p, name) for p in self.CURVE_PATTERNS)):
+            raise TypeError(f"{type(self).__name__} has no curve {name!r}; it declares {list(self.CURVES)}")
+        return self.curves.get(name)
+
+    def in_sample(self) -> list[str]:
+        """The parts of this result measured in-sample (`IN_SAMPLE`)."""
+        return [k for k in self.parts if any(re.fullmatch(p, k) for p in self.IN_SAMPLE)]
+
+    def notes(self) -> list[tuple[str, str]]:
+        """Further table rows a result class adds after its figures (how its controls were chosen)."""
+        return []
+
+    def dropped(self) -> int:
+        """Non-finite values left out of all this result's parts and curves (0: none)."""
+        return sum(e.dropped for e in self.parts.values()) + sum(
+            p.dropped for c in self.curves.values() for p in c.points
+        )
+
+    @property
+    def estimate(self) -> Estimate:
+        return self.parts[self.headline]
+
+    @property
+    def mean(self) -> float | None:
+        return self.estimate.mean
+
+    def __getitem__(self, part: str) -> Estimate:
+        return self.parts[part]
+
+    def to_dict(self) -> dict:
+        return {
+            **self.estimate.to_dict(),
+            "headline": self.headline,
+            "description": self.description,
+            **({"in_sample": self.in_sample()} if self.in_sample() else {}),
+            **{k: v.to_dict() for k, v in self.parts.items()},
+            **{k: v.to_dict() for k, v in self.curves.items()},
+            **{k: encode(v) for k, v in self.tables.items()},
+            "details": {f: encode(getattr(self, f)) for f in self.detail_fields()},
+        }
+
+    @classmethod
+    def from_dict(cls, name: str, d: Mapping) -> ProbeResult:
+        """Read back what `to_dict` wrote, as the result class of analysis `name` (when called on
+        ProbeResult itself) or as this class."""
+        if cls is ProbeResult:
+            from kvnotes.analysis.registry import UnknownAnalysisError, result_type
+
+            try:
+                cls = result_type(name)
+            except UnknownAnalysisError as e:
+                raise ResultSchemaError(f"{e}: this kvnotes cannot read its saved result") from e
+        _expect(isinstance(d, Mapping) and "headline" in d, name, "a result with a headline", d)
+        rest = {k: v for k, v in d.items() if k not in _RESERVED}
+        details = d.get("details", {})
+        _expect(isinstance(details, Mapping), f"{name}.details", "a mapping", details)
+        core = {
+            "name": name,
+            "headline": d["headline"],
+            "description": d.get("description", ""),
+            "parts": {k: v for k, v in rest.items() if isinstance(v, Mapping) and "x" not in v},
+            "curves": {k: v for k, v in rest.items() if isinstance(v, Mapping) and "x" in v},
+            "tables": {k: v for k, v in rest.items() if isinstance(v, list)},
+        }
+        clash = sorted(set(core) & set(details))
+        _expect(not clash, f"{name}.details", f"free of the keys {clash}", details)
+        try:
+            return _decode_fields(cls, {**core, **details}, name)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ResultSchemaError):
+                raise
+            raise ResultSchemaError(f"{name}: {e}") from e
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.name}: {self.headline} {self.estimate}; parts {list(self.parts)})"
+        )
+
+    def rows(self) -> list[tuple[str, str]]:
+        """One row per part (the headline starred, in-sample parts labelled so), per curve, and
+        the class's `notes`."""
+        inside = set(self.in_sample())
+        return (
+            [
+                (
+                    f"{self.name}.{k}"
+                    + (" (in-sample)" if k in inside else "")
+                    + (" *" if k == self.headline else ""),
+                    str(v),
+                )
+                for k, v in self.parts.items()
+            ]
+            + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()]
+            + self.notes()
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenericResult(ProbeResult):
+    """A result with any part, curve and table names and no typed fields (quick experiments)."""
+
+    OPEN: ClassVar[bool] = True
+
+
+_RESERVED = {"mean", "ci", "values", "clusters", "headline", "description", "details", "in_sample"}
+_CORE = {"name", "headline", "parts", "curves", "tables", "description"}
+_TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts and curves hold objects)
+
+
+@dataclass(frozen=True)
+class ProbeReport(Displayable):
+    """Every probe run on one model and task, with the run's sizes and seed."""
+
+    model: str
+    task: str
+    n: int
+    seed: int
+    probes: Mapping[str, ProbeResult]
+    meta: Mapping = field(default_factory=dict)  # versions, machine, timings, min_effect, ...
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "task": self.task,
+            "n": self.n,
+            "seed": self.seed,
+            "probes": {k: v.to_dict() for k, v in self.probes.items()},
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> ProbeReport:
+        return cls(
+            model=d["model"],
+            task=d["task"],
+            n=d["n"],
+            seed=d["seed"],
+            probes={k: ProbeResult.from_dict(k, v) for k, v in d["probes"].items()},
+            meta=d.get("meta", {}),
+        )
+
+    def __repr__(self) -> str:
+        return self.table()
+
+    def table(self) -> str:
+        """A readable table: one row per figure, the headline of each probe starred."""
+        rows = [r for p in self.probes.values() for r in p.rows()]
+        width = max([len(a) for a, _ in rows] + [10])
+        head = f"{self.model} · task {self.task} · n={self.n} · seed {self.seed}   (mean [95% CI] n)"
+        lines = [head, "-" * len(head)]
+        lines += [f"{a:<{width}}  {b}" for a, b in rows]
+        return "\n".join(lines)
+
+
+def collect(
+    model,
+    task,
+    names: Sequence[str],
+    *,
+    n: int | None = None,
+    overrides: Mapping | None = None,
+    configs: Mapping | None = None,
+    preset: str = "full",
+    seed: int = 0,
+    min_effect: float = MIN_EFFECT,
+    progress: bool = True,
+    memo: Mapping | None = None,
+    container: type | None = None,
+) -> ProbeReport:
+    """Run task-level analyses `names` on one model and task, sharing prompt pairs among them, and
+    collect them in their section's report class (`ProbeReport`, `CircuitReport`).
+
+    Each analysis's config is `configs[name]`, else its `preset` with `overrides` (and `n`) for the
+    fields it has; `memo` seeds the run's shared memo (a loaded SAE, say)."""
+    from kvnotes.analysis.registry import Context, get, run, sections
+    from kvnotes.tasks import load_task
+
+    task = load_task(task)
+    over = {**(overrides or {}), **({"n": n} if n is not None else {})}
+    cfgs = {k: (configs or {}).get(k) or get(k).make_config(preset, **over) for k in names}
+    ctx = Context(
+        model=model, task=task, seed=seed, min_effect=min_effect, progress=progress, memo=dict(memo or {})
+    )
+    results, meta = run(ctx, names, cfgs)
+    if container is None:
+        secs = sections()
+        container = next(
+            (secs[get(k).section].container for k in names if secs[get(k).section].container), ProbeReport
+        )
+    sizes = [c.n for c in cfgs.values() if hasattr(c, "n")]
+    return container(
+        model=model.name,
+        task=task.name,
+        n=n if n is not None else (sizes[0] if sizes else 0),
+        seed=seed,
+        probes=results,
+        meta=meta,
+    )

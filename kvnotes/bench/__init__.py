@@ -1,0 +1,9 @@
+"""Benchmarks: each puts kvnotes and the strongest other way side by side in one process and
+prints the ratio. Nothing in the engine imports this package.
+
+- `sweep`: the per-slot transplant sweep (`kvnotes bench patch-sweep`), with the floor.
+- `baselines`: the peer libraries' strongest ways to run the same sweep.
+- `prefill`: prefill speed and peak memory against transformers (`kvnotes bench prefill`).
+- `ttft`: time to first token, composed vs prefix-cached vs full (`kvnotes bench ttft`).
+- `serve`: the erratum pattern against a real vLLM server (`kvnotes bench serve`).
+"""

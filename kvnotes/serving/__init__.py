@@ -1,0 +1,28 @@
+"""Serving: what kvnotes puts in front of, or hands to, an inference server.
+
+- `manager`: the erratum-aware prompt manager (`PromptManager`, `Compaction`, `hoist`).
+- `vllm`: launch and talk to a vLLM server in its own environment (`launch`, `connect`).
+- `remote`: the per-slot sweep as one nnsight session, here or on NDIF.
+
+    from kvnotes.serving import PromptManager
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "PromptManager": "kvnotes.serving.manager",
+    "Compaction": "kvnotes.serving.manager",
+    "EngineSession": "kvnotes.serving.manager",
+    "hoist": "kvnotes.serving.manager",
+    "fill": "kvnotes.serving.manager",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvnotes.serving' has no attribute {name!r}")
