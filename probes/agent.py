@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
-from kvnotes.bench.ttft import HOST
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
+from kvnotes.hosts import HOST
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.ops import append, decide, precompile, prefill, splice
