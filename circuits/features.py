@@ -718,7 +718,7 @@ class SAEOptions(Pairs):
     quick={"n": 6, "sae_train_pairs": 48, "sae_eval_pairs": 16, "sae_samples": 24_000},
     order=5,
 )
-def _sae(ctx: Context, cfg: SAEOptions) -> SAEFeatures:
+def _run_sae(ctx: Context, cfg: SAEOptions) -> SAEFeatures:
     """SAE features: which decode the conclusion, which carry it."""
     sae_cfg = ctx.memo.get("sae_config") or SAEConfig(
         site=cfg.sae_site,

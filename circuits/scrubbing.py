@@ -299,7 +299,7 @@ class ScrubbingConfig(Pairs):
     quick={"n": 6, "k_max": 8},
     order=3,
 )
-def _scrubbing(ctx: Context, cfg: ScrubbingConfig) -> Scrubbing:
+def _run_scrubbing(ctx: Context, cfg: ScrubbingConfig) -> Scrubbing:
     """Causal scrubbing: keep the note slots and read heads from the new run, resample everything else."""
     ranking = ctx.results["read_heads"].tables.get("ranking", [])
     heads = [(r["layer"], r["head"]) for r in ranking[: cfg.k_max]]

@@ -122,7 +122,7 @@ class AgentConfig(Options):
 
 
 @analysis("agent_loop", "compose", AgentConfig, AgentLoop, quick={"turns": 6}, order=3)
-def _agent(ctx: Context, cfg: AgentConfig) -> AgentLoop | None:
+def _run_agent_loop(ctx: Context, cfg: AgentConfig) -> AgentLoop | None:
     """A spliced policy kept current by one erratum per turn, against recomputing every turn."""
     if not cfg.turns:
         return None

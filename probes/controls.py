@@ -451,7 +451,7 @@ class InjectConfig(Pairs):
 
 
 @analysis("dissociation", "probes", Pairs, Dissociation, quick={"n": 6}, order=5)
-def _dissociation(ctx: Context, cfg: Pairs) -> Dissociation:
+def _run_dissociation(ctx: Context, cfg: Pairs) -> Dissociation:
     """Flip the rule, keep the field: do the notes carry the flipped conclusion?"""
     if ctx.task.rule is None:
         return Dissociation.of(

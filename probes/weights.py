@@ -692,7 +692,7 @@ class WeightConfig(Pairs):
 @analysis(
     "weight_edit", "edit", WeightConfig, WeightEdit, default=False, in_report=False, flag="weights", order=2
 )
-def _weight_edit(ctx: Context, cfg: WeightConfig) -> WeightEdit:
+def _run_weight_edit(ctx: Context, cfg: WeightConfig) -> WeightEdit:
     """The weight-edit baseline: a rank-one MLP edit per pair, its contamination, drift and cost."""
     # another built-in task's decisions, shared with weight_edit_rome
     other = ctx.shared(
@@ -720,7 +720,7 @@ class RomeConfig(WeightConfig):
 @analysis(
     "weight_edit_rome", "edit", RomeConfig, WeightEdit, default=False, in_report=False, flag="rome", order=2
 )
-def _weight_edit_rome(ctx: Context, cfg: RomeConfig) -> WeightEdit:
+def _run_weight_edit_rome(ctx: Context, cfg: RomeConfig) -> WeightEdit:
     """ROME beside the weight-edit baseline: keyed at the changed field, data covariance, optimised value."""
     layer = check_layer(ctx.model, cfg.layer)
     cov = ctx.shared(

@@ -581,7 +581,7 @@ class PrefillConfig(Options):
     in_report=False,
     title="Prefill: kvnotes (each backend), transformers (chunked and whole), TransformerLens",
 )
-def _prefill(ctx: Context, cfg: PrefillConfig) -> PrefillReport | None:
+def _run_prefill(ctx: Context, cfg: PrefillConfig) -> PrefillReport | None:
     """Prefill one context every way: kvnotes (on the nnsight backend too with --backend nnsight),
     transformers (SDPA) fed in kvnotes's chunks and in one forward, TransformerLens run_with_cache."""
     lengths = [n for n in cfg.lengths if n <= ctx.model.n_ctx] if ctx.fit_context else list(cfg.lengths)

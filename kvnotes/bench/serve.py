@@ -687,7 +687,7 @@ def _serve_model_dir(name: str | None, progress: bool):
     needs_model=False,
     title="Serving: erratum, in-place and hoist against vLLM",
 )
-def _serve(ctx: Context, cfg: ServeConfig) -> ServeReport:
+def _run_serve(ctx: Context, cfg: ServeConfig) -> ServeReport:
     """Erratum vs in-place vs hoist prompts against a real vLLM server: hit rate, TTFT, decisions."""
     import shlex
 

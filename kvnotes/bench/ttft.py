@@ -787,7 +787,7 @@ class EditCostConfig(Options):
     quick={"lengths": QUICK_LENGTHS, "repeats": 1},
     title="Time to first token",
 )
-def _ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
+def _run_ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
     """Time to first token: full prefill, prefix caching and a spliced precompiled chunk, after one
     host and after several."""
     room = ctx.model.n_ctx - _layout(ctx.model, cfg.hosts)[1]
