@@ -26,11 +26,12 @@ from tqdm.auto import tqdm
 from kvnotes import ops
 from kvnotes.display import Displayable
 from kvnotes.engine import run
-from kvnotes.errors import BadArgument, TokenCountChanged
+from kvnotes.errors import BadArgument
+from kvnotes.fixtures import FILLER, POLICY, QUERY, STATE, VALUES, filled_pair  # noqa: F401 (old address)
 from kvnotes.metrics import kv_deviation
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.prompt import Prompt, Template
+from kvnotes.prompt import Prompt
 
 # fp32 tolerances, relative to the largest magnitude of the reference tensor.
 RTOL = 2e-5
@@ -45,14 +46,6 @@ ATOL_FLOOR = 1e-5
 # family but one (gemma-mha, 1.3x: float32 cannot see it there) and by 1e5x on Gemma 3 270M.
 GAP_MULTIPLE = 4.0
 GAP_FLOOR = 2.5e-7
-POLICY = (
-    "[[policy:Policy: an order may be cancelled while its status is pending. Once an order "
-    "has shipped, deny the cancellation and offer a return instead.]]\n"
-)
-FILLER = "Note {i}: refunds are allowed within 30 days; keep the customer informed.\n"
-STATE = "Customer: Alice. Order id: 1234.\norder_status: {order_status}.\n"
-QUERY = "[[query:Q: Can the order be cancelled?]]\n[[decision:A:]]"
-VALUES = ("pending", "shipped", "delivered", "processing", "returned", "cancelled", "open", "closed")
 
 
 @dataclass(frozen=True)
@@ -130,31 +123,6 @@ def verification_prompts(model: KVModel) -> dict[str, tuple[Prompt, Prompt]]:
     return {
         label: filled_pair(model, POLICY, STATE + QUERY, n) for label, n in (("short", 0), ("long", long))
     }
-
-
-def filled_pair(model: KVModel, before: str, after: str, min_tokens: int) -> tuple[Prompt, Prompt]:
-    """An aligned (old, new) `order_status` pair of template `before + filler lines + after`,
-    with just enough filler lines for at least `min_tokens` tokens."""
-    n_filler = 0
-    while True:
-        filler = "".join(FILLER.format(i=i) for i in range(n_filler))
-        old, new = _aligned_pair(model, Template(before + filler + after))
-        if len(old) >= min_tokens:
-            return old, new
-        n_filler += max(1, (min_tokens - len(old)) // 40)  # creep up: lines are 14-40 tokens
-
-
-def _aligned_pair(model: KVModel, tpl: Template) -> tuple[Prompt, Prompt]:
-    for a in VALUES:
-        old = tpl.render(model, order_status=a)
-        for b in VALUES:
-            if b == a:
-                continue
-            try:
-                return old, old.with_values(model, order_status=b)
-            except TokenCountChanged:
-                continue
-    raise TokenCountChanged(f"no two order_status values tokenize to the same length under {model.name}")
 
 
 Measure = tuple[str, float, float]  # (which tensor, max |error|, largest |reference| in it)

@@ -8,7 +8,7 @@ from functools import cache
 
 import torch
 
-from kvnotes.conformance import FILLER, POLICY, QUERY, STATE  # the task verify uses
+from kvnotes.fixtures import FILLER, POLICY, QUERY, STATE  # the task verify uses
 from kvnotes.models import load_model
 from kvnotes.models.tiny import TINY_CONFIGS, TINY_WINDOW
 from kvnotes.notebook import Notebook
