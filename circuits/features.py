@@ -22,7 +22,8 @@ on held-out prompts, never on the trials it is patched in.
 
     from kvnotes import load_model
     from probes import make_trials
-    from circuits.sae import SAEConfig, sae_analysis, train_sae
+    from circuits.features import sae_analysis
+    from circuits.sae import SAEConfig, train_sae
     model = load_model("gemma-3-270m")
     trials = make_trials(model, "order-cancel", 8)
     sae = train_sae(model, "order-cancel")             # about a minute; sae.save_model(path) keeps it
@@ -44,10 +45,18 @@ from jaxtyping import Bool, Int
 from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
-from circuits.heads import read_site
+from circuits.feature_sites import (
+    LOCATE_NOTES,
+    LOCATE_SHARE,
+    FeatureSite,
+    decode,
+    encode,
+    feature_site,
+    locate,
+)
+from circuits.feature_sites import residual_scan as residual_scan  # its old address
 from circuits.sae import (
     EVAL_SEED,
-    SITES,
     TRAIN_SEED,
     Residuals,
     SAEConfig,
@@ -59,10 +68,7 @@ from circuits.sae import (
 )
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
-from kvnotes.engine import run
 from kvnotes.errors import BadArgument
-from kvnotes.hooks import hook_name
-from kvnotes.notebook import Notebook
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
 from probes.causal import split_by_effect
@@ -70,7 +76,73 @@ from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials
 
 Labels = Int[np.ndarray, " n"] | Bool[np.ndarray, " n"]  # the answer index (conclusion) of each prompt
 TOP = 32  # features ranked by AUC whose single-feature recovery is measured
-ROWS = 32  # feature sets per batched forward
+
+
+# --- the result -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TopFeature:
+    """One of the top features by held-out AUC, with its single-feature recovery where measured."""
+
+    feature: int
+    auc: float
+    score: float  # max(AUC, 1 - AUC)
+    high_for: str  # the answer it fires for
+    recovery: Estimate | None = None
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the SAE was placed, what was asked for, and the rule that chose."""
+
+    site: str
+    layer: int
+    asked: dict[str, Any]
+    rule: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SAEFeatures(ProbeResult):
+    """SAE features that decode the conclusion (AUC) against those that carry it (patched)."""
+
+    PARTS = (
+        "best_auc",
+        "reconstruction",
+        "single_feature_recovery",
+        "best_causal_feature",
+        "all_features",
+        "features_only",
+        "reconstruction_decision",
+        "reconstruction_recovery",
+    )
+    CURVES = ("scan_notes", "scan_decision")
+    CURVE_PATTERNS = ("topk_curve", "auc_topk_curve", "random_curve")
+    layer: int
+    hook_name: str
+    site: str
+    d_sae: int
+    k: int | None
+    L0: float
+    dead_features: int
+    mse: float
+    training_seconds: float | None
+    n_train_activations: int | None
+    sae_model_name: str | None
+    best_feature: dict[str, Any]  # feature, auc, high_for, n_auc_ge_0.95, n_auc_ge_0.99
+    top_features: tuple[TopFeature, ...]
+    n_eval_prompts: int
+    eval_seed: int
+    config: dict[str, Any]  # the SAEConfig used
+    note: str
+    located: Located
+    seconds: dict[str, float]  # per stage
+    best_causal_feature: dict[str, Any] | None = None  # with the causal patches (no usable trials: None)
+    topk_cross_fitted: bool | None = None
+    topk_features: tuple[int, ...] | None = None
+    topk_push: tuple[float, ...] | None = None
+    no_features: Any = None
+    random_pool_sizes: tuple[int, ...] | None = None
+    random_draws: int | None = None
+    n_trials: int | None = None
 
 
 # --- decoding: AUC ---------------------------------------------------------------------------
@@ -115,202 +187,6 @@ def auc_estimate(scores: Float[np.ndarray, " n"], labels: Labels, *, seed: int =
     tail = (1 - CONFIDENCE) / 2 * 100
     ci = (float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))) if len(boot) else None
     return Estimate(values=tuple(float(v) for v in values), mean=max(a, 1 - a), ci=ci)
-
-
-# --- causing: feature patches at a site ----------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class FeatureSite:
-    """One trial's site, ready for feature patches: both runs' residual there (`x_*`), its SAE
-    code (`a_*`) and error (`err_* = x − decode(a)`), one row per site position.
-
-    A patch of feature set F writes, at every site position of the old-value run,
-        x' = x_old + Σ_{f∈F} (a_new_f − a_old_f) · d_f  =  decode(a_patched) + (x_old − decode(a_old)),
-    with d_f feature f's decoder direction (`decoder_rows`): the features move, the old run's
-    error term stays. With `error=True` the error term moves too, so every feature gives x_new.
-    """
-
-    trial: Trial
-    site: str
-    hook_name: str
-    positions: tuple[int, ...]
-    tokens: tuple[int, ...]
-    x_old: Float[Tensor, "pos d_model"]
-    x_new: Float[Tensor, "pos d_model"]
-    a_old: Float[Tensor, "pos d_sae"]
-    a_new: Float[Tensor, "pos d_sae"]
-    err_old: Float[Tensor, "pos d_model"]
-    err_new: Float[Tensor, "pos d_model"]
-    decoder: Float[Tensor, "d_sae d_model"]
-    base_old: Notebook  # what the site's tokens run against, in each run
-    base_new: Notebook
-
-    def deltas(
-        self, sets: Sequence[Sequence[int]], *, error: bool = False
-    ) -> Float[Tensor, "batch pos d_model"]:
-        """What each feature set adds to the old run's residual at the site positions."""
-        mask = torch.zeros(len(sets), self.decoder.shape[0])
-        for i, feats in enumerate(sets):
-            mask[i, list(feats)] = 1.0
-        delta = (mask[:, None, :] * (self.a_new - self.a_old)[None]) @ self.decoder
-        return delta + (self.err_new - self.err_old)[None] if error else delta
-
-    def recovery(self, sets: Sequence[Sequence[int]], *, error: bool = False) -> Float[Tensor, " n"]:
-        """Recovery of each feature set patched toward the new run (batched, `ROWS` per forward)."""
-        lds = [
-            self.lds(self.base_old, self.deltas(sets[i : i + ROWS], error=error))
-            for i in range(0, len(sets), ROWS)
-        ]
-        return self.trial.recovery(torch.cat(lds)) if lds else torch.zeros(0, dtype=torch.float64)
-
-    def ld_reconstructed(self) -> float:
-        """The new run's decision logit difference with the site's residual replaced by the SAE's
-        reconstruction, error term dropped."""
-        return float(self.lds(self.base_new, -self.err_new[None])[0])
-
-    def lds(self, base: Notebook, deltas: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, " batch"]:
-        """Decision logit difference with `deltas[i]` added to the residual at the site (row i)."""
-        model, n = self.trial.model, deltas.shape[0]
-
-        def add(act, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
-            return act + deltas.to(act)
-
-        tok = torch.tensor(self.tokens)[None].expand(n, -1)
-        hooks = [(self.hook_name, add)]
-        if self.site == "notes":  # rewrite the note slots (K/V of later layers follow), then decide
-            nb, _ = run(model, base, tok, self.positions, hooks=hooks, logits_at=())
-            return self.trial.ld(nb).cpu()
-        _, out = run(model, base, tok, self.positions, write=False, hooks=hooks, vocab=self.trial.vocab)
-        return self.trial.score(out.last).cpu()
-
-
-def site_inputs(t: Trial, site: str) -> tuple[list[int], list[int], Notebook, Notebook]:
-    """What a site's tokens are and what they run against in each run: the note slots against
-    the notebooks before the first of them (empty for a pair without notes), or the decision
-    token against the notebooks extended by the query before it (shared with the read heads)."""
-    if site == "notes":
-        positions = t.pair.downstream()
-        if not positions:
-            return [], [], t.old_nb, t.new_nb
-        tokens = [t.pair.new.ids[p] for p in positions]
-        return positions, tokens, t.old_nb.truncate(positions[0]), t.new_nb.truncate(positions[0])
-    if site == "decision":
-        rs = read_site(t)
-        return [rs.position], [rs.token], rs.old, rs.new
-    raise BadArgument(f"site must be one of {SITES}, got {site!r}")
-
-
-@torch.no_grad()
-def feature_site(trial: Trial, sae, site: str = "notes", *, decoder: Tensor | None = None) -> FeatureSite:
-    """Set up `trial` for feature patches at `site` ("notes": the note slots, recomputed from the
-    first one; "decision": the last query token, the tokens before it computed once)."""
-    hook, _ = check_sae(sae, trial.model)
-    model = trial.model
-    positions, tokens, base_old, base_new = site_inputs(trial, site)
-    if not positions:
-        raise BadArgument(
-            "this pair has no note slots between the field and the decision; use site='decision'"
-        )
-
-    def capture(base: Notebook) -> Tensor:
-        _, out = run(model, base, tokens, positions, write=False, capture=[hook], logits_at=())
-        return out.activations[hook][0].float().cpu()
-
-    x_old, x_new = capture(base_old), capture(base_new)
-    a_old, a_new = (_encode(sae, x) for x in (x_old, x_new))
-    err_old, err_new = x_old - _decode(sae, a_old), x_new - _decode(sae, a_new)
-    return FeatureSite(
-        trial=trial,
-        site=site,
-        hook_name=hook,
-        positions=tuple(positions),
-        tokens=tuple(tokens),
-        x_old=x_old,
-        x_new=x_new,
-        a_old=a_old,
-        a_new=a_new,
-        err_old=err_old,
-        err_new=err_new,
-        decoder=decoder_rows(sae).cpu() if decoder is None else decoder,
-        base_old=base_old,
-        base_new=base_new,
-    )
-
-
-@torch.no_grad()
-def _encode(sae, x: Tensor) -> Tensor:
-    return sae.encode(x.to(sae.device, sae.dtype)).float().cpu()
-
-
-@torch.no_grad()
-def _decode(sae, a: Tensor) -> Tensor:
-    return sae.decode(a.to(sae.device, sae.dtype)).float().cpu()
-
-
-# --- where the conclusion lives: whole-residual patches per layer ----------------------------------
-LOCATE_NOTES = 0.5  # "auto" takes the notes when their whole residual carries this much of the decision
-LOCATE_SHARE = 0.9  # the layer: the earliest reaching this share of the site's best recovery
-
-
-def residual_scan(t: Trial, site: str) -> Float[Tensor, " layer"]:
-    """Recovery when the whole residual at `site` after each layer is the new run's (one layer
-    at a time; at the notes site the note slots are recomputed from there, so later layers'
-    K/V follow). NaN everywhere for the notes site of a pair without note slots."""
-    model = t.model
-    L = model.n_layers
-    names = [hook_name(l, "hook_resid_post") for l in range(L)]
-    positions, tokens, base_old, base_new = site_inputs(t, site)
-    if not positions:
-        return torch.full((L,), float("nan"), dtype=torch.float64)
-    _, ref = run(model, base_new, tokens, positions, write=False, capture=names, logits_at=())
-    rows = torch.arange(L)
-
-    def make(l: int):
-        def hook(act, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
-            return torch.where((rows == l)[:, None, None].to(act.device), ref.activations[names[l]], act)
-
-        return hook
-
-    tok = torch.tensor(tokens)[None].expand(L, -1)
-    hooks = [(n, make(l)) for l, n in enumerate(names)]
-    if site == "notes":
-        nb, _ = run(model, base_old, tok, positions, hooks=hooks, logits_at=())
-        return t.recovery(t.ld(nb).cpu())
-    _, out = run(model, base_old, tok, positions, write=False, hooks=hooks, vocab=t.vocab)
-    return t.recovery(t.score(out.last).cpu())
-
-
-def locate(trials: Sequence[Trial], cfg: SAEConfig, *, progress: bool = True) -> tuple[str, int, dict]:
-    """The site and layer to read: `cfg`'s where set; else from whole-residual scans over the
-    trials. "auto" takes the notes if their residual carries at least `LOCATE_NOTES` of the
-    decision at some layer, else the decision; an unset layer is the earliest reaching
-    `LOCATE_SHARE` of the site's best. Returns (site, layer, {site: Curve over layers})."""
-    model = trials[0].model if trials else None
-    sites = SITES if cfg.site == "auto" else (cfg.site,)
-    scans = {}
-    for s in sites:
-        vals = [
-            residual_scan(t, s).numpy()
-            for t in tqdm(trials, desc=f"residual scan ({s})", disable=not progress, unit="pair")
-        ]
-        if vals and model is not None:
-            arr = np.array(vals)
-            scans[s] = Curve.of(
-                "layer", list(range(model.n_layers)), arr.T.tolist(), clusters=clusters_of(trials)
-            )
-    site = cfg.site
-    if site == "auto":
-        notes = [m for m in scans["notes"].means if m is not None] if "notes" in scans else []
-        site = "notes" if notes and max(notes) >= LOCATE_NOTES else "decision"
-    layer = cfg.layer
-    if layer is None:
-        if site in scans:
-            means = np.array([np.nan if m is None else m for m in scans[site].means])
-            best = np.nanmax(means) if np.isfinite(means).any() else np.nan
-            ok = np.nonzero(means >= LOCATE_SHARE * best)[0] if np.isfinite(best) else []
-            layer = int(ok[0]) if len(ok) else model.n_layers // 2
-        else:
-            layer = cfg.layer_for(model) if model is not None else 0
-    return site, layer, scans
 
 
 # --- the analysis --------------------------------------------------------------------------------
@@ -362,6 +238,7 @@ def sae_analysis(
     _check_seeds(trials, cfg)
     clock = _Clock()
     used, excluded = split_by_effect(trials, min_effect)
+    # 1) where: the site and layer (the given SAE's layer, else a whole-residual scan), then the SAE
     if sae is not None:
         cfg = replace(cfg, layer=check_sae(sae, model, layer=cfg.layer)[1])
     site, layer, scans = locate(used, cfg, progress=progress)
@@ -372,11 +249,12 @@ def sae_analysis(
         clock.lap("train")
     hook, layer = check_sae(sae, model, layer=cfg.layer)
     decoder = decoder_rows(sae).cpu()
+    # 2) decoding: per-feature AUC on fresh held-out pairs
     pairs = sample(task, model, cfg.n_eval_pairs, seed=EVAL_SEED + cfg.seed, kind=kind)
     held = collect_residuals(model, pairs, hook, progress=progress)
     dec = _decoding(sae, held, cfg, model.token_strings(list(pairs[0].answers)))
     clock.lap("decoding")
-
+    # 3) causing: feature patches at the site of every trial whose decision moves
     if cfg.site == "notes":
         excluded += [
             {"index": trials.index(t), "reason": "no note slots between the field and the decision"}
@@ -390,28 +268,54 @@ def sae_analysis(
     ]
     causal = _causal(sites, dec["ranked"][:TOP], cfg, progress) if sites else None
     clock.lap("patches")
+    # 4) the result
+    details = _details(sae, dec, causal, cfg, hook, layer, excluded)
+    parts = {"best_auc": dec["best_auc"], "reconstruction": Estimate.of(dec["reconstruction"])}
+    curves: dict[str, Curve] = {}
+    if causal:
+        parts |= causal["parts"]
+        curves = causal["curves"]
+        details |= causal["details"]
+    else:
+        parts |= {name: Estimate.of([]) for name in SAEFeatures.PARTS if name not in parts}
+        details["not_applicable"] = "no usable trials"
+    curves |= {f"scan_{s}": c for s, c in scans.items()}
+    details["located"] = _located(cfg, asked, layer)
+    details["seconds"] = clock.laps
+    return SAEFeatures.of(
+        name="sae",
+        headline="single_feature_recovery",
+        parts=parts,
+        curves=curves,
+        **details,
+        description=(
+            f"TopK SAE at {hook}, site {cfg.site}: features that decode the conclusion "
+            "(AUC) against features that carry it (patched toward the new run, error kept)"
+        ),
+    )
 
+
+def _top_features(dec: dict, causal: dict | None) -> list[dict]:
+    """The top features by held-out AUC, each with its single-feature recovery where measured."""
+    rows = []
+    for j, f in enumerate(dec["ranked"][:TOP]):
+        row = {"feature": f, "auc": float(dec["auc"][f]), "score": float(dec["score"][f])}
+        row["high_for"] = dec["high_for"][f]
+        if causal:
+            row["recovery"] = Estimate.of(
+                causal["singles"][:, j].tolist(), clusters=causal["labels"]
+            ).to_dict()
+        rows.append(row)
+    return rows
+
+
+def _details(
+    sae, dec: dict, causal: dict | None, cfg: SAEConfig, hook: str, layer: int, excluded: list
+) -> dict:
+    """The SAE's figures, the decoding's best feature and top features, and what was excluded."""
     kv = sae.cfg.metadata.kvnotes or {}
     best = dec["ranked"][0]
-    top_rows = [
-        {
-            "feature": f,
-            "auc": float(dec["auc"][f]),
-            "score": float(dec["score"][f]),
-            "high_for": dec["high_for"][f],
-            **(
-                {
-                    "recovery": Estimate.of(
-                        causal["singles"][:, j].tolist(), clusters=causal["labels"]
-                    ).to_dict()
-                }
-                if causal
-                else {}
-            ),
-        }
-        for j, f in enumerate(dec["ranked"][:TOP])
-    ]
-    details = {
+    return {
         "layer": layer,
         "hook_name": hook,
         "site": cfg.site,
@@ -430,7 +334,7 @@ def sae_analysis(
             "n_auc_ge_0.95": int((dec["score"] >= 0.95).sum()),
             "n_auc_ge_0.99": int((dec["score"] >= 0.99).sum()),
         },
-        "top_features": top_rows,
+        "top_features": _top_features(dec, causal),
         "n_eval_prompts": len(dec["labels"]),
         "eval_seed": EVAL_SEED + cfg.seed,
         "excluded": excluded,
@@ -440,17 +344,11 @@ def sae_analysis(
             "measured on (optimistic); AUC is max(AUC, 1 - AUC)"
         ),
     }
-    parts = {"best_auc": dec["best_auc"], "reconstruction": Estimate.of(dec["reconstruction"])}
-    curves: dict[str, Curve] = {}
-    if causal:
-        parts |= causal["parts"]
-        curves = causal["curves"]
-        details |= causal["details"]
-    else:
-        parts |= {name: Estimate.of([]) for name in SAEFeatures.PARTS if name not in parts}
-        details["not_applicable"] = "no usable trials"
-    curves |= {f"scan_{s}": c for s, c in scans.items()}
-    details["located"] = {
+
+
+def _located(cfg: SAEConfig, asked: SAEConfig, layer: int) -> dict:
+    """Where the SAE was placed, what was asked for, and the rule that chose (`Located`)."""
+    return {
         "site": cfg.site,
         "layer": layer,
         "asked": {"site": asked.site, "layer": asked.layer},
@@ -460,18 +358,6 @@ def sae_analysis(
             f"decision; an unset layer is the earliest reaching {LOCATE_SHARE} of the site's best"
         ),
     }
-    details["seconds"] = clock.laps
-    return SAEFeatures.of(
-        name="sae",
-        headline="single_feature_recovery",
-        parts=parts,
-        curves=curves,
-        **details,
-        description=(
-            f"TopK SAE at {hook}, site {cfg.site}: features that decode the conclusion "
-            "(AUC) against features that carry it (patched toward the new run, error kept)"
-        ),
-    )
 
 
 class _Clock:
@@ -505,15 +391,15 @@ def _decoding(sae, held: Residuals, cfg: SAEConfig, answers: Sequence[str]) -> d
     at = held.at(cfg.site)
     keep = [i for i, x in enumerate(at) if len(x)]
     xs = [at[i] for i in keep]
-    codes = np.stack([_encode(sae, x).mean(0).numpy() for x in xs])  # [prompt, d_sae]
+    codes = np.stack([encode(sae, x).mean(0).numpy() for x in xs])  # [prompt, d_sae]
     labels = np.array([held.labels[i] for i in keep])
     auc = feature_auc(codes, labels)
     score = np.maximum(auc, 1 - auc)
     ranked = [int(f) for f in np.argsort(-score, kind="stable")]
     mu = torch.cat(xs).mean(0)
-    recon = [1 - float(((x - _decode(sae, _encode(sae, x))) ** 2).sum() / ((x - mu) ** 2).sum()) for x in xs]
+    recon = [1 - float(((x - decode(sae, encode(sae, x))) ** 2).sum() / ((x - mu) ** 2).sum()) for x in xs]
     x_all = held.all()
-    a_all = _encode(sae, x_all)
+    a_all = encode(sae, x_all)
     return {
         "auc": auc,
         "score": score,
@@ -524,7 +410,7 @@ def _decoding(sae, held: Residuals, cfg: SAEConfig, answers: Sequence[str]) -> d
         "reconstruction": recon,
         "L0": float((a_all != 0).sum(-1).float().mean()),
         "dead": int(((a_all != 0).sum(0) == 0).sum()),
-        "mse": float(((_decode(sae, a_all) - x_all) ** 2).mean()),
+        "mse": float(((decode(sae, a_all) - x_all) ** 2).mean()),
     }
 
 
@@ -615,72 +501,6 @@ def _causal(sites: Sequence[FeatureSite], top: Sequence[int], cfg: SAEConfig, pr
             "n_trials": len(sites),
         },
     }
-
-
-@dataclass(frozen=True)
-class TopFeature:
-    """One of the top features by held-out AUC, with its single-feature recovery where measured."""
-
-    feature: int
-    auc: float
-    score: float  # max(AUC, 1 - AUC)
-    high_for: str  # the answer it fires for
-    recovery: Estimate | None = None
-
-
-@dataclass(frozen=True)
-class Located:
-    """Where the SAE was placed, what was asked for, and the rule that chose."""
-
-    site: str
-    layer: int
-    asked: dict[str, Any]
-    rule: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class SAEFeatures(ProbeResult):
-    """SAE features that decode the conclusion (AUC) against those that carry it (patched)."""
-
-    PARTS = (
-        "best_auc",
-        "reconstruction",
-        "single_feature_recovery",
-        "best_causal_feature",
-        "all_features",
-        "features_only",
-        "reconstruction_decision",
-        "reconstruction_recovery",
-    )
-    CURVES = ("scan_notes", "scan_decision")
-    CURVE_PATTERNS = ("topk_curve", "auc_topk_curve", "random_curve")
-    layer: int
-    hook_name: str
-    site: str
-    d_sae: int
-    k: int | None
-    L0: float
-    dead_features: int
-    mse: float
-    training_seconds: float | None
-    n_train_activations: int | None
-    sae_model_name: str | None
-    best_feature: dict[str, Any]  # feature, auc, high_for, n_auc_ge_0.95, n_auc_ge_0.99
-    top_features: tuple[TopFeature, ...]
-    n_eval_prompts: int
-    eval_seed: int
-    config: dict[str, Any]  # the SAEConfig used
-    note: str
-    located: Located
-    seconds: dict[str, float]  # per stage
-    best_causal_feature: dict[str, Any] | None = None  # with the causal patches (no usable trials: None)
-    topk_cross_fitted: bool | None = None
-    topk_features: tuple[int, ...] | None = None
-    topk_push: tuple[float, ...] | None = None
-    no_features: Any = None
-    random_pool_sizes: tuple[int, ...] | None = None
-    random_draws: int | None = None
-    n_trials: int | None = None
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from kvnotes.notebook import Notebook
 from kvnotes.tasks import GATE, Pair, Task, load_task, sample
 from kvnotes.types import Float, Tensor
 
-SITES = ("notes", "decision")
+REGIONS = ("notes", "decision")  # where SAE features are read: the note slots or the decision token
 _HOOK_RE = re.compile(r"^blocks\.(\d+)\.hook_resid_post$")
 TRAIN_SEED, EVAL_SEED = 1000, 2000  # + cfg.seed: prompts other than the trials' (sampled with seed 0, ...)
 
@@ -81,8 +81,8 @@ class SAEConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.site not in (*SITES, "auto"):
-            raise BadArgument(f"site must be one of {SITES} or 'auto', got {self.site!r}")
+        if self.site not in (*REGIONS, "auto"):
+            raise BadArgument(f"site must be one of {REGIONS} or 'auto', got {self.site!r}")
         if self.layer is not None and (not _is_int(self.layer) or self.layer < 0):
             raise BadArgument(
                 f"layer must be None (the middle layer) or a block index >= 0, got {self.layer!r}"
@@ -165,8 +165,8 @@ class Residuals:
 
     def at(self, site: str) -> list[Float[Tensor, "pos d_model"]]:
         """Each prompt's vectors at `site` (its note slots, or its last token)."""
-        if site not in SITES:
-            raise BadArgument(f"site must be one of {SITES}, got {site!r}")
+        if site not in REGIONS:
+            raise BadArgument(f"site must be one of {REGIONS}, got {site!r}")
         if site == "notes":
             return [v[list(n)] for v, n in zip(self.vectors, self.notes)]
         return [v[-1:] for v in self.vectors]
