@@ -7,3 +7,17 @@ prints the ratio. Nothing in the engine imports this package.
 - `ttft`: time to first token, composed vs prefix-cached vs full (`kvnotes bench ttft`).
 - `serve`: the erratum pattern against a real vLLM server (`kvnotes bench serve`).
 """
+
+from kvnotes.analysis.registry import MODEL, Section, register_section
+
+# declared here, before any bench module registers an analysis in it
+register_section(
+    Section(
+        "bench",
+        "Benchmarks",
+        level=MODEL,
+        command="bench",
+        help="benchmarks: two ways side by side, with the ratio",
+        order=60,
+    )
+)

@@ -29,184 +29,38 @@ all), with decision agreement against `recompute` and cumulative TTFT per strate
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import platform
-import random
 import statistics
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.bench.sweep import BenchReport
-from kvnotes.errors import BadOption, KVNotesError
-from kvnotes.serving.manager import (
-    DEFAULT_COMPACTION,
-    NEVER,
-    STRATEGIES,
-    Compaction,
-    PromptManager,
-    escape,
-    fill,
+from kvnotes.bench.common import BenchReport
+from kvnotes.bench.serve_client import (
+    answer_ld,
+    drive,
+    quantile,
+    references,
+    sequential,
+    server_answer_ids,
+    share,
 )
-from kvnotes.serving.vllm import Completion, Server, complete, run_sync
+from kvnotes.bench.serve_workload import Session, schedule, sessions
+from kvnotes.bench.served_agent import AGENT_TASK, AgentTurns, served_agent_loop
+from kvnotes.errors import BadOption
+from kvnotes.serving.manager import DEFAULT_COMPACTION, STRATEGIES, Compaction, fill
+from kvnotes.serving.vllm import Server, run_sync
 from kvnotes.tasks import Task, load_task
-from kvnotes.tasks.sampler import fit_notes, shots_text, values_for
 
 DEFAULT_TASK = "refund-window"  # a numeric gating field: every change is a new value
-AGENT_TASK = "order-cancel"  # the gating field toggles, as in the paper's stress test
-AGENT_STRATEGIES = ("erratum", "in_place", "recompute")
-
-
-# --- the workload --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Session:
-    """One session's prompt: a manager template whose only field is the task's gating field."""
-
-    template: str
-    tail: str
-    field: str
-    initial: str
-
-
-class Values:
-    """A session's new values for the gating field, alternating between the two outcomes.
-
-    Numeric fields whose outcomes sit on either side of a threshold draw fresh numbers from each
-    side (the low side from 1 to its largest listed value, the high side from its smallest to five
-    times its largest), never repeating within a session while a side has numbers left. Other
-    fields toggle among the task's listed values."""
-
-    def __init__(self, task: Task, rng: random.Random):
-        self.task, self.rng = task, rng
-        gate = task.gate
-        sides = {o: [v for v, oo in zip(gate.values, gate.outcomes) if oo == o] for o in (0, 1)}
-        self.ranges: dict[int, range] | None = None
-        if all(v.isdigit() for v in gate.values) and all(sides.values()):
-            lo, hi = sorted((0, 1), key=lambda o: max(int(v) for v in sides[o]))
-            top_lo = max(int(v) for v in sides[lo])
-            bottom_hi = min(int(v) for v in sides[hi])
-            if top_lo < bottom_hi:
-                self.ranges = {
-                    lo: range(1, top_lo + 1),
-                    hi: range(bottom_hi, 5 * max(int(v) for v in sides[hi]) + 1),
-                }
-                self.threshold, self.low = top_lo, lo
-        self.sides = sides
-        self.used: set[str] = set()
-
-    def outcome(self, value: str) -> int:
-        if self.ranges is not None:
-            return self.low if int(value) <= self.threshold else 1 - self.low
-        return self.task.outcome(value)
-
-    def draw(self, side: int) -> str:
-        if self.ranges is None:
-            return self.rng.choice(self.sides[side])
-        pool = [str(v) for v in self.ranges[side] if str(v) not in self.used] or [
-            str(v) for v in self.ranges[side]
-        ]
-        v = self.rng.choice(pool)
-        self.used.add(v)
-        return v
-
-    def first(self) -> str:
-        return self.draw(self.rng.randrange(2))
-
-    def next(self, current: str) -> str:
-        return self.draw(1 - self.outcome(current))
-
-
-def sessions(
-    task: Task, count_tokens: Callable[[str], int], tokens: int, n: int, *, seed: int = 0
-) -> list[Session]:
-    """`n` sessions of about `tokens` tokens each: shared rule, examples and notes, each with its
-    own state block (names, ids, the gating field's first value)."""
-    if not task.has_filler:
-        raise KVNotesError(
-            f"task {task.name!r} has no {{filler}} field to hold the long policy; add one after the "
-            "gating field"
-        )
-    t = task.with_template(0)
-    field_name = t.gate.field
-    shared = random.Random(f"serve/{t.name}/{seed}")
-    shots = shots_text(t, shared)
-    written = {t.rule.field: t.rule.values[0]} if t.rule else {}
-    out, states = [], set()
-    for s in range(n):
-        rng = random.Random(f"serve/{t.name}/{seed}/session/{s}")
-        first = Values(t, rng).first()
-        for _ in range(1000):  # each session is its own customer: redraw a state another one has
-            vals = {**values_for(t, rng), **written, "shots": shots, field_name: first}
-            if tuple(vals[k] for k in t.vary) not in states:
-                break
-        states.add(tuple(vals[k] for k in t.vary))
-
-        def layout(filler: str, vals=vals):
-            return t.template.layout(**{**vals, "filler": filler})
-
-        text, spans = layout(fit_notes(lambda f: count_tokens(layout(f)[0]), tokens))
-        fs, fe = spans[field_name]
-        d0 = spans["decision"][0] if "decision" in spans else len(text)
-        template = escape(text[:fs]) + "{" + field_name + "}" + escape(text[fe:d0])
-        out.append(Session(template=template, tail=text[d0:], field=field_name, initial=first))
-    return out
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One request of a run: when it arrives, whose it is, what it sends, what it should match."""
-
-    at: float
-    session: int
-    prompt: str
-    fresh: str
-    value: str
-    expected: int
-    action: str
-
-
-def plan(
-    task: Task,
-    the_sessions: Sequence[Session],
-    strategy: str,
-    rate: float,
-    requests: int,
-    *,
-    seed: int = 0,
-    compaction: Compaction = DEFAULT_COMPACTION,
-    count_tokens: Callable[[str], int] | None = None,
-) -> tuple[list[str], list[Planned]]:
-    """(each session's first prompt, the run's requests). Arrival times, sessions and values depend
-    only on `seed` and `rate`, so every strategy answers the same stream of changes."""
-    rng = random.Random(f"serve/plan/{seed}/{rate}")
-    streams = [
-        Values(task.with_template(0), random.Random(f"serve/values/{seed}/{s}"))
-        for s in range(len(the_sessions))
-    ]
-    kw = {"count_tokens": count_tokens} if count_tokens else {}
-    managers = [
-        PromptManager(
-            s.template, {s.field: s.initial}, tail=s.tail, strategy=strategy, compaction=compaction, **kw
-        )
-        for s in the_sessions
-    ]
-    firsts = [m.render() for m in managers]
-    out, t = [], 0.0
-    for _ in range(requests):
-        t += rng.expovariate(rate)
-        s = rng.randrange(len(managers))
-        m, sess = managers[s], the_sessions[s]
-        value = streams[s].next(m.values[sess.field])
-        action = m.update(sess.field, value)
-        out.append(Planned(t, s, m.render(), m.fresh(), value, streams[s].outcome(value), action))
-    return firsts, out
+RATE_FACTORS = (0.5, 1, 2, 4)  # the default rates, as multiples of the rate one cold request can serve
 
 
 # --- results -------------------------------------------------------------------------------------
@@ -233,20 +87,6 @@ class ServePoint:
     compactions: int = 0
     arrival_rate: float | None = None  # requests / time of the last arrival: the Poisson draw's own rate
     saturated: bool = False  # finished fewer than 90% of the requests per second that arrived
-
-
-@dataclass(frozen=True)
-class AgentTurns:
-    """The agent loop on the server: per strategy, decisions against `recompute` and TTFT."""
-
-    strategy: str
-    turns: int
-    prompts: int
-    agreement: float | None  # share of turns whose likelier answer matches recompute's (None for recompute)
-    follows: float | None  # share of turns whose likelier answer follows the toggled value
-    cumulative_ttft: float  # seconds summed over all turns of all prompts
-    hit_rate: float | None
-    per_turn_agreement: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -326,80 +166,9 @@ class ServeReport(BenchReport):
         return "\n".join(lines)
 
 
-def machine() -> str:
+def client_machine() -> str:
+    """The machine the bench's client ran on (the server's is in the report's `server`)."""
     return f"{platform.machine()} {os.cpu_count()} CPU cores, {platform.system()}"
-
-
-def quantile(xs: Sequence[float], q: float) -> float:
-    """The q-quantile of `xs` (linear between order statistics, as numpy's default)."""
-    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1] if len(xs) > 1 else xs[0]
-
-
-# --- running -------------------------------------------------------------------------------------
-def answer_ids(server: Server, answers: Sequence[str]) -> tuple[int, ...]:
-    out = []
-    for a in answers:
-        ids = server.tokenize(a)
-        if len(ids) != 1:
-            raise KVNotesError(
-                f"answer {a!r} is {len(ids)} tokens for {server.model}'s tokenizer; the decision is read "
-                "from one token's log-prob, so pick answers that are one token each"
-            )
-        out.append(ids[0])
-    return tuple(out)
-
-
-async def _drive(server: Server, planned: Sequence[Planned], answers, salt: str, desc: str, progress: bool):
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits, timeout=None) as client:
-        bar = tqdm(total=len(planned), desc=desc, unit="req", disable=not progress, leave=False)
-        start = asyncio.get_running_loop().time()
-
-        async def one(p: Planned) -> Completion:
-            await asyncio.sleep(max(0.0, start + p.at - asyncio.get_running_loop().time()))
-            c = await complete(client, server, p.prompt, answers=answers, salt=salt)
-            bar.update()
-            return c
-
-        try:
-            return await asyncio.gather(*(one(p) for p in planned))
-        finally:
-            bar.close()
-
-
-async def _sequential(
-    server: Server, prompts: Sequence[str], answers, salt: str | Sequence[str] | None
-) -> list[Completion]:
-    """`prompts` one at a time, under `salt` (one for all, or one per prompt)."""
-    import httpx
-
-    salts = [salt] * len(prompts) if salt is None or isinstance(salt, str) else list(salt)
-    async with httpx.AsyncClient(timeout=None) as client:
-        return [await complete(client, server, p, answers=answers, salt=s) for p, s in zip(prompts, salts)]
-
-
-def _references(server: Server, prompts: Sequence[str], answers, memo: dict) -> list[Completion]:
-    """The completion of each fresh prompt sent as a new request that no cached block can serve:
-    each under a cache salt of its own, so the server computes it from scratch (what no strategy
-    reuses, the reference every strategy's decision is read against, in-place's included, whose
-    prompt is the same text but whose blocks come from the session's earlier requests). From `memo`
-    where one was already sent (another strategy's run), else sent now, one at a time."""
-    todo = [p for p in dict.fromkeys(prompts) if p not in memo]
-    salts = [f"kvnotes-reference-{uuid.uuid4().hex}" for _ in todo]
-    memo.update(zip(todo, run_sync(_sequential(server, todo, answers, salts))))
-    return [memo[p] for p in prompts]
-
-
-def _ld(c: Completion) -> float | None:
-    a, b = c.answer_logprobs[:2]
-    return None if a is None or b is None else a - b
-
-
-def _share(flags: Sequence[bool | None]) -> float | None:
-    known = [f for f in flags if f is not None]
-    return sum(known) / len(known) if known else None
 
 
 def run_point(
@@ -417,7 +186,7 @@ def run_point(
     progress: bool = True,
 ) -> ServePoint:
     """One strategy at one rate: prime the sessions, run the arrivals, read counters and decisions."""
-    firsts, planned = plan(
+    firsts, planned = schedule(
         task,
         the_sessions,
         strategy,
@@ -428,17 +197,21 @@ def run_point(
         count_tokens=server.count_tokens,
     )
     salt = f"kvnotes-{strategy}-{rate}-{uuid.uuid4().hex}"
-    run_sync(_sequential(server, firsts, answers, salt))  # steady state: the server has seen each session
+    run_sync(sequential(server, firsts, answers, salt))  # steady state: the server has seen each session
     before = server.counters()
-    done = run_sync(_drive(server, planned, answers, salt, f"{strategy} @ {rate:g} req/s", progress))
+    done = run_sync(drive(server, planned, answers, salt, f"{strategy} @ {rate:g} req/s", progress))
     delta = server.counters() - before
     sent0 = min(c.sent for c in done)
     wall = max(c.sent + c.latency for c in done) - sent0
     ttfts = [c.ttft for c in done]
     memo = reference if reference is not None else {}
-    refs = _references(server, [p.fresh for p in planned], answers, memo)
+    refs = references(server, [p.fresh for p in planned], answers, memo)
     fresh = [c.decision for c in refs]
-    gaps = [abs(_ld(a) - _ld(b)) for a, b in zip(done, refs) if _ld(a) is not None and _ld(b) is not None]
+    gaps = [
+        abs(answer_ld(a) - answer_ld(b))
+        for a, b in zip(done, refs)
+        if answer_ld(a) is not None and answer_ld(b) is not None
+    ]
     mine = [c.decision for c in done]
     arrived = len(planned) / planned[-1].at
     throughput = len(done) / wall if wall > 0 else math.inf
@@ -451,10 +224,10 @@ def run_point(
         ttft_p90=quantile(ttfts, 0.9),
         ttft_p99=quantile(ttfts, 0.99),
         throughput=throughput,
-        decision_agreement=_share([None if a is None or b is None else a == b for a, b in zip(mine, fresh)]),
+        decision_agreement=share([None if a is None or b is None else a == b for a, b in zip(mine, fresh)]),
         ld_gap=statistics.mean(gaps) if gaps else None,
-        follows=_share([None if a is None else a == p.expected for a, p in zip(mine, planned)]),
-        fresh_follows=_share([None if b is None else b == p.expected for b, p in zip(fresh, planned)]),
+        follows=share([None if a is None else a == p.expected for a, p in zip(mine, planned)]),
+        fresh_follows=share([None if b is None else b == p.expected for b, p in zip(fresh, planned)]),
         # float: the mean of equal token counts is an int
         prompt_tokens=float(statistics.mean([c.prompt_tokens for c in done if c.prompt_tokens] or [0]))
         or None,
@@ -467,86 +240,8 @@ def run_point(
     )
 
 
-def agent_loop(
-    server: Server,
-    task: Task,
-    answers: tuple[int, ...],
-    *,
-    prompts: int = 2,
-    turns: int = 28,
-    tokens: int = 512,
-    seed: int = 0,
-    progress: bool = True,
-) -> list[AgentTurns]:
-    """The gating field toggles every turn; each strategy sends its prompt per turn, one at a time."""
-    the_sessions = sessions(task, server.count_tokens, tokens, prompts, seed=seed + 1)
-    t = task.with_template(0)
-    rows: dict[str, dict] = {
-        s: {"ttft": 0.0, "agree": [], "follows": [], "q": 0.0, "h": 0.0} for s in AGENT_STRATEGIES
-    }
-    per_turn: dict[str, list[list[bool]]] = {s: [[] for _ in range(turns)] for s in AGENT_STRATEGIES}
-    bar = tqdm(
-        total=prompts * turns * len(AGENT_STRATEGIES), desc="agent loop", unit="req", disable=not progress
-    )
-    for k, sess in enumerate(the_sessions):
-        values = Values(t, random.Random(f"serve/agent/{seed}/{k}"))
-        decided: dict[str, list[int | None]] = {}
-        for strategy in AGENT_STRATEGIES:
-            m = PromptManager(
-                sess.template,
-                {sess.field: sess.initial},
-                tail=sess.tail,
-                strategy="in_place" if strategy == "recompute" else strategy,
-                compaction=NEVER,
-            )
-            salt = f"kvnotes-agent-{strategy}-{uuid.uuid4().hex}"
-            run_sync(_sequential(server, [m.render()], answers, salt))
-            before = server.counters()
-            current, got = sess.initial, []
-            for _turn in range(turns):
-                current = values.draw(1 - values.outcome(current)) if values.ranges else _toggle(t, current)
-                m.update(sess.field, current)
-                s = f"kvnotes-agent-recompute-{uuid.uuid4().hex}" if strategy == "recompute" else salt
-                (c,) = run_sync(_sequential(server, [m.render()], answers, s))
-                rows[strategy]["ttft"] += c.ttft
-                got.append((c.decision, values.outcome(current)))
-                bar.update()
-            delta = server.counters() - before
-            rows[strategy]["q"] += delta.queries
-            rows[strategy]["h"] += delta.hits
-            decided[strategy] = got
-            values = Values(t, random.Random(f"serve/agent/{seed}/{k}"))  # the same toggles for each
-        for strategy in AGENT_STRATEGIES:
-            for turn, ((d, expected), (ref, _)) in enumerate(zip(decided[strategy], decided["recompute"])):
-                # recompute is the reference: its agreement with itself could not fail (not applicable)
-                ok = None if d is None or ref is None or strategy == "recompute" else d == ref
-                rows[strategy]["agree"].append(ok)
-                rows[strategy]["follows"].append(None if d is None else d == expected)
-                if ok is not None:
-                    per_turn[strategy][turn].append(ok)
-    bar.close()
-    return [
-        AgentTurns(
-            strategy=s,
-            turns=turns,
-            prompts=prompts,
-            agreement=_share(rows[s]["agree"]),
-            follows=_share(rows[s]["follows"]),
-            cumulative_ttft=rows[s]["ttft"],
-            hit_rate=rows[s]["h"] / rows[s]["q"] if rows[s]["q"] else None,
-            per_turn_agreement=[sum(x) / len(x) if x else math.nan for x in per_turn[s]],
-        )
-        for s in AGENT_STRATEGIES
-    ]
-
-
 def _pct(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.1f}%"
-
-
-def _toggle(task: Task, current: str) -> str:
-    other = [v for v in task.gate.values if task.outcome(v) != task.outcome(current)]
-    return other[0]
 
 
 def service_time(server: Server, the_sessions: Sequence[Session], answers, repeats: int = 2) -> float:
@@ -557,7 +252,7 @@ def service_time(server: Server, the_sessions: Sequence[Session], answers, repea
     ]
     times = []
     for p in prompts:
-        (c,) = run_sync(_sequential(server, [p], answers, f"kvnotes-probe-{uuid.uuid4().hex}"))
+        (c,) = run_sync(sequential(server, [p], answers, f"kvnotes-probe-{uuid.uuid4().hex}"))
         times.append(c.ttft)
     return statistics.median(times)
 
@@ -570,6 +265,7 @@ def serve_bench(
     sessions_n: int = 4,
     requests: int = 24,
     rates: Sequence[float] = (),
+    rate_factors: Sequence[float] = RATE_FACTORS,
     strategies: Sequence[str] = STRATEGIES,
     agent_turns: int = 0,
     agent_prompts: int = 2,
@@ -578,21 +274,22 @@ def serve_bench(
     seed: int = 0,
     progress: bool = True,
 ) -> ServeReport:
-    """Every strategy at every rate (default: 0.5, 1, 2 and 4 times the rate one in-place rewrite
+    """Every strategy at every rate (default: `rate_factors` times the rate one in-place rewrite at
     a time can serve, measured first), then the agent loop when `agent_turns` > 0."""
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
         raise BadOption(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
     task, agent_task = load_task(task), load_task(agent_task)
-    answers = answer_ids(server, task.answers)
+    answers = server_answer_ids(server, task.answers)
     say = (lambda s: tqdm.write(s, file=sys.stderr)) if progress else (lambda s: None)
     the_sessions = sessions(task, server.count_tokens, tokens, sessions_n, seed=seed)
     notes = []
     if not rates:
         cold = service_time(server, the_sessions, answers)
         base = 1.0 / cold
-        rates = tuple(round(base * f, 3) for f in (0.5, 1, 2, 4))
-        notes.append(f"one cold {tokens}-token request took {cold:.2f} s; rates are 0.5-4x its inverse")
+        rates = tuple(round(base * f, 3) for f in rate_factors)
+        span = f"{min(rate_factors):g}-{max(rate_factors):g}x"
+        notes.append(f"one cold {tokens}-token request took {cold:.2f} s; rates are {span} its inverse")
         say(notes[-1])
     reference: dict = {}
     points = []
@@ -617,10 +314,10 @@ def serve_bench(
             points.append(p)
     agent = []
     if agent_turns > 0:
-        agent = agent_loop(
+        agent = served_agent_loop(
             server,
             agent_task,
-            answer_ids(server, agent_task.answers),
+            server_answer_ids(server, agent_task.answers),
             prompts=agent_prompts,
             turns=agent_turns,
             tokens=agent_tokens or tokens,
@@ -630,7 +327,7 @@ def serve_bench(
     return ServeReport(
         model=server.model,
         server={k: v for k, v in server.info.items() if k != "command"} | {"url": server.url},
-        machine=machine(),
+        machine=client_machine(),
         task=task.name,
         tokens=tokens,
         sessions=sessions_n,
@@ -654,10 +351,16 @@ class ServeConfig(Options):
     rates: tuple[float, ...] = option(
         (), "arrival rates in requests/s (default: 0.5-4x the cold rate)", least=0.001
     )
+    # around the cold rate: below it the queue stays short, above it in-place saturates first
+    rate_factors: tuple[float, ...] = option(
+        RATE_FACTORS, "without --rates: the rates as multiples of the cold rate", least=0.001
+    )
     strategies: tuple[str, ...] = option(STRATEGIES, "prompt strategies to run")
     agent_turns: int = option(28, "agent-loop turns, the gating field toggling each (0 to skip)", least=0)
     agent_prompts: int = option(2, "agent-loop prompts", least=1)
     agent_tokens: int = option(512, "agent-loop prompt length in tokens", least=64)
+    # a gating field with two named values toggles every turn, as in the paper's stress test
+    agent_task: str = option(AGENT_TASK, "the task of the agent loop")
     ready_timeout: float = option(900.0, "seconds to wait for a launched server to answer", least=1.0)
     dtype: str = option("auto", "the launched server's dtype (auto: vLLM's choice, bfloat16 on a CPU)")
     vllm_args: str = option("", "more arguments for the launched vLLM server, as one string")
@@ -686,6 +389,7 @@ def _serve_model_dir(name: str | None, progress: bool):
     in_report=False,
     needs_model=False,
     title="Serving: erratum, in-place and hoist against vLLM",
+    order=50,
 )
 def _run_serve(ctx: Context, cfg: ServeConfig) -> ServeReport:
     """Erratum vs in-place vs hoist prompts against a real vLLM server: hit rate, TTFT, decisions."""
@@ -704,10 +408,12 @@ def _run_serve(ctx: Context, cfg: ServeConfig) -> ServeReport:
         sessions_n=cfg.sessions,
         requests=cfg.requests,
         rates=cfg.rates,
+        rate_factors=cfg.rate_factors,
         strategies=cfg.strategies,
         agent_turns=cfg.agent_turns,
         agent_prompts=cfg.agent_prompts,
         agent_tokens=cfg.agent_tokens,
+        agent_task=cfg.agent_task,
         seed=cfg.seed,
         progress=ctx.progress,
     )

@@ -15,10 +15,8 @@ the same way, and engine / floor says how close the engine is to the work no way
 
 from __future__ import annotations
 
-import os
-import platform
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import ClassVar
 
@@ -26,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
-from kvnotes.analysis.registry import MODEL, Context, Options, Section, analysis, option, register_section
+from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.bench.baselines import (
     BATCH_SIZES,
     WAYS,
@@ -38,10 +36,10 @@ from kvnotes.bench.baselines import (
     time_side_by_side,
     unavailable,
 )
-from kvnotes.conformance import POLICY, QUERY, STATE, filled_pair
-from kvnotes.display import Displayable
+from kvnotes.bench.common import BenchReport, both_backends, header, machine
 from kvnotes.engine import final_logits, run
 from kvnotes.errors import BadOption
+from kvnotes.fixtures import POLICY, QUERY, STATE, filled_pair
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import logit_diff, recovery
 from kvnotes.models.model import KVModel
@@ -103,19 +101,6 @@ class SweepResult:
         return cls(**{**old, **d, "baselines": [BaselineResult(**b) for b in d.get("baselines", [])]})
 
 
-class BenchReport(Displayable):
-    """JSON for a benchmark report dataclass whose `results` are `POINT` dataclasses."""
-
-    POINT: ClassVar[type]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})
-
-
 @dataclass(frozen=True)
 class SweepReport(BenchReport):
     POINT: ClassVar[type] = SweepResult
@@ -129,7 +114,7 @@ class SweepReport(BenchReport):
 
     def table(self) -> str:
         reps = self.results[0].repeats if self.results else 1
-        lines = [f"patch sweep — {self.model} — {self.machine} — median of {reps} (min–max)"]
+        lines = [header("patch sweep", self.model, self.machine, f"median of {reps} (min–max)")]
         for r in self.results:
             lines += [
                 "",
@@ -155,13 +140,6 @@ class SweepReport(BenchReport):
                 )
             lines += [f"  {name:<22}skipped: {why}" for name, why in r.skipped.items()]
         return "\n".join(lines)
-
-
-def machine() -> str:
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads)"
-    )
 
 
 def sweep_prompts(model: KVModel, n_tokens: int) -> tuple[Prompt, Prompt]:
@@ -213,36 +191,49 @@ def floor_run(model: KVModel, nb: Notebook, prompt: Prompt, vocab: tuple[int, in
     return floor
 
 
-def patch_sweep(
-    model: KVModel,
-    n_tokens: int,
-    *,
-    n_slots: int = 64,
-    batch_size: int | None = None,
-    repeats: int = 3,
-    baselines: Sequence[str] = tuple(WAYS),
-    twin: HFTwin | None = None,
-    nn: KVModel | None = None,
-    progress: bool = True,
-) -> SweepResult:
-    """Time the per-slot transplant sweep every way on a prompt of about `n_tokens` tokens.
+@dataclass(frozen=True, eq=False)
+class _Pair:
+    """One aligned prompt pair ready to sweep: its notebooks, the answer pair the edit moves most
+    (recovery is well conditioned on it) with both prompts' logit differences, and the slots."""
 
-    batch_size: every batched way's batch size; None picks each way's own by a short probe
-    (`best_batch_size`). baselines: the strong baselines to run (`kvnotes.bench.baselines.WAYS`).
-    twin: `hf_twin(model)`'s result, to load the Hugging Face counterpart once for several lengths.
-    nn: the same weights on the nnsight backend: its engine runs beside as `engine_nnsight`, on
-    its own notebooks of the same prompts (the nnsight baselines then trace its module).
+    old: Prompt
+    new: Prompt
+    nb_old: Notebook
+    nb_new: Notebook
+    vocab: tuple[int, int]
+    ld_old: torch.Tensor
+    ld_new: torch.Tensor
+    slots: list[int]
 
-    >>> from kvnotes import load_model
-    >>> r = patch_sweep(load_model("tiny-gqa"), 40, n_slots=4, repeats=1, progress=False)
-    >>> [b.name for b in r.baselines], sorted(r.skipped)
-    (['tl_full_batched', 'tl_kv_cache'], ['engine_nnsight', 'nnsight_full_batched', 'nnsight_hf_cache'])
-    """
-    bad = [n for n in baselines if n not in WAYS]
-    if bad:
-        raise BadOption(f"unknown baseline(s) {bad}; the baselines are {', '.join(WAYS)}")
-    wanted = [WAYS[n] for n in WAYS if n in baselines]
-    twin = twin if twin is not None else hf_twin(model, need=any(w.hf for w in wanted))
+    @property
+    def stop(self) -> int:
+        return self.nb_old.next_position
+
+
+def _pair(model: KVModel, n_tokens: int, n_slots: int) -> _Pair:
+    """The sweep's prompts of about `n_tokens` tokens, prefilled, and its last `n_slots` slots."""
+    old, new = sweep_prompts(model, n_tokens)
+    nb_old, nb_new = ops.prefill(model, old), ops.prefill(model, new)
+    ref_old, ref_new = ops.decide(model, nb_old, old).last[0], ops.decide(model, nb_new, new).last[0]
+    shift = ref_new - ref_old
+    a, b = int(shift.argmax()), int(shift.argmin())
+    stop = nb_old.next_position
+    return _Pair(
+        old=old,
+        new=new,
+        nb_old=nb_old,
+        nb_new=nb_new,
+        vocab=(a, b),
+        ld_old=logit_diff(ref_old, a, b),
+        ld_new=logit_diff(ref_new, a, b),
+        slots=list(range(stop - n_slots, stop)),
+    )
+
+
+def _skipped(
+    model: KVModel, baselines: Sequence[str], wanted: list, twin: HFTwin, nn: KVModel | None
+) -> dict[str, str]:
+    """Each strong baseline (and the engine on the nnsight backend) that will not run, with why."""
     skipped = {w.name: why for w in wanted if (why := unavailable(w, model, twin))}
     skipped |= {n: "not asked for (the baselines option)" for n in WAYS if n not in baselines}
     if nn is None:
@@ -251,60 +242,77 @@ def patch_sweep(
             if model.hf_source is not None
             else f"{model.name} has no Hugging Face counterpart for the nnsight backend to run"
         )
-    skipped = dict(sorted(skipped.items()))
-    old, new = sweep_prompts(model, n_tokens)
-    with torch.no_grad():
-        nb_old, nb_new = ops.prefill(model, old), ops.prefill(model, new)
-        stop = nb_old.next_position
-        ref_old, ref_new = ops.decide(model, nb_old, old).last[0], ops.decide(model, nb_new, new).last[0]
-        # the answer pair whose logit difference the edit moves most: recovery is well conditioned
-        shift = ref_new - ref_old
-        a, b = int(shift.argmax()), int(shift.argmin())
-        ld_old, ld_new = logit_diff(ref_old, a, b), logit_diff(ref_new, a, b)
-        slots = list(range(stop - n_slots, stop))
+    return dict(sorted(skipped.items()))
 
-        def engine(batch: Sequence[int]) -> torch.Tensor:
-            specs = [ops.Patch(positions=(p,)) for p in batch]
-            return ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=len(specs), vocab=(a, b))
 
-        def naive(batch: Sequence[int]) -> torch.Tensor:
-            (p,) = batch
-            return _naive_logits(
-                model, new, ops.patch(nb_old, nb_new, ops.Patch(positions=(p,))), stop, (a, b)
-            )
+def _engine(model: KVModel, nb_old: Notebook, nb_new: Notebook, new: Prompt, vocab: tuple[int, int]):
+    """The engine's sweep as a `PatchFn`: a batch of patched notebooks, one forward of the decision."""
 
-        # the baselines patch the old prompt's cache with the new prompt's slot, as `engine` does
-        pair = PatchPair(
-            model=model, dst_ids=old.ids, src_ids=new.ids, stop=stop, vocab=(a, b), hf=twin.hf, lm=twin.lm
-        )
-        runs = {"engine": engine, **{w.name: w.make(pair) for w in wanted if w.name not in skipped}}
-        if nn is not None:
-            runs["engine_nnsight"] = _engine_on(nn, old, new, (a, b))
-        candidates = (batch_size,) if batch_size else BATCH_SIZES  # a given size is only warmed up
-        sizes = {
-            name: best_batch_size(fn, slots, candidates)
-            for name, fn in tqdm(runs.items(), desc="choosing batch sizes", disable=not progress)
-        }
-        naive(slots[:1])  # warm-up
-        floor = floor_run(model, nb_old, new, (a, b))
-        floor(slots[: sizes["engine"]])  # warm-up
-        ways = {name: partial(sweep, fn, slots, sizes[name]) for name, fn in runs.items()}
-        timed = time_side_by_side(
-            {
-                **ways,
-                "naive": partial(sweep, naive, slots, 1),
-                "floor": partial(sweep, floor, slots, sizes["engine"]),
-            },
-            repeats,
-            desc=f"patch sweep ({len(old)} tokens)",
-            progress=progress,
-        )
+    def engine(batch: Sequence[int]) -> torch.Tensor:
+        specs = [ops.Patch(positions=(p,)) for p in batch]
+        return ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=len(specs), vocab=vocab)
+
+    return engine
+
+
+def _engine_on(nn: KVModel, old: Prompt, new: Prompt, vocab: tuple[int, int]):
+    """The engine's sweep on another backend's model, over its own notebooks of the same prompts."""
+    return _engine(nn, ops.prefill(nn, old), ops.prefill(nn, new), new, vocab)
+
+
+def _naive(model: KVModel, s: _Pair):
+    """The naive way as a `PatchFn` of one patch: a full forward with the patched notebook forced in."""
+
+    def naive(batch: Sequence[int]) -> torch.Tensor:
+        (p,) = batch
+        patched = ops.patch(s.nb_old, s.nb_new, ops.Patch(positions=(p,)))
+        return _naive_logits(model, s.new, patched, s.stop, s.vocab)
+
+    return naive
+
+
+def _timed_ways(
+    model: KVModel,
+    s: _Pair,
+    runs: dict,
+    candidates: Sequence[int],
+    repeats: int,
+    progress: bool,
+) -> tuple[dict, dict[str, int]]:
+    """Each way at its best batch size among `candidates`, the naive way and the floor, timed side
+    by side `repeats` times: ({way: (Timing, logits)}, {way: batch size})."""
+    sizes = {
+        name: best_batch_size(fn, s.slots, candidates)
+        for name, fn in tqdm(runs.items(), desc="choosing batch sizes", disable=not progress)
+    }
+    naive = _naive(model, s)
+    naive(s.slots[:1])  # warm-up
+    floor = floor_run(model, s.nb_old, s.new, s.vocab)
+    floor(s.slots[: sizes["engine"]])  # warm-up
+    ways = {name: partial(sweep, fn, s.slots, sizes[name]) for name, fn in runs.items()}
+    timed = time_side_by_side(
+        {
+            **ways,
+            "naive": partial(sweep, naive, s.slots, 1),
+            "floor": partial(sweep, floor, s.slots, sizes["engine"]),
+        },
+        repeats,
+        desc=f"patch sweep ({len(s.old)} tokens)",
+        progress=progress,
+    )
+    return timed, sizes
+
+
+def _result(
+    s: _Pair, timed: dict, sizes: dict[str, int], skipped: dict[str, str], repeats: int
+) -> SweepResult:
+    """The sweep's result: every way against the engine, in time and in logits."""
     (eng, eng_ab), (nai, naive_ab), (flo, _) = timed.pop("engine"), timed.pop("naive"), timed.pop("floor")
-    rec_engine = recovery(logit_diff(eng_ab, 0, 1), ld_old, ld_new)
-    rec_naive = recovery(logit_diff(naive_ab, 0, 1), ld_old, ld_new)
+    rec_engine = recovery(logit_diff(eng_ab, 0, 1), s.ld_old, s.ld_new)
+    rec_naive = recovery(logit_diff(naive_ab, 0, 1), s.ld_old, s.ld_new)
     return SweepResult(
-        tokens=len(old),
-        n_patches=len(slots),
+        tokens=len(s.old),
+        n_patches=len(s.slots),
         engine_s=eng.median,
         engine_min_s=eng.min,
         engine_max_s=eng.max,
@@ -334,26 +342,62 @@ def patch_sweep(
     )
 
 
-def both_backends(model: KVModel) -> tuple[KVModel, KVModel | None]:
-    """(the TransformerLens-backend model, the nnsight-backend one or None) for a bench asked for on
-    `model`'s backend: on the nnsight backend the same name is loaded on TransformerLens too, so
-    the two engines run side by side in one process."""
-    if model.backend == "nnsight":
-        from kvnotes.models import load_model
+def patch_sweep(
+    model: KVModel,
+    n_tokens: int,
+    *,
+    n_slots: int = 64,
+    batch_size: int | None = None,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+    repeats: int = 3,
+    baselines: Sequence[str] = tuple(WAYS),
+    twin: HFTwin | None = None,
+    nn: KVModel | None = None,
+    progress: bool = True,
+) -> SweepResult:
+    """Time the per-slot transplant sweep every way on a prompt of about `n_tokens` tokens.
 
-        return load_model(model.name), model
-    return model, None
+    batch_size: every batched way's batch size; None picks each way's own among `batch_sizes` by a
+    short probe (`best_batch_size`). baselines: the strong baselines to run
+    (`kvnotes.bench.baselines.WAYS`). twin: `hf_twin(model)`'s result, to load the Hugging Face
+    counterpart once for several lengths. nn: the same weights on the nnsight backend: its engine
+    runs beside as `engine_nnsight`, on its own notebooks of the same prompts (the nnsight
+    baselines then trace its module).
 
-
-def _engine_on(nn: KVModel, old: Prompt, new: Prompt, vocab: tuple[int, int]):
-    """The engine's sweep on another backend's model, over its own notebooks of the same prompts."""
-    nb_old, nb_new = ops.prefill(nn, old), ops.prefill(nn, new)
-
-    def engine(batch: Sequence[int]) -> torch.Tensor:
-        specs = [ops.Patch(positions=(p,)) for p in batch]
-        return ops.decide_patched(nn, nb_old, nb_new, specs, new, batch_size=len(specs), vocab=vocab)
-
-    return engine
+    >>> from kvnotes import load_model
+    >>> r = patch_sweep(load_model("tiny-gqa"), 40, n_slots=4, repeats=1, progress=False)
+    >>> [b.name for b in r.baselines], sorted(r.skipped)
+    (['tl_full_batched', 'tl_kv_cache'], ['engine_nnsight', 'nnsight_full_batched', 'nnsight_hf_cache'])
+    """
+    bad = [n for n in baselines if n not in WAYS]
+    if bad:
+        raise BadOption(f"unknown baseline(s) {bad}; the baselines are {', '.join(WAYS)}")
+    wanted = [WAYS[n] for n in WAYS if n in baselines]
+    twin = twin if twin is not None else hf_twin(model, need=any(w.hf for w in wanted))
+    skipped = _skipped(model, baselines, wanted, twin, nn)
+    with torch.no_grad():
+        # 1) the prompts, their notebooks and the answer pair
+        s = _pair(model, n_tokens, n_slots)
+        # 2) the ways: each baseline patches the old prompt's cache with the new one's slot, as the engine
+        pair = PatchPair(
+            model=model,
+            dst_ids=s.old.ids,
+            src_ids=s.new.ids,
+            stop=s.stop,
+            vocab=s.vocab,
+            hf=twin.hf,
+            lm=twin.lm,
+        )
+        runs = {
+            "engine": _engine(model, s.nb_old, s.nb_new, s.new, s.vocab),
+            **{w.name: w.make(pair) for w in wanted if w.name not in skipped},
+        }
+        if nn is not None:
+            runs["engine_nnsight"] = _engine_on(nn, s.old, s.new, s.vocab)
+        # 3) timed side by side; a given batch size is only warmed up
+        candidates = (batch_size,) if batch_size else tuple(batch_sizes)
+        timed, sizes = _timed_ways(model, s, runs, candidates, repeats, progress)
+    return _result(s, timed, sizes, skipped, repeats)
 
 
 def patch_sweep_report(
@@ -381,6 +425,10 @@ class SweepConfig(Options):
     slots: int = option(64, "how many trailing slots to sweep", least=1)
     repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
     baselines: tuple[str, ...] = option(tuple(WAYS), "strong baselines to run (kvnotes.bench.baselines)")
+    # each way runs at the batch size it is fastest at, so no way is timed at another's sweet spot
+    batch_sizes: tuple[int, ...] = option(
+        BATCH_SIZES, "batch sizes each way's short probe picks from", least=1
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -389,10 +437,7 @@ class SweepConfig(Options):
             raise BadOption(f"unknown baseline(s) {bad}; the baselines are {', '.join(WAYS)}")
 
 
-register_section(Section("bench", "Benchmarks", level=MODEL, command="bench", order=60))
-
-
-@analysis("patch_sweep", "bench", SweepConfig, SweepReport, in_report=False)
+@analysis("patch_sweep", "bench", SweepConfig, SweepReport, in_report=False, order=10)
 def _run_patch_sweep(ctx: Context, cfg: SweepConfig) -> SweepReport:
     """Per-slot transplant sweep: engine vs naive full forwards and the strong baselines (and the
     engine on the nnsight backend beside, with --backend nnsight)."""
@@ -404,5 +449,6 @@ def _run_patch_sweep(ctx: Context, cfg: SweepConfig) -> SweepReport:
         n_slots=cfg.slots,
         repeats=cfg.repeats,
         baselines=cfg.baselines,
+        batch_sizes=cfg.batch_sizes,
         progress=ctx.progress,
     )

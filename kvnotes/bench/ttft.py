@@ -37,294 +37,30 @@ from tqdm.auto import tqdm
 
 from kvnotes import ops
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.bench.sweep import BenchReport, machine
-from kvnotes.conformance import FILLER
-from kvnotes.engine import run
+from kvnotes.bench.common import BenchReport, growth_exponent, header, machine, text_ids
+from kvnotes.bench.edit_cost import EditCostReport, edit_cost  # noqa: F401 - their old address
+from kvnotes.bench.multihost import (
+    DEFAULT_SEAM,
+    QUERY,
+    SUFFIX,
+    UNRELATED,
+    MultiHost,
+    SeamAgreement,
+    chunk_ids,
+    compose_and_decide,
+    full_decide,
+    host_pair,
+    reuse_prefix,
+)
 from kvnotes.errors import BadArgument, OutOfRange
+from kvnotes.hosts import HOST
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.prompt import Prompt
-from kvnotes.tasks import Task, load_task, sample
 
-DEFAULT_SEAM = 8  # chunk tokens recomputed in context after a splice
-# Host lines of similar length, each with its own first letter, so that they differ from the
-# first token after BOS even under a byte-level tokenizer and a prefix cache shares nothing with
-# them but BOS. The first is the one host of paths 1-3.
-HOSTS = (
-    "You are the store's order assistant. Follow the policy below.\n",
-    "Support desk, order team. Read the policy below before you answer.\n",
-    "Acting as the shop's customer-service agent, apply this policy.\n",
-    "Order help bot for an online store: use the policy that follows.\n",
-    "Customer care assistant. The store policy is given below.\n",
-    "Hello! I handle orders for the shop; its policy comes next.\n",
-    "Mode: order management helper. The policy text follows.\n",
-    "Retail assistant instructions: obey the policy below.\n",
-    "Welcome to the order desk. Our cancellation policy is below.\n",
-    "This assistant answers order questions using the policy below.\n",
-    "Internal tool for order cancellations. Apply the following policy.\n",
-    "Please act as the merchant's support agent and follow this policy.\n",
-    "Bot for the shop's orders: read the policy, then answer the customer.\n",
-    "Note to the agent: requests are decided by the policy below.\n",
-    "Good morning, team. Today's order policy is below.\n",
-    "Every reply must follow the store policy written below.\n",
-)
-HOST = HOSTS[0]
-POLICY = (
-    "Policy: an order may be cancelled while its status is pending. Once an order has shipped, "
-    "deny the cancellation and offer a return instead.\n"
-)
-QUERY = "\nQ: Can the order be cancelled? Answer cancel or deny.\nA:"
-ANSWERS = (" cancel", " deny")  # the decision: the sign of the first token's logit minus the second's
-LIVE = "Customer: Alice. Order id: 1234.\norder_status: {status}.\n"
-STATUSES = ("pending", "shipped")  # host i's live suffix has STATUSES[i % 2]: the answer should alternate
-SUFFIX = LIVE.format(status="shipped")  # the live suffix of paths 1-3
-UNRELATED = "Shelf {i} in aisle {i} of the warehouse holds spare parts for the delivery vans.\n"
+QUICK_LENGTHS = (256, 512, 1024, 2048)  # the quick report's lengths
 
 
-def _text_ids(model: KVModel, n: int, line: str = FILLER) -> list[int]:
-    """`n` token ids of neutral text (no BOS): policy-like lines, or `line` repeated."""
-    ids: list[int] = []
-    i = 0
-    while len(ids) < n:
-        ids += model.encode("".join(line.format(i=j) for j in range(i, i + 50)), bos=False)
-        i += 50
-    return ids[:n]
-
-
-def chunk_ids(model: KVModel, n: int) -> list[int]:
-    """The bench's chunk: `n` token ids of the policy line, then policy-like notes (no BOS)."""
-    return (model.encode(POLICY, bos=False) + _text_ids(model, n))[:n]
-
-
-def answer_ids(model: KVModel, answers: Sequence[str] = ANSWERS) -> tuple[int, int]:
-    """The first token of each of the two answers (as `_answer` reads a decision, by token id)."""
-    first, second = (model.encode(a, bos=False)[0] for a in answers)
-    if first == second:
-        raise BadArgument(
-            f"answers {tuple(answers)} start with the same token under {model.name}'s tokenizer; "
-            "pick two answers whose first tokens differ"
-        )
-    return first, second
-
-
-@dataclass(frozen=True)
-class MultiHost:
-    """One chunk after several hosts, as token ids: each host (BOS first), the chunk, each host's
-    live suffix, the query, and the two answer tokens whose logit difference is the decision.
-
-    >>> from kvnotes import load_model
-    >>> model = load_model("tiny-llama")
-    >>> case = MultiHost.bench(model, chunk_ids(model, 40), 4)
-    >>> len(case.hosts), len(case.chunk), len({h[1] for h in case.hosts})
-    (4, 40, 4)
-    """
-
-    hosts: tuple[tuple[int, ...], ...]
-    chunk: tuple[int, ...]
-    lives: tuple[tuple[int, ...], ...]
-    query: tuple[int, ...]
-    answers: tuple[int, int]
-
-    def __post_init__(self):
-        if len(self.hosts) < 2 or len(self.lives) != len(self.hosts):
-            raise BadArgument(
-                f"{len(self.hosts)} hosts and {len(self.lives)} live suffixes: give at least 2 hosts "
-                "and one live suffix per host"
-            )
-        if len(set(self.hosts)) != len(self.hosts):
-            raise BadArgument("two hosts are the same token ids; every host must differ")
-
-    def context(self, i: int) -> list[int]:
-        """Host `i`'s whole context before the query: host, chunk, live suffix."""
-        return [*self.hosts[i], *self.chunk, *self.lives[i]]
-
-    @classmethod
-    def bench(cls, model: KVModel, chunk: Sequence[int], n_hosts: int) -> MultiHost:
-        """The bench's case: the first `n_hosts` of `HOSTS`, each with the `LIVE` suffix, its
-        status alternating, so a model that reads the policy changes its answer from host to host."""
-        if not 2 <= n_hosts <= len(HOSTS):
-            raise OutOfRange(f"hosts={n_hosts}: the bench has 2 to {len(HOSTS)} host lines")
-        hosts = tuple(tuple(model.encode(h)) for h in HOSTS[:n_hosts])
-        same = sorted({h[1] for h in hosts if sum(g[1] == h[1] for g in hosts) > 1})
-        if same:
-            raise BadArgument(
-                f"host lines share their first token {same} under {model.name}'s tokenizer; a "
-                "prefix cache would reuse more than BOS; give each host its own first letter"
-            )
-        lives = tuple(
-            tuple(model.encode(LIVE.format(status=STATUSES[i % 2]), bos=False)) for i in range(n_hosts)
-        )
-        return cls(
-            hosts=hosts,
-            chunk=tuple(chunk),
-            lives=lives,
-            query=tuple(model.encode(QUERY, bos=False)),
-            answers=answer_ids(model),
-        )
-
-    @classmethod
-    def from_task(cls, model: KVModel, task: Task | str, n_hosts: int, *, seed: int = 0) -> MultiHost:
-        """A task's own decision after `n_hosts` of `HOSTS`: the chunk is one sampled prompt's text
-        between BOS and the gating field's line (policy, few-shot block), host i's live suffix is
-        the i-th sampled prompt's from that line to the decision, whose gating value alternates,
-        and the query is the decision span (template 0, so every prompt's query is the same)."""
-        task = load_task(task)
-        if not 2 <= n_hosts <= len(HOSTS):
-            raise OutOfRange(f"n_hosts={n_hosts}: there are 2 to {len(HOSTS)} host lines")
-        prompts = [p.old for p in sample(task, model, n_hosts, seed=seed, template=0)]
-        first = prompts[0]
-        end = _line_start(first, task.gate.field)
-        return cls(
-            hosts=tuple(tuple(model.encode(h)) for h in HOSTS[:n_hosts]),
-            chunk=tuple(first.ids[1:end]),
-            lives=tuple(
-                tuple(p.ids[_line_start(p, task.gate.field) : p.span("decision").start]) for p in prompts
-            ),
-            query=tuple(first.ids[first.span("decision").start :]),
-            answers=tuple(model.answer_token(a) for a in task.answers),
-        )
-
-
-def _line_start(p: Prompt, field: str) -> int:
-    """Token index where the line holding `field` starts (everything before it is the chunk)."""
-    line = p.text.rfind("\n", 0, p.char_spans[field][0]) + 1
-    start = next(i for i, (a, b) in enumerate(p.offsets) if b > a and a >= line)
-    if start <= 1:
-        raise BadArgument(f"the prompt has nothing before the {field!r} line to precompile as a chunk")
-    return start
-
-
-@dataclass(frozen=True)
-class SeamAgreement:
-    """A precompiled chunk spliced after each host (first `seam` tokens recomputed) against full
-    recompute of the same context, per host. The decision is the sign of the logit difference
-    `answers[0] − answers[1]` (`full_ld`, `composed_ld`)."""
-
-    seam: int
-    cosine: tuple[float, ...]  # logit cosine of the composed readout with full recompute's
-    top1: tuple[bool, ...]  # the same top-1 token over the whole vocabulary
-    composed_ld: tuple[float, ...]
-    full_ld: tuple[float, ...]
-
-    @classmethod
-    def of(
-        cls,
-        composed: Sequence[torch.Tensor],
-        full: Sequence[torch.Tensor],
-        answers: tuple[int, int],
-        *,
-        seam: int,
-    ) -> SeamAgreement:
-        """From each host's composed and full last-token logits."""
-        a, b = answers
-
-        def ld(x: torch.Tensor) -> float:
-            return float(x[a].double() - x[b].double())
-
-        return cls(
-            seam=seam,
-            cosine=tuple(float(logit_cosine(c, f)) for c, f in zip(composed, full)),
-            top1=tuple(bool(c.argmax() == f.argmax()) for c, f in zip(composed, full)),
-            composed_ld=tuple(ld(c) for c in composed),
-            full_ld=tuple(ld(f) for f in full),
-        )
-
-    @property
-    def hosts(self) -> int:
-        return len(self.full_ld)
-
-    @property
-    def agreement(self) -> float:
-        """Share of hosts whose composed decision is full recompute's."""
-        return float(np.mean([(c > 0) == (f > 0) for c, f in zip(self.composed_ld, self.full_ld)]))
-
-    @property
-    def mean_cosine(self) -> float:
-        return float(np.mean(self.cosine))
-
-    @property
-    def top1_rate(self) -> float:
-        return float(np.mean(self.top1))
-
-    @property
-    def balance(self) -> float:
-        """Share of hosts whose full decision is the first answer: at 0 or 1 every host decides
-        alike, and agreement says less than it seems."""
-        return float(np.mean([f > 0 for f in self.full_ld]))
-
-    @property
-    def min_margin(self) -> float:
-        """The smallest |full logit difference| over hosts: how near a decision came to flipping."""
-        return float(min(abs(f) for f in self.full_ld))
-
-
-def compose_and_decide(
-    model: KVModel, host: list[int], chunk_nb: Notebook, suffix: list[int], query: list[int], *, seam: int
-) -> torch.Tensor:
-    """The host tokens, the spliced chunk (seam repaired), the live suffix; the query's last logits."""
-    host = ops.prefill(model, host)
-    nb = ops.splice(model, host, chunk_nb, seam=seam)
-    nb, _ = run(model, nb, suffix, logits_at=())
-    return ops.decide(model, nb, query).last[0]
-
-
-def full_decide(model: KVModel, context: Sequence[int], query: Sequence[int]) -> torch.Tensor:
-    """Full prefill of `context`, then the query's last logits."""
-    return ops.decide(model, ops.prefill(model, context), query).last[0]
-
-
-def reuse_prefix(model: KVModel, cached: Notebook, context: Sequence[int]) -> Notebook:
-    """Prefix caching: keep the slots of `cached` (a prefilled context) up to the longest token
-    prefix it shares with `context`, and prefill the rest of `context` after them."""
-    old = cached.tokens[0, torch.argsort(cached.positions)].tolist()
-    same = 0
-    for x, y in zip(old, context):
-        if x != y:
-            break
-        same += 1
-    nb = cached.truncate(same)
-    if same < len(context):
-        nb, _ = run(model, nb, list(context[same:]), logits_at=())
-    return nb
-
-
-def _host_pair(
-    model: KVModel, case: MultiHost, i: int, chunk_nb: Notebook, seam: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host `i`'s composed and full-recompute last logits."""
-    q = list(case.query)
-    composed = compose_and_decide(model, list(case.hosts[i]), chunk_nb, list(case.lives[i]), q, seam=seam)
-    return composed, full_decide(model, case.context(i), q)
-
-
-def seam_agreement(
-    model: KVModel,
-    case: MultiHost,
-    *,
-    seam: int = DEFAULT_SEAM,
-    chunk: Notebook | None = None,
-    progress: bool = False,
-) -> SeamAgreement:
-    """`case`'s chunk, precompiled once (or given as `chunk`), spliced after every host with its
-    first `seam` tokens recomputed, against full recompute of each host's context: the decision,
-    logit cosine and top-1 per host.
-
-    >>> from kvnotes import load_model
-    >>> model = load_model("tiny-llama")
-    >>> case = MultiHost.bench(model, chunk_ids(model, 24), 4)
-    >>> seam_agreement(model, case, seam=24).agreement  # exact: a fraction; the whole chunk recomputed
-    1.0
-    """
-    chunk_nb = ops.precompile(model, case.chunk) if chunk is None else chunk
-    pairs = [
-        _host_pair(model, case, i, chunk_nb, seam)
-        for i in tqdm(range(len(case.hosts)), desc=f"seam {seam}", disable=not progress, unit="host")
-    ]
-    return SeamAgreement.of([c for c, _ in pairs], [f for _, f in pairs], case.answers, seam=seam)
-
-
-# --- the report --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TTFTPoint:
     tokens: int  # context + query (multi-host contexts differ from it by their host's length)
@@ -396,7 +132,7 @@ class TTFTReport(BenchReport):
         r0 = self.results[0] if self.results else None
         k, n = (r0.timed_hosts, r0.hosts) if r0 else (None, None)
         lines = [
-            f"time to first token — {self.model} — {self.machine}",
+            header("time to first token", self.model, self.machine),
             f"per request, median of {r0.repeats if r0 else 1} side-by-side repeats [min, max]; "
             f"composed = precompiled chunk spliced (seam {self.seam}) + {self.suffix_tokens}-token "
             "live suffix",
@@ -489,11 +225,11 @@ def _point(
             last, out = _timed(t["m_cached"], _cached_decide, model, last, case.context(i), q)
             m_err.append(float((out - m_full[-1]).abs().max()))
     # quality, not timed: the timed hosts' logits are the last repeat's, the other hosts' computed here
-    rest = [_host_pair(model, case, i, chunk_nb, seam) for i in range(timed_hosts, hosts)]
+    rest = [host_pair(model, case, i, chunk_nb, seam) for i in range(timed_hosts, hosts)]
     agree = SeamAgreement.of(
         m_comp + [c for c, _ in rest], m_full + [f for _, f in rest], case.answers, seam=seam
     )
-    unrelated = full_decide(model, [*host, *_text_ids(model, chunk_tokens, UNRELATED), *suffix], query)
+    unrelated = full_decide(model, [*host, *text_ids(model, chunk_tokens, UNRELATED), *suffix], query)
     (c, c_lo, c_hi), (f, f_lo, f_hi), (p, p_lo, p_hi) = (_stats(t[w]) for w in ("comp", "full", "cached"))
     (mc, mc_lo, mc_hi), (mf, mf_lo, mf_hi), (mp, mp_lo, mp_hi) = (
         _stats(t[w]) for w in ("m_comp", "m_full", "m_cached")
@@ -559,13 +295,6 @@ def _stats(ts: list[float]) -> tuple[float, float, float]:
     return float(np.median(ts)), min(ts), max(ts)
 
 
-def _exponent(points: list[TTFTPoint], attr: str) -> float | None:
-    ys = [getattr(p, attr) for p in points]
-    if len(points) < 2 or any(y is None for y in ys):
-        return None
-    return float(np.polyfit(np.log([p.tokens for p in points]), np.log(ys), 1)[0])
-
-
 def ttft(
     model: KVModel,
     lengths: list[int],
@@ -597,171 +326,17 @@ def ttft(
         _point(model, n, n - fixed, seam=seam, repeats=reps, hosts=hosts, timed_hosts=timed_hosts)
         for n in tqdm(lengths, desc="ttft", disable=not progress, unit="length")
     ]
+    tokens = [p.tokens for p in points]
     return TTFTReport(
         model=model.name,
         machine=machine(),
         seam=seam,
         suffix_tokens=len(model.encode(SUFFIX, bos=False)),
         results=points,
-        exponent_composed=_exponent(points, "composed_s"),
-        exponent_full=_exponent(points, "full_s"),
-        exponent_multi_host_composed=_exponent(points, "multi_host_composed_s"),
+        exponent_composed=growth_exponent(tokens, [p.composed_s for p in points]),
+        exponent_full=growth_exponent(tokens, [p.full_s for p in points]),
+        exponent_multi_host_composed=growth_exponent(tokens, [p.multi_host_composed_s for p in points]),
     )
-
-
-# --- the cost of one edit as the changed field moves through the prompt --------------------------
-@dataclass(frozen=True)
-class EditCostPoint:
-    field_position: int
-    tokens: int
-    erratum_s: float  # median of `repeats` timings
-    suffix_s: float
-    full_s: float
-    suffix_tokens: int
-    erratum_tokens: int
-    # whether each method's decision (top-1 token) is full recompute's, in that run, and how far
-    # it moved the logit difference from the stale notebook's toward full recompute's (1 = all
-    # the way; None where full recompute's decision is the stale one's and nothing moved)
-    erratum_agrees: bool | None = None
-    suffix_agrees: bool | None = None
-    erratum_recovery: float | None = None
-    suffix_recovery: float | None = None
-    repeats: int = 1
-
-
-@dataclass(frozen=True)
-class EditCostReport(BenchReport):
-    POINT: ClassVar[type] = EditCostPoint
-    model: str
-    machine: str
-    results: list[EditCostPoint]
-
-    def table(self) -> str:
-        def answer(agrees: bool | None, rec: float | None) -> str:
-            mark = "?" if agrees is None else ("same" if agrees else "DIFF")
-            return f"{mark} {'—' if rec is None else f'{rec:.2f}'}"
-
-        reps = self.results[0].repeats if self.results else 1
-        lines = [
-            f"one changed field — {self.model} — {self.machine} — median of {reps}",
-            "answer = the decision against full recompute's (same/DIFF) and the recovery of its "
-            "logit difference",
-            f"{'field at':>9}{'tokens':>8}{'erratum s':>11}{'suffix s':>10}{'full s':>9}"
-            f"{'full/erratum':>14}{'suffix tok':>12}{'erratum answer':>16}{'suffix answer':>15}",
-        ]
-        for r in self.results:
-            lines.append(
-                f"{r.field_position:>9}{r.tokens:>8}{r.erratum_s:>11.3f}{r.suffix_s:>10.3f}"
-                f"{r.full_s:>9.3f}{r.full_s / r.erratum_s:>13.1f}x{r.suffix_tokens:>12}"
-                f"{answer(r.erratum_agrees, r.erratum_recovery):>16}"
-                f"{answer(r.suffix_agrees, r.suffix_recovery):>15}"
-            )
-        return "\n".join(lines)
-
-
-def edit_cost(
-    model: KVModel,
-    n_tokens: int = 2048,
-    fractions: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9),
-    *,
-    repeats: int = 3,
-    progress: bool = True,
-) -> EditCostReport:
-    """Erratum vs suffix recompute vs full prefill for one changed field at each position.
-
-    The prompt is about `n_tokens` of policy-like lines with `order_status: pending` placed after
-    the given fraction of them; the stale notebook is prefilled beforehand (not timed). Each way
-    then brings it up to `shipped` and decides, timed side by side (median of `repeats`), and
-    each way's decision is checked against full recompute's from the same run (`_answer`).
-    """
-    from kvnotes.prompt import Template
-
-    n_lines = max(2, n_tokens // max(1, len(model.encode(FILLER.format(i=10), bos=False))))
-    lines = [FILLER.format(i=i) for i in range(n_lines)]
-    points = []
-    ops.prefill(model, model.encode("".join(lines)))  # warm-up: first calls pay one-off costs
-    for f in tqdm(fractions, desc="edit cost", disable=not progress, unit="position"):
-        k = int(round(f * n_lines))
-        tpl = Template(
-            "".join(lines[:k])
-            + "order_status: {order_status}\n"
-            + "".join(lines[k:])
-            + "[[decision:Q: Can the order be cancelled?\nA:]]"
-        )
-        old = tpl.render(model, order_status="pending")
-        new = old.with_values(model, order_status="shipped")
-        if len(new) > model.n_ctx:
-            raise OutOfRange(f"{len(new)} tokens exceed {model.name}'s n_ctx={model.n_ctx}; lower n_tokens")
-        stale = ops.prefill(model, old)
-        line = model.encode(
-            "[STATE UPDATE] order_status → shipped; overrides any earlier value.\n", bos=False
-        )
-        ways = _update_ways(model, stale, new, line)
-        seconds: dict[str, list[float]] = {w: [] for w in ways}
-        logits: dict[str, torch.Tensor] = {}
-        for _ in range(max(1, repeats)):
-            for w, go in ways.items():  # side by side, in turn, each repeat
-                t0 = time.perf_counter()
-                logits[w] = go()
-                seconds[w].append(time.perf_counter() - t0)
-        before = ops.decide(model, stale, old).last[0]
-        (e_ok, e_rec), (s_ok, s_rec) = (
-            _answer(logits[w], logits["full"], before) for w in ("erratum", "suffix")
-        )
-        start = new.span("order_status").start
-        points.append(
-            EditCostPoint(
-                field_position=start,
-                tokens=len(new),
-                erratum_s=float(np.median(seconds["erratum"])),
-                suffix_s=float(np.median(seconds["suffix"])),
-                full_s=float(np.median(seconds["full"])),
-                suffix_tokens=new.span("decision").start - start,
-                erratum_tokens=len(line),
-                erratum_agrees=e_ok,
-                suffix_agrees=s_ok,
-                erratum_recovery=e_rec,
-                suffix_recovery=s_rec,
-                repeats=max(1, repeats),
-            )
-        )
-    return EditCostReport(model=model.name, machine=machine(), results=points)
-
-
-def _update_ways(model: KVModel, stale: Notebook, new, line: list[int]) -> dict:
-    """The three ways to bring `stale` up to `new` and decide: each returns the last logits."""
-    return {
-        "erratum": lambda: ops.decide(model, ops.append(model, stale, line), new).last[0],
-        "suffix": lambda: ops.decide(
-            model, ops.recompute_suffix(model, stale, new, "order_status"), new
-        ).last[0],
-        "full": lambda: ops.decide(model, ops.prefill(model, new), new).last[0],
-    }
-
-
-def _answer(mine: torch.Tensor, full: torch.Tensor, stale: torch.Tensor) -> tuple[bool, float | None]:
-    """Whether `mine`'s top-1 token is full recompute's, and the recovery of the logit difference
-    between full's answer and the stale notebook's (its runner-up where the two answers are the
-    same): (ld_mine − ld_stale) / (ld_full − ld_stale), None when that denominator is 0.
-
-    >>> full, stale = torch.tensor([0.0, 3.0, 1.0]), torch.tensor([2.0, 0.0, 1.0])
-    >>> _answer(torch.tensor([1.0, 1.5, 0.0]), full, stale)  # exact: (1.5 - 1.0) / 1.0
-    (True, 0.5)
-    """
-    a = int(full.argmax())
-    b = int(stale.argmax())
-    if b == a:
-        b = int(full.topk(2).indices[1])
-
-    def ld(x: torch.Tensor) -> float:
-        return float(x[a].double() - x[b].double())
-
-    moved = ld(full) - ld(stale)
-    recovery = (ld(mine) - ld(stale)) / moved if moved != 0 else None
-    return int(mine.argmax()) == a, recovery
-
-
-QUICK_LENGTHS = (256, 512, 1024, 2048)  # the quick report's lengths
 
 
 @dataclass(frozen=True)
@@ -773,12 +348,6 @@ class TTFTConfig(Options):
     timed_hosts: int = option(4, "of those hosts, how many are timed one request each", least=2)
 
 
-@dataclass(frozen=True)
-class EditCostConfig(Options):
-    tokens: int = option(2048, "prompt length (0: skip the bench)", least=0)
-    repeats: int = option(3, "side-by-side timings per position (the median is reported)", least=1)
-
-
 @analysis(
     "ttft",
     "bench",
@@ -786,6 +355,7 @@ class EditCostConfig(Options):
     TTFTReport,
     quick={"lengths": QUICK_LENGTHS, "repeats": 1},
     title="Time to first token",
+    order=20,
 )
 def _run_ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
     """Time to first token: full prefill, prefix caching and a spliced precompiled chunk, after one
@@ -803,17 +373,3 @@ def _run_ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
         timed_hosts=cfg.timed_hosts,
         progress=ctx.progress,
     )
-
-
-@analysis(
-    "edit_cost",
-    "bench",
-    EditCostConfig,
-    EditCostReport,
-    quick={"tokens": 1024, "repeats": 1},
-    title="Cost of an edit",
-)
-def _edit_cost(ctx: Context, cfg: EditCostConfig) -> EditCostReport | None:
-    """One changed field: erratum vs suffix recompute vs full prefill, with the field at several places."""
-    tokens = min(cfg.tokens, ctx.model.n_ctx) if ctx.fit_context else cfg.tokens
-    return edit_cost(ctx.model, tokens, repeats=cfg.repeats, progress=ctx.progress) if tokens else None

@@ -11,6 +11,7 @@ import torch
 
 from kvnotes.analysis.registry import get
 from kvnotes.bench import prefill as bp
+from kvnotes.bench import prefill_ways as pw
 from kvnotes.bench.prefill import PrefillReport, context_ids, prefill_bench
 from kvnotes.cli import main
 from kvnotes.models import load_model
@@ -60,13 +61,13 @@ def test_transformers_keeps_only_the_window_in_a_sliding_layer(hf_gemma3):
     ids = context_ids(hf_gemma3, 40)
     layers = bp.compared_layers(hf_gemma3)
     runners = bp.Runners(model=hf_gemma3, hf=bp.load_hf_twin(hf_gemma3))
-    out = bp._transformers(runners, ids)
-    theirs = bp._transformers_readout(runners, out, ids, layers)
-    ours = bp._kvnotes_readout(runners, bp._kvnotes(runners, ids), ids, layers)
+    out = pw._transformers(runners, ids)
+    theirs = pw._transformers_readout(runners, out, ids, layers)
+    ours = pw._kvnotes_readout(runners, pw._kvnotes(runners, ids), ids, layers)
     window = hf_gemma3.window(layers[0])
     assert [k.shape[1] for k in theirs.keys] == [window - 1, 40]
     assert [k.shape[1] for k in ours.keys] == [40, 40]
-    logit, kv = bp._diffs(theirs, ours)
+    logit, kv = pw.diffs(theirs, ours)
     assert logit < 1e-3 and kv < 1e-4
 
 
@@ -74,7 +75,7 @@ def _fresh_cache_per_chunk(r, ids):
     """A planted bug: each chunk prefilled into a cache of its own, blind to the chunks before."""
     from transformers import DynamicCache
 
-    chunk = bp.engine.PREFILL_CHUNK
+    chunk = pw.engine.PREFILL_CHUNK
     with torch.inference_mode():
         for a in range(0, len(ids), chunk):
             piece = torch.tensor([ids[a : a + chunk]])
@@ -89,15 +90,15 @@ def test_transformers_fed_in_chunks_equals_one_forward(hf_gemma3, monkeypatch, p
     """Chunks of 32 over 96 tokens (three chunks; sliding windows of 8): the chunked way's logits
     and sliding/global K/V equal the unchunked forward's, to the tolerances above (float32
     attention summed in another order); a chunked prefill that forgets the earlier chunks fails."""
-    monkeypatch.setattr(bp.engine, "PREFILL_CHUNK", 32)
+    monkeypatch.setattr(pw.engine, "PREFILL_CHUNK", 32)
     ids = context_ids(hf_gemma3, 96)
     layers = bp.compared_layers(hf_gemma3)
     runners = bp.Runners(model=hf_gemma3, hf=bp.load_hf_twin(hf_gemma3))
-    chunked = planted or bp._transformers_chunked
-    theirs = bp._transformers_readout(runners, chunked(runners, ids), ids, layers)
-    whole = bp._transformers_readout(runners, bp._transformers(runners, ids), ids, layers)
-    ours = bp._kvnotes_readout(runners, bp._kvnotes(runners, ids), ids, layers)  # chunked too
-    agree = [bp._diffs(theirs, ref) for ref in (whole, ours)]
+    chunked = planted or pw._transformers_chunked
+    theirs = pw._transformers_readout(runners, chunked(runners, ids), ids, layers)
+    whole = pw._transformers_readout(runners, pw._transformers(runners, ids), ids, layers)
+    ours = pw._kvnotes_readout(runners, pw._kvnotes(runners, ids), ids, layers)  # chunked too
+    agree = [pw.diffs(theirs, ref) for ref in (whole, ours)]
     ok = all(logit < 1e-3 and kv < 1e-4 for logit, kv in agree)
     assert ok == (planted is None), agree
 

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvnotes.bench import serve as bench_serve
-from kvnotes.bench.serve import Values, plan, run_point, sessions
+from kvnotes.bench import serve_client
+from kvnotes.bench.serve import run_point
+from kvnotes.bench.serve_workload import Values, schedule, sessions
 from kvnotes.errors import BadArgument, UnknownField
 from kvnotes.serving.manager import NEVER, Compaction, PromptManager, fill, hoist
 from kvnotes.serving.vllm import CacheCounters, Completion, Server
@@ -206,7 +208,7 @@ def test_every_strategy_answers_the_same_changes_at_the_same_times():
     task = load_task("refund-window")
     ss = sessions(task, words, 200, 2, seed=0)
     plans = {
-        s: plan(task, ss, s, 2.0, 10, seed=1, count_tokens=words, compaction=NEVER)
+        s: schedule(task, ss, s, 2.0, 10, seed=1, count_tokens=words, compaction=NEVER)
         for s in ("erratum", "in_place", "hoist")
     }
     (f0, p0), (f1, p1), (_, p2) = plans.values()
@@ -251,20 +253,20 @@ class StaleCache(Server):
 def _self_reference(monkeypatch, memo: dict):
     """In-place's own completions taken as the fresh prompts' reference (its prompt is the fresh
     prompt's text), as the bench once did."""
-    real = bench_serve._drive
+    real = bench_serve.drive
 
     async def drive(server, planned, *a, **kw):
         done = await real(server, planned, *a, **kw)
         memo.update({p.fresh: c for p, c in zip(planned, done)})
         return done
 
-    monkeypatch.setattr(bench_serve, "_drive", drive)
+    monkeypatch.setattr(bench_serve, "drive", drive)
 
 
 @pytest.mark.parametrize("planted", [None, _self_reference])
 def test_in_place_agreement_is_read_against_a_request_computed_from_scratch(monkeypatch, planted):
     server, memo = StaleCache(), {}
-    monkeypatch.setattr(bench_serve, "complete", server.complete)
+    monkeypatch.setattr(serve_client, "complete", server.complete)
     if planted:
         planted(monkeypatch, memo)
     task = load_task("refund-window")

@@ -10,8 +10,9 @@ import pytest
 import torch
 import transformers as tf
 
+from kvnotes.bench import baselines
 from kvnotes.bench.baselines import WAYS
-from kvnotes.bench.sweep import SweepReport, SweepResult, baselines, patch_sweep, sweep_prompts
+from kvnotes.bench.sweep import SweepReport, SweepResult, patch_sweep, sweep_prompts
 from kvnotes.cli import main
 from kvnotes.models import load_model
 from kvnotes.models.hf import tl_from_hf_model

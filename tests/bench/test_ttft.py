@@ -10,31 +10,29 @@ import json
 import pytest
 import torch
 
-from kvnotes.bench.ttft import (
+from kvnotes.bench.common import text_ids
+from kvnotes.bench.edit_cost import EditCostReport, edit_cost
+from kvnotes.bench.multihost import (
     DEFAULT_SEAM,
-    HOST,
     QUERY,
     SUFFIX,
-    EditCostReport,
     MultiHost,
-    TTFTReport,
-    _text_ids,
     chunk_ids,
     compose_and_decide,
-    edit_cost,
     reuse_prefix,
     seam_agreement,
-    ttft,
 )
+from kvnotes.bench.ttft import TTFTReport, ttft
 from kvnotes.cli import main
 from kvnotes.errors import BadArgument, OutOfRange
+from kvnotes.hosts import HOST
 from kvnotes.models import default_task
 from kvnotes.ops import decide, precompile, prefill
 from tests.helpers import assert_close, assert_notebooks_close, get_model
 
 
 def test_composed_context_with_a_full_seam_equals_full_prefill(model):
-    chunk = _text_ids(model, 40)
+    chunk = text_ids(model, 40)
     suffix, query = model.encode(SUFFIX, bos=False), model.encode(QUERY, bos=False)
     host = model.encode(HOST)
     full = decide(model, prefill(model, [*host, *chunk, *suffix]), query).last[0]

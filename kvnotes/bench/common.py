@@ -1,0 +1,91 @@
+"""What every benchmark shares: the machine it ran on, its report's header and JSON, the growth
+exponent of a figure over prompt lengths, neutral filler text, the answer tokens of a model and
+the models to run on both backends."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kvnotes.display import Displayable
+from kvnotes.errors import BadArgument
+from kvnotes.fixtures import FILLER
+from kvnotes.models.model import KVModel
+
+
+def machine() -> str:
+    """The machine a benchmark computed on, as its report's header shows it: architecture, cores,
+    the torch version and its thread count (what a CPU timing depends on)."""
+    return (
+        f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads)"
+    )
+
+
+def both_backends(model: KVModel) -> tuple[KVModel, KVModel | None]:
+    """(the TransformerLens-backend model, the nnsight-backend one or None) for a bench asked for on
+    `model`'s backend: on the nnsight backend the same name is loaded on TransformerLens too, so
+    the two engines run side by side in one process."""
+    if "transformer-lens" not in model.backend.capabilities:
+        from kvnotes.models import load_model
+
+        return load_model(model.name), model
+    return model, None
+
+
+def header(*parts: str) -> str:
+    """A bench report's first line: its title, the model, the machine and any more, dash-separated."""
+    return " — ".join(parts)
+
+
+class BenchReport(Displayable):
+    """JSON for a benchmark report dataclass whose `results` are `POINT` dataclasses."""
+
+    POINT: ClassVar[type]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})
+
+
+def growth_exponent(xs: Sequence[float], ys: Sequence[float | None]) -> float | None:
+    """The slope of log y on log x (y ∝ x^e; 1: linear), or None with fewer than two distinct x or
+    any y missing.
+
+    >>> round(growth_exponent([1, 2, 4], [3, 12, 48]), 6)
+    2.0
+    """
+    if len(set(xs)) < 2 or any(y is None for y in ys):
+        return None
+    return float(np.polyfit(np.log(list(xs)), np.log(list(ys)), 1)[0])
+
+
+def text_ids(model: KVModel, n: int, line: str = FILLER) -> list[int]:
+    """`n` token ids of neutral text (no BOS): policy-like lines, or `line` repeated."""
+    ids: list[int] = []
+    i = 0
+    while len(ids) < n:
+        ids += model.encode("".join(line.format(i=j) for j in range(i, i + 50)), bos=False)
+        i += 50
+    return ids[:n]
+
+
+def model_answer_ids(model: KVModel, answers: Sequence[str]) -> tuple[int, int]:
+    """The first token of each of two answers under `model`'s tokenizer (a decision is read by
+    token id); refuses two answers that start with the same token."""
+    first, second = (model.encode(a, bos=False)[0] for a in answers)
+    if first == second:
+        raise BadArgument(
+            f"answers {tuple(answers)} start with the same token under {model.name}'s tokenizer; "
+            "pick two answers whose first tokens differ"
+        )
+    return first, second
