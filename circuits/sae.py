@@ -410,10 +410,10 @@ def check_sae(sae, model: KVModel | None = None, *, layer: int | None = None) ->
         )
     if model is not None:
         trained_on = sae.cfg.metadata.model_name or "an unnamed model"
-        if sae.cfg.d_in != model.cfg.d_model:
+        if sae.cfg.d_in != model.facts.d_model:
             raise SAEMismatch(
                 f"the SAE's d_in is {sae.cfg.d_in} (trained on {trained_on}) but "
-                f"{model.name}'s d_model is {model.cfg.d_model}; train one for this "
+                f"{model.name}'s d_model is {model.facts.d_model}; train one for this "
                 "model with train_sae(model, task)"
             )
         if at >= model.n_layers:

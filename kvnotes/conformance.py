@@ -194,7 +194,7 @@ def in_float64(model: KVModel):
     """`model` itself computing in float64 for the duration (weights, RoPE tables, every norm and
     softmax), back to float32 bit for bit afterwards. The engine then runs its own arithmetic, and
     any bug planted in it or in the weights, in float64."""
-    if model.tl is None:  # the nnsight backend runs the transformers module itself
+    if "transformers-module" in model.backend.capabilities:  # the backend runs the transformers module
         with hf_in_float64(model.hf), float64_everywhere():
             yield model
         return

@@ -111,3 +111,7 @@ class UnknownAnalysisError(KVNotesError):
 
 class BadOption(KVNotesError):
     """An analysis option (a config field) that does not exist or has a value it cannot take."""
+
+
+class MissingCapability(UnsupportedArchitecture, BadArgument):
+    """An operation the model's backend cannot do (weight edits on nnsight); names a backend that can."""

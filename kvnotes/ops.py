@@ -155,7 +155,7 @@ class Patch:
                 object.__setattr__(self, name, tuple(int(x) for x in v))
 
 
-def _mask(patch: Patch, nb: Notebook, n_kv: int) -> Tensor:
+def _patch_mask(patch: Patch, nb: Notebook, n_kv: int) -> Tensor:
     """Boolean `[layer, kv_head, slot]` selection of `patch` over `nb`'s layout."""
     layers = _choose(patch.layers, nb.n_layers, "layer", "layers")
     heads = _choose(patch.heads, n_kv, "KV head", "KV heads")
@@ -221,7 +221,7 @@ def patched_slots(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Noteb
         )
     src = _aligned_source(dst, src)
     n_kv, n = dst.keys[0].shape[1], len(specs)
-    masks = torch.stack([_mask(s, dst, n_kv) for s in specs])  # [N, layer, kv_head, slot]
+    masks = torch.stack([_patch_mask(s, dst, n_kv) for s in specs])  # [N, layer, kv_head, slot]
     touched = masks.flatten(0, 2).any(0).nonzero().flatten()  # slots any patch touches
     device = dst.keys[0].device
     masks = masks[..., touched].to(device)
@@ -276,7 +276,7 @@ def decide_patched(
     for i in tqdm(chunks, desc="patches", disable=not progress, unit="batch"):
         overlay = patched_slots(dst, src, specs[i : i + batch_size])
         out.append(decide(model, dst, prompt, hooks=hooks, vocab=vocab, overlay=overlay).last)
-    width = model.cfg.d_vocab_out if vocab is None else len(vocab)
+    width = model.facts.d_vocab_out if vocab is None else len(vocab)
     return torch.cat(out) if out else torch.zeros(0, width)
 
 

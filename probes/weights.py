@@ -52,8 +52,8 @@ import torch
 
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
-from kvnotes.engine import run
-from kvnotes.errors import KVNotesError, OutOfRange, UnsupportedArchitecture
+from kvnotes.engine import require, run
+from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import Metric, logit_diff, recovery
 from kvnotes.models.model import KVModel
@@ -183,7 +183,7 @@ def key_covariance(
     s = time.perf_counter()
     task = load_task(task)
     post = hook_name(layer, "mlp.hook_post")
-    d = model.cfg.d_mlp
+    d = model.facts.d_mlp
     total, n = torch.zeros(d, d, dtype=torch.float64), 0
     with torch.no_grad():
         for pair in sample(task, model, prompts, seed=seed):
@@ -237,11 +237,7 @@ def applied(model: KVModel, edit: RankOneEdit) -> Iterator[KVModel]:
 def check_layer(model: KVModel, layer: int | None) -> int:
     """The layer to edit: `layer`, or the middle one (n_layers // 2) when None. Weight edits write
     TransformerLens's MLP weights (`W_out`), so they run on that backend only."""
-    if model.tl is None:
-        raise UnsupportedArchitecture(
-            f"weight edits write TransformerLens's MLP weights, and {model.name} runs on the "
-            f"{model.backend} backend; run them with --backend transformer-lens (the same weights)"
-        )
+    require(model, "weights", "weight edits (they write TransformerLens's MLP weights)")
     if layer is None:
         return model.n_layers // 2
     if not 0 <= layer < model.n_layers:

@@ -37,7 +37,8 @@ from kvnotes.notebook import Notebook
 from tests.checkpoints import FAMILIES, _config, _randomize
 
 # the engine modules, to monkeypatch their internals
-RUN = importlib.import_module("kvnotes.engine")
+PLAN = importlib.import_module("kvnotes.engine.plan")
+TL = importlib.import_module("kvnotes.engine.transformer_lens")
 ROPE = importlib.import_module("kvnotes.rope")
 OPS = importlib.import_module("kvnotes.ops")
 
@@ -83,23 +84,25 @@ def _window_off_by_one(mp, model=None):
             out &= key_pos[None, :] > pos[:, None] - window - 1  # one slot too many
         return out
 
-    mp.setattr(RUN, "_mask", mask)
+    mp.setattr(PLAN, "attention_mask", mask)
 
 
 def _causal_leak(mp, model=None):
-    real = RUN._mask
+    real = PLAN.attention_mask
 
     def mask(key_pos, live, pos, window):
         return real(key_pos, live, pos, window) | (key_pos[None, :] == pos[:, None] + 1)  # sees the next
 
-    mp.setattr(RUN, "_mask", mask)
+    mp.setattr(PLAN, "attention_mask", mask)
 
 
 def _stale_slot_attended(mp, model=None):
-    real = RUN._mask
+    real = PLAN.attention_mask
     # a slot whose position is being recomputed stays visible beside its fresh replacement
     mp.setattr(
-        RUN, "_mask", lambda key_pos, live, pos, window: real(key_pos, torch.ones_like(live), pos, window)
+        PLAN,
+        "attention_mask",
+        lambda key_pos, live, pos, window: real(key_pos, torch.ones_like(live), pos, window),
     )
 
 
@@ -123,13 +126,13 @@ def _local_base_in_global_layers(mp, model):
 
 
 def _notebook_keys_off(mp, model=None):
-    real = RUN._attention
+    real = TL._attention
 
     def attention(model, layer, x, segments, pos, keys, fast):
         (old_k, old_v), *rest = segments
         return real(model, layer, x, [(old_k * 1.001, old_v), *rest], pos, keys, fast)  # keys read 0.1% off
 
-    mp.setattr(RUN, "_attention", attention)
+    mp.setattr(TL, "_attention", attention)
 
 
 def _truncate_one_early(mp, model=None):
@@ -152,7 +155,7 @@ def _norm_eps(mp, model, eps: float):
     """Every RMSNorm's eps set to `eps` where the checkpoint says otherwise (1e-6 on every tiny
     checkpoint and on Gemma 3 270M): TransformerLens keeps it in `cfg.eps` and in each norm
     module's `eps`, transformers in each norm's `eps` or `variance_epsilon`."""
-    if model.tl is None:
+    if "transformers-module" in model.backend.capabilities:
         modules = list(model.hf.modules())
     else:
         mp.setattr(model.tl.cfg, "eps", eps)

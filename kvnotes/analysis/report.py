@@ -387,7 +387,7 @@ def _part_head(model: KVModel, cfg: ReportConfig) -> dict:
     """What a saved part must match to be reused: the model (name, backend, fingerprint of its
     weights and tokenizer) and the whole config."""
     fp = getattr(model, "fingerprint", None)
-    return {"model": model.name, "backend": model.backend, "fingerprint": fp, "config": cfg.to_dict()}
+    return {"model": model.name, "backend": model.backend.name, "fingerprint": fp, "config": cfg.to_dict()}
 
 
 def _load_part(path: Path, key: str, head: Mapping) -> Part | None:
@@ -406,12 +406,12 @@ def _load_part(path: Path, key: str, head: Mapping) -> Part | None:
 def model_info(model: KVModel) -> dict:
     return {
         "name": model.name,
-        "backend": model.backend,
+        "backend": model.backend.name,
         "n_layers": model.n_layers,
         "n_heads": model.n_heads,
         "n_kv_heads": model.n_kv_heads,
         "d_head": model.d_head,
-        "d_model": model.cfg.d_model,
+        "d_model": model.facts.d_model,
         "n_ctx": model.n_ctx,
         "rope_bases": sorted({model.rope_base(l) for l in range(model.n_layers)}),
     }

@@ -5,17 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvnotes.errors import UnknownModelError
+from kvnotes.models.names import EMBEDDED, builtin_names
 
-EMBEDDED = "gemma-3-270m"
 BACKENDS = ("transformer-lens", "nnsight")  # load_model(name, backend=...)
-
-
-def builtin_names() -> list[str]:
-    from kvnotes.models.mixed import MIXED_ORGANISMS
-    from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS
-    from kvnotes.models.tiny import TINY_CONFIGS
-
-    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS, *MIXED_ORGANISMS, *NULL_ORGANISMS]
 
 
 def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):

@@ -1,4 +1,5 @@
-"""`KVModel`: one wrapped model type whatever the source (built-in, tiny, Hugging Face)."""
+"""`KVModel`: what every backend's model gives (name, tokenizer, fingerprint, `ModelFacts`, backend),
+and `TransformerLensModel`, the TransformerLens backend's model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from transformer_lens import HookedTransformer
 from transformer_lens.components.mlps.gated_mlp import GatedMLP
 from transformers import PreTrainedTokenizerBase
 
+from kvnotes.engine.backend import Backend
+from kvnotes.engine.transformer_lens import TRANSFORMER_LENS
 from kvnotes.errors import BadArgument, UnsupportedArchitecture
 
 # Config fields that decide what a notebook's K/V mean; they enter the fingerprint.
@@ -67,21 +70,45 @@ class HFSource:
     load: Callable[[], object]
 
 
-@dataclass(frozen=True, eq=False)
-class KVModel:
-    """A TransformerLens `HookedTransformer` plus its tokenizer and a fingerprint.
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What a model is, whatever runs it: the widths and per-layer attention facts kvnotes reads."""
 
-    The notebook engine runs the model's own modules and hook points (so hook names such as
-    `blocks.3.attn.hook_pattern` mean what they mean in TransformerLens and sae-lens).
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (fewer under grouped-query attention)
+    d_head: int
+    d_model: int
+    d_mlp: int | None
+    d_vocab: int  # token ids the embedding takes
+    d_vocab_out: int  # logits the unembedding gives
+    n_ctx: int  # positions the model takes, as loaded
+    windows: tuple[int | None, ...]  # per layer: its sliding window, None for global attention
+    rope_bases: tuple[float, ...]  # per layer: its RoPE base (Gemma 3's local layers differ)
+    rotary_dims: tuple[int, ...]  # per layer: how many of d_head RoPE rotates
+    attn_scores_soft_cap: float | None  # None: no softcap on attention scores
+    output_logits_soft_cap: float | None  # None: no softcap on the logits
+    norm_after_sublayers: bool  # a norm after each sublayer too (Gemma 2/3's sandwich)
+    model_type: str  # the architecture, as its source names it ("llama", "Gemma3ForCausalLM", ...)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class KVModel:
+    """A model the notebook engine runs: its name, tokenizer, fingerprint, facts and backend.
+
+    Hook names (`blocks.3.attn.hook_pattern`, ...) mean what they mean in TransformerLens and
+    sae-lens on every backend. `load_model` returns a subclass: `TransformerLensModel` or
+    `kvnotes.models.nn.NNsightModel`; what only one backend can do is asked of `backend`
+    (`kvnotes.engine.require(model, "weights")`).
     """
 
     name: str
-    tl: HookedTransformer | None  # None on a backend that runs something else (nnsight)
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
+    facts: ModelFacts
     hf_source: HFSource | None = None  # None: no Hugging Face counterpart (tiny, organisms)
 
-    backend: ClassVar[str] = "transformer-lens"
+    backend: ClassVar[Backend]
 
     @classmethod
     def wrap(
@@ -90,7 +117,8 @@ class KVModel:
         tl: HookedTransformer,
         tokenizer: PreTrainedTokenizerBase,
         hf_source: HFSource | None = None,
-    ):
+    ) -> TransformerLensModel:
+        """A TransformerLens `HookedTransformer` as a `KVModel` (a `TransformerLensModel`)."""
         tl.eval()
         for p in tl.parameters():
             p.requires_grad_(False)
@@ -98,71 +126,64 @@ class KVModel:
         for block in tl.blocks:
             if type(block.mlp) is GatedMLP:
                 block.mlp.__class__ = ViewsGatedMLP
-        return cls(
+        return TransformerLensModel(
             name=name,
             tl=tl,
             tokenizer=tokenizer,
             fingerprint=_fingerprint(tl, tokenizer),
+            facts=_tl_facts(tl),
             hf_source=hf_source,
         )
 
     # --- shape facts -------------------------------------------------------------------------
     @property
-    def cfg(self):
-        return self.tl.cfg
-
-    @property
     def n_layers(self) -> int:
-        return self.cfg.n_layers
+        return self.facts.n_layers
 
     @property
     def n_heads(self) -> int:
-        return self.cfg.n_heads
+        return self.facts.n_heads
 
     @property
     def n_kv_heads(self) -> int:
-        return self.cfg.n_key_value_heads or self.cfg.n_heads
+        return self.facts.n_kv_heads
 
     @property
     def d_head(self) -> int:
-        return self.cfg.d_head
+        return self.facts.d_head
 
     @property
     def n_ctx(self) -> int:
-        return self.cfg.n_ctx
+        return self.facts.n_ctx
 
     def window(self, layer: int) -> int | None:
         """Sliding-window length of `layer`, or None for global attention."""
-        attn = self.tl.blocks[layer].attn
-        return self.cfg.window_size if attn.attn_type == "local" else None
+        return self.facts.windows[layer]
 
     @property
     def max_window(self) -> int | None:
-        windows = [w for w in (self.window(l) for l in range(self.n_layers)) if w is not None]
+        windows = [w for w in self.facts.windows if w is not None]
         return max(windows) if windows else None
 
     def rope_base(self, layer: int) -> float:
-        return float(self.tl.blocks[layer].attn._rotary_base())
+        return self.facts.rope_bases[layer]
 
-    # --- what a backend supplies beside `run` --------------------------------------------------
+    # --- what the backend supplies beside `run` ------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.tl.embed.W_E.device
+        raise NotImplementedError
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tl.embed.W_E.dtype
+        raise NotImplementedError
 
     def rerotate(self, layer: int, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Post-RoPE `keys` `[..., slot, d_head]` of `layer` moved from positions `old` to `new`."""
-        from kvnotes import rope
-
-        return rope.rerotate(self.tl.blocks[layer].attn, keys, old, new)
+        return self.backend.rerotate(self, layer, keys, old, new)
 
     def full_logits(self, ids) -> torch.Tensor:
         """Logits `[pos, vocab]` of one plain forward of the whole sequence `ids` (no notebook)."""
-        with torch.no_grad():
-            return self.tl(torch.tensor([list(ids)], device=self.device))[0]
+        return self.backend.full_logits(self, ids)
 
     # --- tokens ------------------------------------------------------------------------------
     def encode(self, text: str, *, bos: bool = True) -> list[int]:
@@ -184,11 +205,60 @@ class KVModel:
         return int(ids[0])
 
     def __repr__(self) -> str:
-        c = self.cfg
+        c = self.facts
         return (
             f"KVModel({self.name!r}, layers={c.n_layers}, heads={c.n_heads}/"
-            f"{self.n_kv_heads} kv, d_head={c.d_head}, fingerprint={self.fingerprint[:12]})"
+            f"{c.n_kv_heads} kv, d_head={c.d_head}, fingerprint={self.fingerprint[:12]})"
         )
+
+
+@dataclass(frozen=True, eq=False, kw_only=True, repr=False)
+class TransformerLensModel(KVModel):
+    """A `KVModel` on TransformerLens: the engine runs `tl`'s own modules and hook points."""
+
+    tl: HookedTransformer
+
+    backend: ClassVar[Backend] = TRANSFORMER_LENS
+
+    @property
+    def n_ctx(self) -> int:
+        """Read live from TransformerLens's config, where a user may raise it (docs/engine.md)."""
+        return self.tl.cfg.n_ctx
+
+    @property
+    def cfg(self):
+        """TransformerLens's config (this backend only; backend-neutral code reads `facts`)."""
+        return self.tl.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.tl.embed.W_E.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tl.embed.W_E.dtype
+
+
+def _tl_facts(tl: HookedTransformer) -> ModelFacts:
+    c = tl.cfg
+    return ModelFacts(
+        n_layers=c.n_layers,
+        n_heads=c.n_heads,
+        n_kv_heads=c.n_key_value_heads or c.n_heads,
+        d_head=c.d_head,
+        d_model=c.d_model,
+        d_mlp=c.d_mlp,
+        d_vocab=c.d_vocab,
+        d_vocab_out=c.d_vocab_out,
+        n_ctx=c.n_ctx,
+        windows=tuple(c.window_size if b.attn.attn_type == "local" else None for b in tl.blocks),
+        rope_bases=tuple(float(b.attn._rotary_base()) for b in tl.blocks),
+        rotary_dims=(c.rotary_dim,) * c.n_layers,
+        attn_scores_soft_cap=c.attn_scores_soft_cap if (c.attn_scores_soft_cap or 0) > 0 else None,
+        output_logits_soft_cap=c.output_logits_soft_cap if (c.output_logits_soft_cap or 0) > 0 else None,
+        norm_after_sublayers=bool(c.use_normalization_before_and_after),
+        model_type=c.original_architecture or "",
+    )
 
 
 def check_supported(tl: HookedTransformer) -> None:

@@ -5,11 +5,12 @@ A notebook's layout is the layout of a Hugging Face cache: per layer, post-RoPE 
 attention kernels (SDPA by default), with a `DynamicCache` made of the notebook's slots, explicit
 `position_ids` and an explicit additive attention mask per layer type (causal *by position*, the
 sliding window where a layer has one). Only the new tokens are computed; their K/V come back out
-of the cache into the notebook. `kvnotes.nn_engine` does that; this module loads models and says
-what a model is (its shape facts, windows, RoPE, and where our hook names live in its modules).
+of the cache into the notebook. `kvnotes.engine.nnsight` does that; this module loads models and
+says what a model is (its facts, windows, RoPE, and which hook names it answers to).
 
 Hook names are TransformerLens's (`blocks.{l}.attn.hook_z`, `blocks.{l}.hook_resid_post`, ...),
-mapped per family to nnsight module paths in `SITES`: the same analysis code runs on both backends.
+mapped per family to nnsight module paths in `kvnotes.models.sites.MODULE_SITES`: the same analysis
+code runs on both backends.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvnotes.engine.backend import Backend
+from kvnotes.engine.nnsight import NNSIGHT
 from kvnotes.errors import BadArgument, MissingDependency, UnknownModelError, UnsupportedArchitecture
-from kvnotes.models.model import HFSource, KVModel
+from kvnotes.models.model import HFSource, KVModel, ModelFacts
+from kvnotes.models.sites import ATTENTION_SITES, MODULE_SITES, ORDER, Site
 
 _INSTALL = "pip install 'nnsight>=0.8' (a kvnotes dependency: reinstall kvnotes)"
 
@@ -52,123 +56,21 @@ _NOT_KV = {
 }
 
 
-# --- where our hook names live -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Site:
-    """Where a TransformerLens hook point lives in a Hugging Face decoder layer.
-
-    path: the module, relative to the decoder layer (`""`: the layer itself).
-    port: "input" (the module's first argument), "output", or "output0" (first of a tuple).
-    heads: view the last axis as `[n_heads, d_head]` ("q"), `[n_kv_heads, d_head]` ("kv"), or not.
-    writable: a hook may return a replacement. A site whose module input is not the residual
-        stream itself (the residual is added outside it) is read-only: writing it would change the
-        next sublayer's input but not the residual, which is not what the TransformerLens point means.
-    """
-
-    path: str
-    port: str
-    heads: str | None = None
-    writable: bool = True
-
-
-_PLAIN: dict[str, Site] = {  # Llama, Mistral, Qwen2/3, Gemma 1: pre-norm, one norm per sublayer
-    "hook_resid_pre": Site("", "input"),
-    "attn.hook_q": Site("self_attn.q_proj", "output", heads="q"),
-    "attn.hook_k": Site("self_attn.k_proj", "output", heads="kv"),
-    "attn.hook_v": Site("self_attn.v_proj", "output", heads="kv"),
-    "attn.hook_z": Site("self_attn.o_proj", "input", heads="q"),
-    "hook_attn_out": Site("self_attn", "output0"),
-    "hook_resid_mid": Site("post_attention_layernorm", "input", writable=False),
-    "mlp.hook_post": Site("mlp.down_proj", "input"),
-    "hook_mlp_out": Site("mlp", "output"),
-    "hook_resid_post": Site("", "output"),
-}
-_SANDWICH: dict[str, Site] = {  # Gemma 2/3: a norm after each sublayer too
-    **_PLAIN,
-    "hook_attn_out": Site("post_attention_layernorm", "output"),
-    "hook_resid_mid": Site("pre_feedforward_layernorm", "input", writable=False),
-    "hook_mlp_out": Site("post_feedforward_layernorm", "output"),
-}
-SITES: dict[str, dict[str, Site]] = {
-    "llama": _PLAIN,
-    "mistral": _PLAIN,
-    "qwen2": _PLAIN,
-    "qwen3": _PLAIN,
-    "gemma": _PLAIN,
-    "gemma2": _SANDWICH,
-    "gemma3_text": _SANDWICH,
-    "gemma3": _SANDWICH,
-}
-# The attention internals, fired by kvnotes' own eager attention function (nn_engine), in the
-# order they fire; a run that hooks or captures one of them runs that call on eager attention.
-ATTENTION_SITES = ("attn.hook_attn_scores", "attn.hook_pattern")
-# Execution order inside a decoder layer (the order nnsight must visit them in).
-ORDER = (
-    "hook_resid_pre",
-    "attn.hook_q",
-    "attn.hook_k",
-    "attn.hook_v",
-    *ATTENTION_SITES,
-    "attn.hook_z",
-    "hook_attn_out",
-    "hook_resid_mid",
-    "mlp.hook_post",
-    "hook_mlp_out",
-    "hook_resid_post",
-)
-
-
-@dataclass(frozen=True)
-class Facts:
-    """The shape facts the rest of kvnotes reads off `model.cfg`, in TransformerLens's names."""
-
-    n_layers: int
-    n_heads: int
-    n_key_value_heads: int
-    d_head: int
-    d_model: int
-    d_mlp: int
-    d_vocab: int
-    d_vocab_out: int
-    n_ctx: int
-    model_type: str
-    use_normalization_before_and_after: bool
-    attn_scores_soft_cap: float
-    output_logits_soft_cap: float
-
-
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class NNsightModel(KVModel):
-    """A Hugging Face causal LM wrapped by nnsight (`lm`), with the `KVModel` contract.
+    """A `KVModel` on nnsight: a Hugging Face causal LM (`hf`) wrapped by nnsight (`lm`).
 
-    `tl` is None on this backend: the engine runs `hf` (the transformers module nnsight wraps),
-    and hooks are nnsight interventions on its module tree. `lm` is nnsight's model object, for
-    the user's own interventions (`kvnotes.nn_engine.feed`).
+    The engine runs `hf` itself, and hooks are nnsight interventions on its module tree. `lm` is
+    nnsight's model object, for the user's own interventions (`kvnotes.engine.nnsight.feed`).
     """
 
     lm: Any = None  # nnsight.modeling.transformers.TransformersModel
     hf: Any = None  # the transformers PreTrainedModel inside it
-    facts: Facts | None = None
-    windows: tuple[int | None, ...] = ()
     layer_types: tuple[str, ...] = ()
     source: str = ""
     weights: bool = True  # False: built without weights for remote runs (load_nnsight(remote=True))
 
-    backend: ClassVar[str] = "nnsight"
-
-    @property
-    def cfg(self) -> Facts:
-        return self.facts
-
-    def window(self, layer: int) -> int | None:
-        return self.windows[layer]
-
-    def rope_base(self, layer: int) -> float:
-        c = self.text_config
-        params = getattr(c, "rope_parameters", None) or {}
-        if self.layer_types and self.layer_types[layer] in params:
-            params = params[self.layer_types[layer]]
-        return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    backend: ClassVar[Backend] = NNSIGHT
 
     @property
     def text_config(self):
@@ -187,41 +89,8 @@ class NNsightModel(KVModel):
         return self.hf.get_input_embeddings().weight.dtype
 
     def rerotate(self, layer: int, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Move post-RoPE keys from positions `old` to `new` with the layer's own rotary embedding
-        (its base and scaling, computed as the model's forward computes them): undo the rotation
-        at `old`, apply the one at `new`, each from the model's own cos/sin at those positions, so
-        a moved key equals the key a prefill at `new` writes. A scaled RoPE's magnitude factor
-        (`attention_scaling`: YaRN, LongRoPE) is divided out of both, so only the angle moves."""
-        cfg_rope = getattr(self.text_config, "rope_parameters", None) or {}
-        kinds = {v.get("rope_type") for v in cfg_rope.values() if isinstance(v, dict)} | {
-            cfg_rope.get("rope_type")
-        }
-        if kinds & {"dynamic", "longrope"}:
-            raise UnsupportedArchitecture(
-                f"{self.name}'s RoPE ({', '.join(sorted(k for k in kinds if k))}) changes its frequencies "
-                "with the sequence length, so a stored key cannot be moved to a new position exactly"
-            )
-        cos_old, sin_old = self._cos_sin(layer, old, keys)
-        cos_new, sin_new = self._cos_sin(layer, new, keys)
-        rd = cos_old.shape[-1]
-        k_rot, k_pass = keys[..., :rd].float(), keys[..., rd:]
-        bare = k_rot * cos_old - _rotate_half(k_rot) * sin_old
-        moved = bare * cos_new + _rotate_half(bare) * sin_new
-        return torch.cat([moved.to(keys.dtype), k_pass], dim=-1)
-
-    def _cos_sin(
-        self, layer: int, positions: torch.Tensor, like: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rotary = self.hf.model.rotary_emb
-        args = (self.layer_types[layer],) if self.layer_types and _takes_layer_type(rotary) else ()
-        probe = like.new_zeros(1, dtype=torch.float32)
-        cos, sin = rotary(probe, positions.to(like.device).reshape(1, -1), *args)  # [1, slot, rotary_dim]
-        scale = _attention_scaling(rotary, args)
-        return cos[0].float() / scale, sin[0].float() / scale
-
-    def full_logits(self, ids) -> torch.Tensor:
-        with torch.no_grad():
-            return self.hf(torch.tensor([list(ids)], device=self.device)).logits[0]
+        """Post-RoPE `keys` `[..., slot, d_head]` of `layer` moved from positions `old` to `new`."""
+        return self.backend.rerotate(self, layer, keys, old, new)
 
     def site(self, name: str) -> tuple[int, str, Site | None]:
         """(layer, site name, Site) for a hook name such as `blocks.3.attn.hook_z`; Site is None
@@ -234,12 +103,12 @@ class NNsightModel(KVModel):
             raise BadArgument(f"hook {name!r}: {self.name} has layers 0..{self.n_layers - 1}")
         if what in ATTENTION_SITES:
             return layer, what, None
-        sites = SITES.get(self.facts.model_type)
+        sites = MODULE_SITES.get(self.facts.model_type)
         if sites is None:
             raise BadArgument(
                 f"hook {name!r}: kvnotes has no map of {self.facts.model_type!r} modules to hook names; "
-                "write the intervention in nnsight directly (kvnotes.nn_engine.feed), or use a family "
-                f"it maps: {', '.join(sorted(SITES))}"
+                "write the intervention in nnsight directly (kvnotes.engine.nnsight.feed), or use a family "
+                f"it maps: {', '.join(sorted(MODULE_SITES))}"
             )
         if what not in sites:
             raise BadArgument(f"hook {name!r}: {self._known()}")
@@ -247,39 +116,20 @@ class NNsightModel(KVModel):
 
     def hook_names(self) -> list[str]:
         """Every hook name this model answers to, in execution order."""
-        sites = SITES.get(self.facts.model_type, {})
+        sites = MODULE_SITES.get(self.facts.model_type, {})
         have = [s for s in ORDER if s in sites or s in ATTENTION_SITES]
         return [f"blocks.{l}.{s}" for l in range(self.n_layers) for s in have]
 
     def _known(self) -> str:
-        sites = [s for s in ORDER if s in SITES.get(self.facts.model_type, {}) or s in ATTENTION_SITES]
+        sites = [s for s in ORDER if s in MODULE_SITES.get(self.facts.model_type, {}) or s in ATTENTION_SITES]
         return f"the nnsight backend's hook points are blocks.{{layer}}.{{{', '.join(sites)}}}"
 
     def __repr__(self) -> str:
         c = self.facts
         return (
             f"NNsightModel({self.name!r}, {type(self.hf).__name__}, layers={c.n_layers}, heads={c.n_heads}/"
-            f"{c.n_key_value_heads} kv, d_head={c.d_head}, fingerprint={self.fingerprint[:12]})"
+            f"{c.n_kv_heads} kv, d_head={c.d_head}, fingerprint={self.fingerprint[:12]})"
         )
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def _takes_layer_type(rotary) -> bool:
-    import inspect
-
-    return "layer_type" in inspect.signature(rotary.forward).parameters
-
-
-def _attention_scaling(rotary, args: tuple) -> float:
-    if args:
-        return float(
-            getattr(rotary, f"{args[0]}_attention_scaling", getattr(rotary, "attention_scaling", 1.0))
-        )
-    return float(getattr(rotary, "attention_scaling", 1.0))
 
 
 # --- checks ---------------------------------------------------------------------------------------
@@ -316,23 +166,36 @@ def _windows(c, types: tuple[str, ...]) -> tuple[int | None, ...]:
     return (None,) * n
 
 
-def _facts(hf, c) -> Facts:
+def _facts(hf, c, types: tuple[str, ...]) -> ModelFacts:
     n_heads = c.num_attention_heads
-    return Facts(
-        n_layers=c.num_hidden_layers,
+    d_head = getattr(c, "head_dim", None) or c.hidden_size // n_heads
+    n = c.num_hidden_layers
+    return ModelFacts(
+        n_layers=n,
         n_heads=n_heads,
-        n_key_value_heads=getattr(c, "num_key_value_heads", None) or n_heads,
-        d_head=getattr(c, "head_dim", None) or c.hidden_size // n_heads,
+        n_kv_heads=getattr(c, "num_key_value_heads", None) or n_heads,
+        d_head=d_head,
         d_model=c.hidden_size,
         d_mlp=c.intermediate_size,
         d_vocab=c.vocab_size,
         d_vocab_out=hf.get_output_embeddings().weight.shape[0],
         n_ctx=getattr(c, "max_position_embeddings", 2048),
+        windows=_windows(c, types),
+        rope_bases=tuple(_rope_base(c, types, l) for l in range(n)),
+        rotary_dims=(int(d_head * getattr(c, "partial_rotary_factor", 1.0)),) * n,
+        attn_scores_soft_cap=getattr(c, "attn_logit_softcapping", None) or None,
+        output_logits_soft_cap=getattr(c, "final_logit_softcapping", None) or None,
+        norm_after_sublayers=c.model_type in ("gemma2", "gemma3_text", "gemma3"),
         model_type=c.model_type,
-        use_normalization_before_and_after=c.model_type in ("gemma2", "gemma3_text", "gemma3"),
-        attn_scores_soft_cap=float(getattr(c, "attn_logit_softcapping", None) or -1.0),
-        output_logits_soft_cap=float(getattr(c, "final_logit_softcapping", None) or -1.0),
     )
+
+
+def _rope_base(c, types: tuple[str, ...], layer: int) -> float:
+    """The RoPE base of `layer` in a text config (per layer type where the config says so)."""
+    params = getattr(c, "rope_parameters", None) or {}
+    if types and types[layer] in params:
+        params = params[types[layer]]
+    return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
 
 
 def _fingerprint(hf, tokenizer) -> str:
@@ -376,7 +239,7 @@ def load_nnsight(
     problem = nnsight_available()
     if problem:
         raise MissingDependency(f"the nnsight backend needs nnsight: {problem}")
-    from kvnotes.models import EMBEDDED, builtin_names
+    from kvnotes.models.names import EMBEDDED, builtin_names
 
     if remote:
         return _meta(name)
@@ -411,9 +274,9 @@ def gemma_checkpoint() -> Path:
             return out
     except (OSError, ValueError):
         pass
-    from kvnotes.models import load_model
+    from kvnotes.models.gemma import load_gemma_270m
 
-    return cached(load_model("gemma-3-270m"))
+    return cached(load_gemma_270m())
 
 
 def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, local: bool) -> NNsightModel:
@@ -451,14 +314,12 @@ def _wrap(name, source, lm, tokenizer, types, fingerprint, reference, weights: b
     c = hf.config.get_text_config()
     return NNsightModel(
         name=name,
-        tl=None,
         tokenizer=tokenizer,
         fingerprint=fingerprint,
         hf_source=reference,
         lm=lm,
         hf=hf,
-        facts=_facts(hf, c),
-        windows=_windows(c, types),
+        facts=_facts(hf, c, types),
         layer_types=types,
         source=source,
         weights=weights,

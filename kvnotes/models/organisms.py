@@ -512,15 +512,15 @@ def load_organism(
     """
     cfg = _resolve(name, config)
     root = cache_path(name, config=cfg, cache_dir=cache_dir)
-    tl = _from_cache(root, cfg, progress)
-    if tl is None:
+    hooked = _from_cache(root, cfg, progress)
+    if hooked is None:
         with building(root):
-            tl = _from_cache(root, cfg, progress)  # trained by another process while this one waited
-            if tl is None:
+            hooked = _from_cache(root, cfg, progress)  # trained by another process while this one waited
+            if hooked is None:
                 _say(progress, f"kvnotes: training {cfg.name} (first use; cached in {root})")
-                tl, metrics = train_converged(name, config=cfg, progress=progress)
-                _write_cache(root, tl, cfg, metrics)
-    return KVModel.wrap(cfg.name, tl, tiny_tokenizer())
+                hooked, metrics = train_converged(name, config=cfg, progress=progress)
+                _write_cache(root, hooked, cfg, metrics)
+    return KVModel.wrap(cfg.name, hooked, tiny_tokenizer())
 
 
 def organism_metrics(

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvnotes.display import Displayable
+from kvnotes.engine import require
 from kvnotes.errors import BadArgument, KVNotesError
 
 KEY_HELP = (
@@ -114,13 +115,8 @@ def slot_sweep(
     "decision" span and two `answers`). remote: False, "local" (nnsight's dry run of the request)
     or True / a host URL (NDIF); see the module docstring.
     """
-    from kvnotes.models.nn import NNsightModel
-
-    if not isinstance(model, NNsightModel):
-        raise BadArgument(
-            "remote experiments run on the nnsight backend: load_model(name, backend='nnsight'"
-            + (", remote=True)" if remote is True else ")")
-        )
+    where = " on NDIF (load with remote=True)" if remote is True else ""
+    require(model, "remote", f"remote experiments{where}")
     stop = pair.old.span("decision").start
     slots = list(pair.downstream() if slots is None else slots)
     bad = [s for s in slots if not 0 <= s < stop]

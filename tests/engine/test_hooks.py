@@ -164,6 +164,6 @@ def test_hooked_layers_take_the_reference_path_with_the_documented_key_axis(case
     hooked = decide(model, nb, case.old, overlay=over, hooks=[(name, look)]).last
     with engine.fast_attention(False):
         reference = decide(model, nb, case.old, overlay=over).last
-    assert seen[name] == (2, model.cfg.n_heads, len(ids), nb.n_slots + over.n_slots + len(ids))
+    assert seen[name] == (2, model.facts.n_heads, len(ids), nb.n_slots + over.n_slots + len(ids))
     assert_close(hooked, plain, what="one hooked layer")
     assert_close(reference, plain, what="reference path")

@@ -49,7 +49,7 @@ def attention_path(request, monkeypatch):
 # --- 1. decide == full forward -------------------------------------------------------------------
 def test_decide_equals_full_forward_last_logits(case):
     out = decide(case.model, case.nb_old, case.old)
-    assert out.logits.shape == (1, 1, case.model.cfg.d_vocab_out)
+    assert out.logits.shape == (1, 1, case.model.facts.d_vocab_out)
     assert_close(out.last[0], full_logits(case.model, case.ids)[-1], what="decision logits")
 
 
@@ -182,7 +182,7 @@ def test_decide_patched_equals_loop_of_single_patches(case):
     specs = _mixed_patches(case)
     batched = decide_patched(model, case.nb_old, case.nb_new, specs, case.new, batch_size=4)
     single = torch.stack([decide(model, patch(case.nb_old, case.nb_new, s), case.new).last[0] for s in specs])
-    assert batched.shape == (len(specs), model.cfg.d_vocab_out)
+    assert batched.shape == (len(specs), model.facts.d_vocab_out)
     assert_close(batched, single, what="batched vs single patches")
     # the sweep is not degenerate: patches differ from each other
     assert (batched - batched[-3]).abs().amax(-1).max() > 1e-3

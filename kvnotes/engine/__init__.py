@@ -1,0 +1,128 @@
+"""`run`: the one compute primitive every notebook operation is built from.
+
+`run(model, notebook, tokens, positions)` computes `tokens` at `positions`; each attends causally
+*by position* to the notebook's slots and to the other computed tokens (a slot whose position is
+being recomputed is replaced, not attended). With `write=True` the computed tokens' fresh K/V
+replace the slots at their positions or are appended.
+
+`plan.py` checks the call and says which keys each layer reads; the model's backend
+(`backend.py`: `transformer_lens.py`, `nnsight.py`) computes it; `plan.write_back` stores the
+result. A long append (`prefill`) with no hooks runs in chunks of `PREFILL_CHUNK` tokens, so
+memory grows linearly with the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvnotes.engine.backend import Backend, require
+from kvnotes.engine.nnsight import NNSIGHT
+from kvnotes.engine.plan import (
+    PREFILL_CHUNK,
+    Hook,
+    Readout,
+    fast_attention,
+    fast_attention_enabled,
+    make_plan,
+    tokens_and_positions,
+    write_back,
+)
+from kvnotes.engine.transformer_lens import TRANSFORMER_LENS, final_logits
+from kvnotes.notebook import Notebook
+from kvnotes.types import Int, Tensor
+
+if TYPE_CHECKING:
+    from kvnotes.models.model import KVModel
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (TRANSFORMER_LENS, NNSIGHT)}
+
+
+def run(
+    model: KVModel,
+    notebook: Notebook,
+    tokens: Sequence[int] | Tensor,
+    positions: Sequence[int] | Tensor | None = None,
+    *,
+    write: bool = True,
+    hooks: Sequence[Hook] = (),
+    capture: Sequence[str] = (),
+    logits_at: Sequence[int] | None = None,
+    vocab: Sequence[int] | None = None,
+    overlay: Notebook | None = None,
+) -> tuple[Notebook, Readout]:
+    """Compute `tokens` at `positions` against `notebook`; return the new notebook and a readout.
+
+    tokens: `[pos]` or `[batch, pos]` ids; positions default to right after the notebook.
+    logits_at: positions (among those computed) to unembed; default the last one; `()` for none.
+    vocab: token ids whose logits to return (in that order); default the whole vocabulary.
+    hooks: TransformerLens-style `(name_or_filter, fn)` pairs, active for this call only.
+    overlay: slots read in place of `notebook`'s slots at the same positions (or beside them),
+        with a batch of their own: what a batch of patches differs in, while the unpatched slots
+        stay shared, never copied. Read-only: needs `write=False`.
+
+    >>> from kvnotes import load_model, prefill
+    >>> model = load_model("tiny-llama")
+    >>> nb = prefill(model, "The order has shipped.")
+    >>> nb2, out = run(model, nb, model.encode(" Deny.", bos=False))  # appended after the notebook
+    >>> nb.n_slots, nb2.n_slots, tuple(out.logits.shape)  # [batch, read-out positions, d_vocab]
+    (7, 11, (1, 1, 512))
+    """
+    # 1) plan: checked tokens [batch, pos] at positions [pos], the read-out positions and columns
+    plan = make_plan(
+        model, notebook, tokens, positions, write=write, logits_at=logits_at, vocab=vocab, overlay=overlay
+    )
+    if plan.tok.shape[1] == 0:  # nothing to compute: the notebook as it is, an empty readout
+        return notebook, Readout(logits=torch.zeros(notebook.batch, 0, plan.width), positions=())
+    if not hooks and not capture and overlay is None and _chunkable(model, notebook, plan.pos):
+        return _run_in_chunks(model, notebook, plan.tok, plan.pos, plan.read, vocab, write)
+    # 2) the backend: per layer fresh K/V [batch, n_kv_heads, pos, d_head], logits [batch, read, width]
+    fresh = model.backend.forward(model, plan, hooks, capture)
+    out = Readout(logits=fresh.logits, positions=plan.read, activations=fresh.activations)
+    # 3) write back: the fresh K/V replace the slots at their positions or are appended
+    if not write:
+        return notebook, out
+    return write_back(notebook, plan.tok, plan.pos, fresh.keys, fresh.values), out
+
+
+def _chunkable(model: KVModel, nb: Notebook, pos: Int[Tensor, " pos"]) -> bool:
+    """A long pure append (positions increasing, after every slot) with no hook anywhere: its
+    result does not depend on computing it in one piece."""
+    if not fast_attention_enabled() or pos.numel() <= PREFILL_CHUNK:
+        return False
+    if nb.n_slots and int(pos[0]) <= int(nb.positions.max()):
+        return False
+    if not bool((pos[1:] > pos[:-1]).all()):
+        return False
+    return not model.backend.watched(model)
+
+
+def _run_in_chunks(model, notebook, tok, pos, read, vocab, write) -> tuple[Notebook, Readout]:
+    """`run` over `PREFILL_CHUNK` tokens at a time, each chunk written before the next reads it."""
+    nb, pieces, order = notebook, [], []
+    for a in range(0, pos.numel(), PREFILL_CHUNK):
+        cpos = pos[a : a + PREFILL_CHUNK]
+        lo, hi = int(cpos[0]), int(cpos[-1])
+        here = tuple(p for p in read if lo <= p <= hi)
+        nb, out = run(model, nb, tok[:, a : a + PREFILL_CHUNK], cpos, logits_at=here, vocab=vocab)
+        pieces.append(out.logits)
+        order += here
+    logits = torch.cat(pieces, 1)[:, [order.index(p) for p in read]]
+    return (nb if write else notebook), Readout(logits=logits, positions=read)
+
+
+__all__ = [
+    "BACKENDS",
+    "PREFILL_CHUNK",
+    "Backend",
+    "Hook",
+    "Readout",
+    "fast_attention",
+    "fast_attention_enabled",
+    "final_logits",
+    "require",
+    "run",
+    "tokens_and_positions",
+]

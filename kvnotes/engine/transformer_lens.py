@@ -1,0 +1,245 @@
+"""The TransformerLens backend: `run()` on the model's own TransformerLens modules and hook points.
+
+`blocks.{l}.attn.hook_pattern` & co. fire with their usual meaning; in `hook_attn_scores` /
+`hook_pattern` the key axis is the notebook's slots in slot order, then the overlay's slots (if
+any), then the computed tokens in the order given.
+
+Two attention paths compute the same numbers. The *reference* path forms every score over that
+whole key axis and fires `hook_attn_scores` / `hook_pattern`. The *fast* path, taken in a layer
+where nothing hooks those two points (and always unless `fast_attention(False)` or
+`KVNOTES_FAST_ATTENTION=0` says otherwise): a sliding-window layer reads only the slots inside
+its window (a view when the slots are in position order, as prefill writes them), and attention
+is `scaled_dot_product_attention` (or, where a batch-1 notebook serves a batch, or with a score
+softcap, the same matmuls without the full mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import einops
+import torch
+import torch.nn.functional as F
+
+from kvnotes import rope
+from kvnotes.engine import plan as planning
+from kvnotes.engine.backend import register
+from kvnotes.engine.plan import Fresh, Hook, Plan, SlotKeys, saver, softcap, take_slots
+from kvnotes.notebook import Notebook
+from kvnotes.types import Float, Int, Tensor
+
+if TYPE_CHECKING:
+    from kvnotes.models.model import KVModel
+
+_SMALL = 64  # up to this many computed tokens, a batch-1 notebook under a batch is never expanded
+
+
+class TransformerLensBackend:
+    """`run()` on a TransformerLens `HookedTransformer` (`model.tl`)."""
+
+    name = "transformer-lens"
+    capabilities = frozenset(
+        {"weights", "transformer-lens", "hook_attn_scores", "hook_pattern", "hook_rot_q", "hook_rot_k"}
+    )
+
+    def forward(self, model: KVModel, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]) -> Fresh:
+        """Fresh K/V and logits at the read positions, with `hooks` and the capture savers on."""
+        captured: dict[str, Tensor] = {}
+        capture_hooks = [(name, saver(captured)) for name in capture]
+        with model.tl.hooks(fwd_hooks=list(hooks) + capture_hooks):
+            # 1) every layer over the notebook's keys: fresh K/V per layer, resid [batch, pos, d_model]
+            fresh_k, fresh_v, resid = _forward(model, plan.notebook, plan.overlay, plan.tok, plan.pos)
+            # 2) unembed the read positions only: [batch, read, width]
+            if plan.read:
+                logits = final_logits(model, resid[:, plan.read_idx], plan.cols)
+            else:
+                logits = resid.new_zeros(plan.batch, 0, plan.width)
+        return Fresh(keys=fresh_k, values=fresh_v, logits=logits, activations=captured)
+
+    def rerotate(self, model: KVModel, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tensor:
+        return rope.rerotate(model.tl.blocks[layer].attn, keys, old, new)
+
+    def full_logits(self, model: KVModel, ids) -> Tensor:
+        with torch.no_grad():
+            return model.tl(torch.tensor([list(ids)], device=model.device))[0]
+
+    def hook_names(self, model: KVModel) -> list[str]:
+        return list(model.tl.hook_dict)
+
+    def watched(self, model: KVModel) -> bool:
+        return any(_observed(p) for p in model.tl.hook_dict.values())
+
+
+TRANSFORMER_LENS = register(TransformerLensBackend())
+
+
+def _observed(point) -> bool:
+    """Whether anything (TransformerLens hooks or plain torch hooks) watches a hook point."""
+    return bool(
+        point.fwd_hooks
+        or point.bwd_hooks
+        or point._forward_hooks
+        or point._forward_pre_hooks
+        or point._backward_hooks
+    )
+
+
+def _forward(
+    model: KVModel,
+    nb: Notebook,
+    overlay: Notebook | None,
+    tok: Int[Tensor, "batch pos"],
+    pos: Int[Tensor, " pos"],
+) -> tuple[list[Tensor], list[Tensor], Float[Tensor, "batch pos d_model"]]:
+    """Run the computed tokens through every block against the notebook's slots (then the
+    overlay's): per layer their fresh K/V `[batch, n_kv_heads, pos, d_head]`, and the last residual."""
+    tl, cfg = model.tl, model.cfg
+    device = nb.keys[0].device
+    keys_for = planning.key_planner(nb, overlay, pos, device, nb.keys[0].dtype)
+    resid = tl.hook_embed(tl.embed(tok.to(device)))  # [batch, pos, d_model]
+    fresh_k, fresh_v = [], []
+    for l, block in enumerate(tl.blocks):
+        # 1) the keys this layer reads: the fast path trims a sliding window's slots
+        attn = block.attn
+        fast = planning.fast_attention_enabled() and not (
+            _observed(attn.hook_attn_scores) or _observed(attn.hook_pattern)
+        )
+        keys = keys_for(model.window(l), fast)
+        segments = [take_slots(nb.keys[l], nb.values[l], keys.take)]
+        if overlay is not None:
+            segments.append((overlay.keys[l], overlay.values[l]))
+        # 2) attention over [slots, overlay, computed]; k, v: [batch, n_kv_heads, pos, d_head]
+        resid = block.hook_resid_pre(resid)
+        attn_out, k, v = _attention(model, l, block.ln1(resid), segments, pos, keys, fast)
+        if cfg.use_normalization_before_and_after:
+            attn_out = block.ln1_post(attn_out)
+        attn_out = block.hook_attn_out(attn_out)
+        # 3) the MLP, as TransformerLens's block runs it
+        resid_mid = block.hook_resid_mid(resid + attn_out)
+        mlp_in = block.hook_mlp_in(resid_mid.clone()) if cfg.use_hook_mlp_in else resid_mid
+        resid = block.hook_resid_post(resid_mid + block.apply_mlp(block.ln2(mlp_in)))
+        fresh_k.append(k)
+        fresh_v.append(v)
+    return fresh_k, fresh_v, resid
+
+
+def _attention(
+    model: KVModel,
+    layer: int,
+    x: Tensor,
+    segments: list[tuple[Tensor, Tensor]],
+    pos: Tensor,
+    keys: SlotKeys,
+    fast: bool,
+):
+    """One attention layer over [each (keys, values) segment, fresh tokens]; returns
+    (out, fresh_k, fresh_v). Segments are `[1 or batch, kv_head, slot, d_head]`.
+
+    Grouped-query heads are handled by grouping queries per KV head, so notebook keys are never
+    copied per query head (nor, on the reference path or for a short query, per batch element
+    when a batch-1 notebook serves a batch).
+    """
+    attn, cfg = model.tl.blocks[layer].attn, model.cfg
+    q, k, v = attn.calculate_qkv_matrices(x, x, x)  # hook_q/k/v fire: [batch, pos, head, d_head]
+    q = attn.hook_rot_q(rope.rotate(attn, q.transpose(1, 2), pos).transpose(1, 2))
+    k = attn.hook_rot_k(rope.rotate(attn, k.transpose(1, 2), pos).transpose(1, 2))
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # -> [batch, kv_head, pos, d_head] (notebook layout)
+    b, n, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    qg = q.permute(0, 2, 1, 3).reshape(b, kvh, g * n, d)  # head h = kv_head * g + j, row j * n + i
+    segments = [*segments, (k, v)]
+    mask = keys.mask
+    if fast:
+        zg = _fast_z(attn, cfg, q, qg, segments, keys)
+    else:
+        scores = torch.cat([_scores(qg, sk) for sk, _ in segments], dim=-1)
+        scores = softcap(scores / attn.attn_scale, cfg.attn_scores_soft_cap)
+        scores = scores.reshape(b, h, n, -1)
+        scores = torch.where(mask, scores, attn.IGNORE)
+        scores = attn.hook_attn_scores(scores)
+        pattern = F.softmax(scores, dim=-1)
+        pattern = attn.hook_pattern(torch.where(torch.isnan(pattern), torch.zeros_like(pattern), pattern))
+        zg = _mix(pattern.reshape(b, kvh, g * n, -1), segments)
+    z = attn.hook_z(zg.reshape(b, h, n, d).transpose(1, 2))  # [batch, pos, head, d_head]
+    if cfg.use_attn_result:
+        w = einops.rearrange(attn.W_O, "head d_head d_model -> 1 1 head d_head d_model")
+        result = attn.hook_result((z[..., None] * w).sum(-2))
+        out = result.sum(-2) + attn.b_O
+    else:
+        w = einops.rearrange(attn.W_O, "head d_head d_model -> d_model (head d_head)")
+        out = F.linear(z.reshape(b, n, h * d), w, attn.b_O)
+    return out, k, v
+
+
+def _scores(qg: Tensor, keys: Tensor) -> Tensor:
+    """`qg @ keys^T` for grouped queries `[batch, kv_head, rows, d_head]`; a batch-1 `keys` serving
+    a batch is read once, the batch folded into the rows (a broadcast matmul would copy it)."""
+    b, kvh, r, _ = qg.shape
+    if keys.shape[0] == b:
+        return qg @ keys.transpose(-1, -2)
+    flat = qg.transpose(0, 1).reshape(1, kvh, b * r, -1) @ keys.transpose(-1, -2)
+    return flat.reshape(kvh, b, r, -1).transpose(0, 1)
+
+
+def _mix(pattern: Tensor, segments: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """pattern `[batch, kv_head, rows, keys]` times the values of the segments laid end to end
+    along `keys` (a batch-1 segment read once, as in `_scores`)."""
+    b, kvh, r, _ = pattern.shape
+    z, start = None, 0
+    for _, sv in segments:
+        p = pattern[..., start : start + sv.shape[2]]
+        if sv.shape[0] == b:
+            part = p @ sv
+        else:
+            part = (p.transpose(0, 1).reshape(1, kvh, b * r, -1) @ sv).reshape(kvh, b, r, -1).transpose(0, 1)
+        z = part if z is None else z + part
+        start += sv.shape[2]
+    return z
+
+
+def _fast_z(
+    attn, cfg, q: Tensor, qg: Tensor, segments: list[tuple[Tensor, Tensor]], keys: SlotKeys
+) -> Tensor:
+    """The fast path's attention output, grouped as `qg` is: `[batch, kv_head, group * query, d_head]`.
+
+    Scaled dot-product attention with grouped KV heads and an additive mask of one row per query
+    (memory: the mask, `query x keys`; no score matrix). A short query against a batch-1 notebook
+    serving a batch, or a score softcap, takes the explicit matmuls over the same keys instead.
+    """
+    b, n, h, d = q.shape
+    kvh, rows = qg.shape[1], qg.shape[2]
+    segments = [(sk, sv) for sk, sv in segments if sk.shape[2]]
+    capped = (cfg.attn_scores_soft_cap or 0) > 0
+    shared = any(sk.shape[0] != b for sk, _ in segments)
+    if not capped and not (shared and n <= _SMALL):
+        if len(segments) == 1:
+            k, v = segments[0]
+        else:  # a long query: laying the keys end to end costs less than its scores
+            k = torch.cat([sk.expand(b, -1, -1, -1) for sk, _ in segments], dim=2)
+            v = torch.cat([sv.expand(b, -1, -1, -1) for _, sv in segments], dim=2)
+        z = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=keys.bias, scale=1 / attn.attn_scale, enable_gqa=h != kvh
+        )  # [batch, head, query, d_head]
+        return z.reshape(b, kvh, rows, d)
+    mask = keys.mask.repeat(h // kvh, 1)  # row j * n + i is query i
+    scores = torch.cat([_scores(qg, sk) for sk, _ in segments], dim=-1)
+    scores = softcap(scores / attn.attn_scale, cfg.attn_scores_soft_cap)
+    pattern = F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return _mix(pattern, segments)
+
+
+def final_logits(model: KVModel, resid: Tensor, vocab: Tensor | None = None) -> Tensor:
+    """Logits from the last block's residual stream: final norm, then unembed (`vocab`: those ids).
+
+    Same numbers as TL's `Unembed`, without its per-call contiguous copy of the transposed `W_U`
+    (671 MB for Gemma's 262k vocabulary, the largest cost of a small batched decision), and
+    with `vocab` only those columns are computed.
+    """
+    tl, u = model.tl, model.tl.unembed
+    if model.cfg.normalization_type is not None:
+        resid = tl.ln_final(resid)
+    x = u.hook_in(resid)
+    logits = x @ u.W_U + u.b_U if vocab is None else x @ u.W_U[:, vocab] + u.b_U[vocab]
+    return softcap(u.hook_out(logits), model.cfg.output_logits_soft_cap)
