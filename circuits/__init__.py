@@ -14,8 +14,7 @@ Each analysis is declared in the registry (`kvnotes.analysis.registry`) beside i
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from kvnotes.analysis.registry import (
     MIN_EFFECT,
@@ -25,41 +24,12 @@ from kvnotes.analysis.registry import (
     for_command,
     register_section,
 )
-from kvnotes.analysis.results import ProbeReport, ProbeResult, collect
+from kvnotes.analysis.results import SectionReport
+from kvnotes.analysis.runner import run_section
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
 
-_META = ("model", "task", "n", "seed", "meta")
-
-
-@dataclass(frozen=True)
-class CircuitReport(ProbeReport):
-    """Every circuit analysis on one model and task; in JSON each analysis is a top-level key."""
-
-    @property
-    def analyses(self) -> Mapping[str, ProbeResult]:
-        return self.probes
-
-    def to_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "task": self.task,
-            "n": self.n,
-            "seed": self.seed,
-            **{k: v.to_dict() for k, v in self.probes.items()},
-            "meta": dict(self.meta),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> CircuitReport:
-        return cls(
-            model=d["model"],
-            task=d["task"],
-            n=d["n"],
-            seed=d["seed"],
-            probes={k: ProbeResult.from_dict(k, v) for k, v in d.items() if k not in _META},
-            meta=d.get("meta", {}),
-        )
+CircuitReport = SectionReport  # the circuits section's report: one class for every section
 
 
 register_section(
@@ -68,7 +38,8 @@ register_section(
         "Circuits",
         order=30,
         command="circuits",
-        container=CircuitReport,
+        help="head-level read/write circuits, causal scrubbing, attribution patching and SAE features "
+        "(docs/circuits.md)",
         intro=(
             "Which heads write the conclusion onto the notes and which read it at the decision; "
             "what a scrubbed "
@@ -120,19 +91,11 @@ def run_circuits(
     """
     from kvnotes.analysis.registry import get
 
-    names = check_analyses(names)
     configs = {"write_heads": get("write_heads").make_config(n=n, k_max=k_max, draws=max(draws // 2, 1))}
     memo = {k: v for k, v in {"sae_config": sae_config, "sae": sae}.items() if v is not None}
-    run = {
-        "seed": seed,
-        "min_effect": min_effect,
-        "progress": progress,
-        "memo": memo,
-        "container": CircuitReport,
-    }
-    return collect(
-        model, task, names, n=n, overrides={"k_max": k_max, "draws": draws}, configs=configs, **run
-    )
+    run = {"seed": seed, "min_effect": min_effect, "progress": progress, "memo": memo}
+    overrides = {"k_max": k_max, "draws": draws}
+    return run_section("circuits", model, task, names, n=n, overrides=overrides, configs=configs, **run)
 
 
 __all__ = [

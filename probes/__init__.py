@@ -23,7 +23,8 @@ from kvnotes.analysis.registry import (
     for_command,
     register_section,
 )
-from kvnotes.analysis.results import ProbeReport, ProbeResult, collect
+from kvnotes.analysis.results import ProbeReport, ProbeResult
+from kvnotes.analysis.runner import run_section
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
 
@@ -33,7 +34,7 @@ register_section(
         "Causal probes and the note map",
         order=10,
         command="probe",
-        container=ProbeReport,
+        help="causal probes of where a model keeps its conclusion, and the regime sweep",
         intro="Where the decision reads its conclusion: the changed "
         "field's own slots, or the notes downstream.",
     )
@@ -44,7 +45,6 @@ register_section(
         "Regime",
         order=20,
         command="probe",
-        container=ProbeReport,
         intro="The same probes as filler pushes the field away from the decision.",
     )
 )
@@ -88,16 +88,7 @@ def run_probes(
     >>> report.probes["field_refresh"].parts["deviation_before_field"].values  # exact: invariant 4
     (0.0, 0.0)
     """
-    return collect(
-        model,
-        task,
-        check_names(names),
-        n=n,
-        seed=seed,
-        min_effect=min_effect,
-        progress=progress,
-        container=ProbeReport,
-    )
+    return run_section("probe", model, task, names, n=n, seed=seed, min_effect=min_effect, progress=progress)
 
 
 __all__ = [

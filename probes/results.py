@@ -1,5 +1,6 @@
 """The results' old address: `from probes.results import Estimate, ProbeResult, ...` keeps working.
-They live in `kvnotes.analysis.results`, one framework with the registry and the report."""
+They live in `kvnotes.analysis.results` (`collect` in `kvnotes.analysis.runner`), one framework
+with the registry and the report."""
 
 from kvnotes.analysis.results import (
     CONFIDENCE,
@@ -9,12 +10,13 @@ from kvnotes.analysis.results import (
     GenericResult,
     ProbeReport,
     ProbeResult,
+    SectionReport,
     bootstrap_ci,
     cluster_bootstrap_ci,
-    collect,
     decode,
     encode,
 )
+from kvnotes.analysis.runner import collect
 
 __all__ = [
     "CONFIDENCE",
@@ -24,6 +26,7 @@ __all__ = [
     "N_RESAMPLES",
     "ProbeReport",
     "ProbeResult",
+    "SectionReport",
     "bootstrap_ci",
     "cluster_bootstrap_ci",
     "collect",

@@ -1,15 +1,16 @@
 """One analysis framework: the registry (each analysis declared once, beside its code), the typed
-results every analysis returns, and the report that runs them and saves them.
+results every analysis returns, the runner, and the report that runs them and saves them.
 
     from kvnotes.analysis import analyses, ReportConfig, run_report
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
-- `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`, `run`.
-- `results`: `Estimate`, `Curve`, `ProbeResult`, `ProbeReport`, the bootstrap.
+- `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`.
+- `results`: `Estimate`, `Curve`, `ProbeResult`, `SectionReport` (alias `ProbeReport`), the bootstrap.
+- `runner`: `run` (analyses over one context), `collect` and `run_section` (a section's report).
 - `report`: `ReportConfig`, `Report`, `run_report` (`report.json`, resumable).
 
 The registry's names are imported eagerly (it is light: the CLI reads it without torch); the
-results' and the report's on first use.
+others on first use.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from kvnotes.analysis.registry import (
     option,
     register,
     register_section,
-    run,
     sections,
     unregister,
 )
@@ -38,7 +38,11 @@ _LAZY = {
     "Curve": "kvnotes.analysis.results",
     "ProbeResult": "kvnotes.analysis.results",
     "ProbeReport": "kvnotes.analysis.results",
+    "SectionReport": "kvnotes.analysis.results",
     "bootstrap_ci": "kvnotes.analysis.results",
+    "run": "kvnotes.analysis.runner",
+    "collect": "kvnotes.analysis.runner",
+    "run_section": "kvnotes.analysis.runner",
     "ReportConfig": "kvnotes.analysis.report",
     "Report": "kvnotes.analysis.report",
     "run_report": "kvnotes.analysis.report",
@@ -56,15 +60,18 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "Report",
     "ReportConfig",
     "Section",
+    "SectionReport",
     "analyses",
     "analysis",
     "bootstrap_ci",
+    "collect",
     "get",
     "option",
     "register",
     "register_section",
     "run",
     "run_report",
+    "run_section",
     "sections",
     "unregister",
 ]

@@ -3,10 +3,11 @@ regime sweep and benchmark is declared once, in the module that computes it.
 
 An `Analysis` names its report `section` (and so its CLI command), a frozen config dataclass
 whose fields are its options (defaults and one-line help), the function that runs it and the
-typed result it returns. The CLI's options, `ReportConfig`, the report runner and the section
-runners (`run_probes`, `run_circuits`, ...) are all generated from, or loop over, this registry;
-`dashboards` registers the panels that draw each result. Adding an analysis is one `@analysis`
-(or `register`) beside its code (docs/adding-an-analysis.md).
+typed result it returns. The CLI's commands and options, `ReportConfig`, the runner
+(`kvnotes.analysis.runner`) and the section runners (`run_probes`, `run_circuits`, ...) are all
+generated from, or loop over, this registry; `dashboards` registers the panels that draw each
+result. Adding an analysis is one `@analysis` (or `register`) beside its code
+(docs/adding-an-analysis.md).
 
     from kvnotes.analysis.registry import analyses
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
@@ -19,13 +20,10 @@ here), so another package can add its own the same way.
 from __future__ import annotations
 
 import dataclasses
-import platform
 import sys
-import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import cache
 from importlib.metadata import entry_points
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -42,16 +40,17 @@ TASK, MODEL = "task", "model"
 class Section:
     """A group of analyses that share a report part (`order-cancel/circuits`) and a CLI command.
 
-    `level` is "task" (run once per task, on shared prompt pairs) or "model" (each analysis is its
-    own part, `model/ttft`, and its own `kvnotes bench` subcommand). `container` is the report
-    class a task section's results are collected in (`ProbeReport`, `CircuitReport`)."""
+    `level` is "task" (run once per task, on shared prompt pairs, collected in one `SectionReport`)
+    or "model" (each analysis is its own part, `model/ttft`, and its own `kvnotes bench`
+    subcommand). `title` and `intro` head the section in a report; `help` is its command's line in
+    `kvnotes --help` (of a command's sections, the first that has one)."""
 
     name: str
     title: str
     intro: str = ""
     level: str = TASK
     command: str | None = None  # CLI command; None: the section is reached only through the report
-    container: type | None = None
+    help: str = ""  # the command's one-line help
     order: int = 100  # place in a report (smaller first)
 
 
@@ -209,13 +208,14 @@ def choose(command: str, names: Sequence[str] | str | None, flags: Sequence[str]
 
 def cli_spec() -> dict:
     """What the `kvnotes` command needs from the registry to build its parser, as plain JSON data:
-    each command's level and analyses, each analysis's help, flag and options (type, bounds,
+    each command's level, help line and analyses, each analysis's help, flag and options (type, bounds,
     choices, help with its defaults). The CLI caches it, so that parsing (and refusing a bad value)
     does not import torch and every analysis module first."""
     commands: dict[str, dict] = {}
     for sec in sections().values():
         if sec.command:
-            commands.setdefault(sec.command, {"level": sec.level, "analyses": []})
+            entry = commands.setdefault(sec.command, {"level": sec.level, "help": "", "analyses": []})
+            entry["help"] = entry["help"] or sec.help
     for command, entry in commands.items():
         for a in for_command(command):
             entry["analyses"].append(
@@ -332,7 +332,7 @@ def config_from_dict(analysis: Analysis, d: Mapping) -> Any:
     return analysis.config(**{k: _coerce(analysis.config, k, v) for k, v in d.items()})
 
 
-# --- running ------------------------------------------------------------------------------------
+# --- the context an analysis runs in (kvnotes.analysis.runner runs them) --------------------------
 
 
 @dataclass
@@ -365,82 +365,3 @@ class Context:
     def say(self, text: str) -> None:
         if self.progress:
             tqdm.write(text, file=sys.stderr)
-
-
-def versions(
-    packages: tuple[str, ...] = (
-        "kvnotes",
-        "torch",
-        "transformer-lens",
-        "transformers",
-        "sae-lens",
-        "plotly",
-    ),
-) -> dict[str, str | None]:
-    """Python's and each installed package's version (None where one is missing), for result metadata."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for pkg in packages:
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def run_meta() -> dict:
-    """Where and with what a result was computed: machine, processor, package versions, start time."""
-    return {
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "versions": versions(),
-        "started": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-
-
-def run(
-    ctx: Context, names: Sequence[str], configs: Mapping[str, Any] | None = None
-) -> tuple[dict[str, Any], dict]:
-    """Run the named analyses (and what they need, first) in registry order on one context.
-
-    Returns the results (by name; an analysis sized to nothing is left out) and the run's meta:
-    `run_meta()`, the seed and minimum effect, and seconds per analysis and in all."""
-    configs = dict(configs or {})
-    wanted = _with_needs(names)
-    if ctx.model is not None:  # before anything runs: a bad layer fails now, not after the prefills
-        for n in wanted:
-            check_layers(configs.get(n) or get(n).make_config(), ctx.model)
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
-    for name in [n for n in analyses() if n in wanted]:
-        a = _ANALYSES[name]
-        cfg = configs.get(name) or a.make_config()
-        s = time.perf_counter()
-        result = a.run(ctx, cfg)
-        timings[name] = round(time.perf_counter() - s, 2)
-        if result is not None:
-            ctx.results[name] = result
-        ctx.say(f"{a.section} {name}: done in {timings[name]:.1f} s")
-    meta = {
-        **run_meta(),
-        "seed": ctx.seed,
-        "min_effect": ctx.min_effect,
-        "timings": timings,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "configs": {n: config_to_dict(configs.get(n) or _ANALYSES[n].make_config()) for n in wanted},
-    }
-    if ctx.task is not None:
-        meta["task_source"] = ctx.task.source
-    return {n: ctx.results[n] for n in analyses() if n in wanted and n in ctx.results}, meta
-
-
-def _with_needs(names: Sequence[str]) -> set[str]:
-    out: set[str] = set()
-    todo = list(names)
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo += list(get(n).needs)
-    return out

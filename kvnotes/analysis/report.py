@@ -5,7 +5,7 @@ tasks, run part by part, each part saved as it finishes so an interrupted run re
     from kvnotes.analysis.report import ReportConfig, run_report
     report = run_report(load_model("gemma-3-270m"), ["order-cancel"], "out/report",
                         ReportConfig.quick())
-    report.part("order-cancel", "circuits").analyses["read_heads"]
+    report.part("order-cancel", "circuits").results["read_heads"]
 
 A report is data (`report.json`, schema `SCHEMA`, documented in docs/reports.md); `dashboards/`
 renders it. It sits here because it composes every analysis layer (probes and circuits) and
@@ -38,17 +38,19 @@ from kvnotes.analysis.registry import (
     config_from_dict,
     config_to_dict,
     report_analyses,
-    run_meta,
     sections,
 )
-from kvnotes.analysis.results import ProbeReport, ResultSchemaError, collect
+from kvnotes.analysis.results import ResultSchemaError, SectionReport
+from kvnotes.analysis.runner import collect, run_meta
 from kvnotes.display import Displayable
 from kvnotes.errors import KVNotesError, ReportFileError
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task, load_task
 
-SCHEMA = "kvnotes.report/2"
-READS = ("kvnotes.report/1", SCHEMA)  # /1 is migrated on load (its config was flat)
+SCHEMA = "kvnotes.report/3"
+# /1 is migrated on load (its config was flat); /2 wrote a circuits section in a layout of its own
+# (kind "CircuitReport", each analysis a top-level key), which SectionReport still reads
+READS = ("kvnotes.report/1", "kvnotes.report/2", SCHEMA)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,10 +217,13 @@ class ReportConfig:
         )
 
 
+_SECTION_KINDS = ("SectionReport", "ProbeReport", "CircuitReport")  # the last two: schema /1 and /2
+
+
 def _kinds() -> dict[str, type]:
-    """Result classes a part may hold, by the name stored in its "kind": each task section's report
-    class and each model-level analysis's result."""
-    kinds = {c.__name__: c for c in (ProbeReport, *(s.container for s in sections().values() if s.container))}
+    """Result classes a part may hold, by the name stored in its "kind": a task section's report
+    (under its name today and its older ones) and each model-level analysis's result."""
+    kinds: dict[str, type] = dict.fromkeys(_SECTION_KINDS, SectionReport)
     kinds |= {
         a.result.__name__: a.result for a in analyses().values() if sections()[a.section].level == MODEL
     }
@@ -230,7 +235,7 @@ class Part:
     """One finished piece of a report: its result object and how long it took."""
 
     key: str  # "order-cancel/circuits" or "model/ttft"
-    result: Any  # a section's ProbeReport (or CircuitReport), or a model-level analysis's result
+    result: Any  # a task section's SectionReport, or a model-level analysis's result
     seconds: float
 
     def to_dict(self) -> dict:
@@ -339,7 +344,7 @@ class Report(Displayable):
         )
 
 
-def plan(
+def plan_parts(
     model: KVModel, tasks: Sequence[Task], cfg: ReportConfig, *, progress: bool = True
 ) -> list[tuple[str, Callable]]:
     """The parts of a report in run order: per task each section, then each model-level analysis."""
@@ -361,7 +366,8 @@ def plan(
 
 def _task_part(
     model: KVModel, task: Task, section: Section, names: list[str], cfg: ReportConfig, progress: bool
-) -> ProbeReport:
+) -> SectionReport:
+    """`section`'s analyses `names` on one task, as one SectionReport."""
     return collect(
         model,
         task,
@@ -370,7 +376,6 @@ def _task_part(
         seed=cfg.seed,
         min_effect=cfg.min_effect,
         progress=progress,
-        container=section.container or ProbeReport,
     )
 
 
@@ -448,23 +453,31 @@ def run_report(
     cfg = cfg or ReportConfig.full()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tasks = [load_task(t) for t in tasks]
-    if not tasks:
-        raise KVNotesError("a report needs at least one task (--task order-cancel)")
-    names = [t.name for t in tasks]
-    if len(set(names)) != len(names):
-        raise KVNotesError(f"task names repeat in {names}; pass each task once")
+    tasks = _distinct_tasks(tasks)
     t0 = time.perf_counter()
     meta = {"model_info": model_info(model), **run_meta(), "task_sources": {t.name: t.source for t in tasks}}
     done: dict[str, Part] = {}
     reused: list[str] = []
-    steps = plan(model, tasks, cfg, progress=progress)
+    steps = plan_parts(model, tasks, cfg, progress=progress)
     bar = tqdm(steps, desc="report", unit="part", disable=not progress or None, file=sys.stderr)
-
-    def current() -> Report:
-        return Report(
+    head = _part_head(model, cfg)
+    for key, fn in bar:
+        bar.set_postfix_str(key)
+        path = _part_file(out, key)
+        part = _load_part(path, key, head) if resume else None
+        if part is not None:
+            reused.append(key)
+            _say(progress, f"report {key}: reusing {path}")
+        else:
+            part = _compute_part(model, key, fn, cfg, progress, kept=len(done), out=out)
+            if part is None:  # sized to nothing (a bench with no lengths): not a part
+                continue
+            _save_part(path, head, part)
+            _say(progress, f"report {key}: done in {part.seconds:.1f} s")
+        done[key] = part
+        report = Report(
             model=model.name,
-            tasks=tuple(names),
+            tasks=tuple(t.name for t in tasks),
             config=cfg,
             parts=dict(done),
             meta={
@@ -474,58 +487,68 @@ def run_report(
                 "pending": [k for k, _ in steps if k not in done],
             },
         )
-
-    head = _part_head(model, cfg)
-    for key, fn in bar:
-        bar.set_postfix_str(key)
-        path = _part_file(out, key)
-        part = _load_part(path, key, head) if resume else None
-        if part is not None:
-            reused.append(key)
-            if progress:
-                tqdm.write(f"report {key}: reusing {path}", file=sys.stderr)
-        else:
-            if progress:
-                tqdm.write(f"report {key}: running", file=sys.stderr)
-            s = time.perf_counter()
-            try:
-                result = fn()
-            except KVNotesError as e:  # this model or task cannot run the part: say why, go on
-                result = _skipped(model, key, cfg, e)
-                if progress:
-                    tqdm.write(f"report {key}: skipped ({e})", file=sys.stderr)
-            except BaseException as e:  # a bug or an interrupt: what finished stays, and says so
-                e.add_note(
-                    f"report part {key} did not finish; the {len(done)} part(s) finished before it are "
-                    f"kept in {out / 'parts'}, and the same `kvnotes report` command resumes from them"
-                )
-                raise
-            if result is None:  # sized to nothing (a bench with no lengths): not a part
-                continue
-            part = Part(key=key, result=result, seconds=round(time.perf_counter() - s, 1))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")  # written whole, then renamed: a kill leaves
-            tmp.write_text(json.dumps({**head, **part.to_dict()}))  # the old part or the new one
-            tmp.replace(path)
-            if progress:
-                tqdm.write(f"report {key}: done in {part.seconds:.1f} s", file=sys.stderr)
-        done[key] = part
-        report = current()
         report.save(out / "report.json")
         if on_part:
             on_part(report)
     return report  # the one saved last
 
 
-def _skipped(model: KVModel, key: str, cfg: ReportConfig, error: KVNotesError) -> ProbeReport:
+def _distinct_tasks(tasks: Sequence[Task | str]) -> list[Task]:
+    """The report's tasks, loaded; at least one, none twice."""
+    tasks = [load_task(t) for t in tasks]
+    if not tasks:
+        raise KVNotesError("a report needs at least one task (--task order-cancel)")
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        raise KVNotesError(f"task names repeat in {names}; pass each task once")
+    return tasks
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        tqdm.write(text, file=sys.stderr)
+
+
+def _compute_part(
+    model: KVModel, key: str, fn: Callable, cfg: ReportConfig, progress: bool, *, kept: int, out: Path
+) -> Part | None:
+    """Run one part: a part this model or task cannot run is an empty, `skipped` one; a bug or an
+    interrupt propagates with a note of the `kept` parts finished before it."""
+    _say(progress, f"report {key}: running")
+    s = time.perf_counter()
+    try:
+        result = fn()
+    except KVNotesError as e:  # this model or task cannot run the part: say why, go on
+        result = _skipped(model, key, cfg, e)
+        _say(progress, f"report {key}: skipped ({e})")
+    except BaseException as e:  # a bug or an interrupt: what finished stays, and says so
+        e.add_note(
+            f"report part {key} did not finish; the {kept} part(s) finished before it are "
+            f"kept in {out / 'parts'}, and the same `kvnotes report` command resumes from them"
+        )
+        raise
+    if result is None:
+        return None
+    return Part(key=key, result=result, seconds=round(time.perf_counter() - s, 1))
+
+
+def _save_part(path: Path, head: Mapping, part: Part) -> None:
+    """Write a part whole, then rename it into place: a kill leaves the old part or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({**head, **part.to_dict()}))
+    tmp.replace(path)
+
+
+def _skipped(model: KVModel, key: str, cfg: ReportConfig, error: KVNotesError) -> SectionReport:
     """A part that cannot run on this model or task (a task without {filler} for the regime, a
     context too short for a bench): an empty report whose `meta["skipped"]` says why."""
     task = key.split("/")[0]
-    return ProbeReport(
+    return SectionReport(
         model=model.name,
         task=task,
         n=0,
         seed=cfg.seed,
-        probes={},
+        results={},
         meta={"skipped": f"{type(error).__name__}: {error}"},
     )

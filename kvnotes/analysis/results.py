@@ -1,4 +1,5 @@
-"""Typed, JSON-serialisable probe results: per-prompt values, their mean, a bootstrap 95% CI.
+"""Typed, JSON-serialisable analysis results: per-prompt values, their mean, a bootstrap 95% CI,
+and `SectionReport`, the one container of a report section's results.
 
 A `ProbeResult` holds one or more named `Estimate`s ("parts") and says which one is its
 headline; `to_dict()` puts the headline's `mean`/`ci`/`values` at the top level and every part
@@ -19,7 +20,6 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
-from kvnotes.analysis.registry import MIN_EFFECT
 from kvnotes.display import Displayable
 from kvnotes.errors import ResultSchemaError
 
@@ -540,16 +540,53 @@ _CORE = {"name", "headline", "parts", "curves", "tables", "description"}
 _TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts and curves hold objects)
 
 
-@dataclass(frozen=True)
-class ProbeReport(Displayable):
-    """Every probe run on one model and task, with the run's sizes and seed."""
+_LEGACY_META = ("model", "task", "n", "seed", "meta")
+
+
+@dataclass(frozen=True, init=False)
+class SectionReport(Displayable):
+    """Every analysis of one report section (probes, circuits, edit, ...) run on one model and
+    task, with the run's sizes and seed. `results` maps each analysis's name to its result;
+    `.analyses` and `.probes` are the same mapping under the names older code reads.
+
+    One JSON layout for every section: `{"model", "task", "n", "seed", "probes": {name: result},
+    "meta"}`; `from_dict` also reads the circuits layout of `kvnotes.report/2` (each analysis a
+    top-level key)."""
 
     model: str
     task: str
     n: int
     seed: int
-    probes: Mapping[str, ProbeResult]
+    results: Mapping[str, ProbeResult]
     meta: Mapping = field(default_factory=dict)  # versions, machine, timings, min_effect, ...
+
+    def __init__(
+        self,
+        model: str,
+        task: str,
+        n: int,
+        seed: int,
+        results: Mapping[str, ProbeResult] | None = None,
+        meta: Mapping | None = None,
+        *,
+        probes: Mapping[str, ProbeResult] | None = None,
+        analyses: Mapping[str, ProbeResult] | None = None,
+    ):
+        given = [r for r in (results, probes, analyses) if r is not None]
+        if len(given) > 1:
+            raise TypeError("give a section's results once: results= (or its old names probes=, analyses=)")
+        for name, value in (("model", model), ("task", task), ("n", n), ("seed", seed)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "results", given[0] if given else {})
+        object.__setattr__(self, "meta", {} if meta is None else meta)
+
+    @property
+    def analyses(self) -> Mapping[str, ProbeResult]:
+        return self.results
+
+    @property
+    def probes(self) -> Mapping[str, ProbeResult]:
+        return self.results
 
     def to_dict(self) -> dict:
         return {
@@ -557,18 +594,23 @@ class ProbeReport(Displayable):
             "task": self.task,
             "n": self.n,
             "seed": self.seed,
-            "probes": {k: v.to_dict() for k, v in self.probes.items()},
+            "probes": {k: v.to_dict() for k, v in self.results.items()},
             "meta": dict(self.meta),
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> ProbeReport:
+    def from_dict(cls, d: Mapping) -> SectionReport:
+        """Read what `to_dict` wrote, or a circuits section in the `kvnotes.report/2` layout."""
+        if "probes" in d:
+            saved = d["probes"]
+        else:  # the old circuits layout: each analysis a top-level key
+            saved = {k: v for k, v in d.items() if k not in _LEGACY_META}
         return cls(
             model=d["model"],
             task=d["task"],
             n=d["n"],
             seed=d["seed"],
-            probes={k: ProbeResult.from_dict(k, v) for k, v in d["probes"].items()},
+            results={k: ProbeResult.from_dict(k, v) for k, v in saved.items()},
             meta=d.get("meta", {}),
         )
 
@@ -576,8 +618,8 @@ class ProbeReport(Displayable):
         return self.table()
 
     def table(self) -> str:
-        """A readable table: one row per figure, the headline of each probe starred."""
-        rows = [r for p in self.probes.values() for r in p.rows()]
+        """A readable table: one row per figure, the headline of each analysis starred."""
+        rows = [r for p in self.results.values() for r in p.rows()]
         width = max([len(a) for a, _ in rows] + [10])
         head = f"{self.model} · task {self.task} · n={self.n} · seed {self.seed}   (mean [95% CI] n)"
         lines = [head, "-" * len(head)]
@@ -585,47 +627,4 @@ class ProbeReport(Displayable):
         return "\n".join(lines)
 
 
-def collect(
-    model,
-    task,
-    names: Sequence[str],
-    *,
-    n: int | None = None,
-    overrides: Mapping | None = None,
-    configs: Mapping | None = None,
-    preset: str = "full",
-    seed: int = 0,
-    min_effect: float = MIN_EFFECT,
-    progress: bool = True,
-    memo: Mapping | None = None,
-    container: type | None = None,
-) -> ProbeReport:
-    """Run task-level analyses `names` on one model and task, sharing prompt pairs among them, and
-    collect them in their section's report class (`ProbeReport`, `CircuitReport`).
-
-    Each analysis's config is `configs[name]`, else its `preset` with `overrides` (and `n`) for the
-    fields it has; `memo` seeds the run's shared memo (a loaded SAE, say)."""
-    from kvnotes.analysis.registry import Context, get, run, sections
-    from kvnotes.tasks import load_task
-
-    task = load_task(task)
-    over = {**(overrides or {}), **({"n": n} if n is not None else {})}
-    cfgs = {k: (configs or {}).get(k) or get(k).make_config(preset, **over) for k in names}
-    ctx = Context(
-        model=model, task=task, seed=seed, min_effect=min_effect, progress=progress, memo=dict(memo or {})
-    )
-    results, meta = run(ctx, names, cfgs)
-    if container is None:
-        secs = sections()
-        container = next(
-            (secs[get(k).section].container for k in names if secs[get(k).section].container), ProbeReport
-        )
-    sizes = [c.n for c in cfgs.values() if hasattr(c, "n")]
-    return container(
-        model=model.name,
-        task=task.name,
-        n=n if n is not None else (sizes[0] if sizes else 0),
-        seed=seed,
-        probes=results,
-        meta=meta,
-    )
+ProbeReport = SectionReport  # the probes' and every task section's report, under its older name

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from kvnotes.analysis.registry import MODEL, Context, analyses, get, sections
-from kvnotes.analysis.results import Estimate, GenericResult, ProbeResult, ResultSchemaError, collect
+from kvnotes.analysis.results import Estimate, GenericResult, ProbeResult, ResultSchemaError
+from kvnotes.analysis.runner import collect
 from tests.dashboards.sample_reports import SIZES
 from tests.helpers import get_model
 

@@ -78,6 +78,56 @@ def test_report_json_round_trips_into_the_same_objects(report_dir):
     assert back.to_dict() == json.loads(json.dumps(report.to_dict()))
 
 
+def test_every_section_writes_one_layout(report_dir):
+    _, report = report_dir
+    d = report.to_dict()
+    assert d["schema"] == "kvnotes.report/3"
+    for key, part in d["parts"].items():
+        if not key.startswith("model/"):
+            assert part["kind"] == "SectionReport", key
+            assert set(part["result"]) == {"model", "task", "n", "seed", "probes", "meta"}, key
+    circuits = report.part("order-cancel", "circuits")
+    assert isinstance(circuits, CircuitReport) and isinstance(circuits, ProbeReport)
+    assert circuits.results is circuits.analyses is circuits.probes
+
+
+def _as_v2(d: dict) -> dict:
+    """A report's JSON as `kvnotes.report/2` wrote it: ProbeReport parts, and the circuits part a
+    CircuitReport with each analysis a top-level key."""
+    old = json.loads(json.dumps(d))
+    old["schema"] = "kvnotes.report/2"
+    for key, part in old["parts"].items():
+        if part["kind"] != "SectionReport":
+            continue
+        if key.endswith("/circuits"):
+            part["kind"] = "CircuitReport"
+            part["result"] = {
+                **{k: v for k, v in part["result"].items() if k != "probes"},
+                **part["result"]["probes"],
+            }
+        else:
+            part["kind"] = "ProbeReport"
+    return old
+
+
+def test_report_files_of_schema_1_and_2_still_load(report_dir, tmp_path):
+    _, report = report_dir
+    v2 = _as_v2(report.to_dict())
+    assert "read_heads" in v2["parts"]["order-cancel/circuits"]["result"]
+    v1 = {
+        **v2,
+        "schema": "kvnotes.report/1",
+        "config": {"n": 3, "seed": 0, "min_effect": 0.0, "preset": "quick"},
+    }
+    want = json.loads(json.dumps(report.to_dict()))["parts"]
+    for old in (v1, v2):
+        (tmp_path / "report.json").write_text(json.dumps(old))
+        back = Report.load(tmp_path)
+        assert {k: p.to_dict() for k, p in back.parts.items()} == want, old["schema"]
+        read = back.part("order-cancel", "circuits").analyses["read_heads"]
+        assert read.to_dict() == want["order-cancel/circuits"]["result"]["probes"]["read_heads"]
+
+
 def test_html_renders_from_the_json_alone(report_dir):
     out, report = report_dir
     from_json = report_html(Report.load(out / "report.json"))
