@@ -57,7 +57,7 @@ class BenchReport(Displayable):
         return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})
 
 
-def growth_exponent(xs: Sequence[float], ys: Sequence[float | None]) -> float | None:
+def growth_exponent(xs: Sequence[int | float], ys: Sequence[int | float | None]) -> float | None:
     """The slope of log y on log x (y ∝ x^e; 1: linear), or None with fewer than two distinct x or
     any y missing.
 
