@@ -1,6 +1,6 @@
 """Launching and reaching a vLLM server: every way it can go wrong is a clear error, and no process
 is left behind. A stand-in "vLLM" (a script that answers the distribution probe, then hangs, crashes
-or serves without prefix caching) plays the server; tests/test_vllm.py runs the real one."""
+or serves without prefix caching) plays the server; tests/serving/test_vllm.py runs the real one."""
 
 from __future__ import annotations
 
