@@ -166,51 +166,19 @@ def sample(
     ...     load_model("tiny-llama"), 2, template=1)]
     ([0, 1], [1, 1])
     """
-    if kind not in (GATE, RULE):
-        raise BadArgument(f"kind must be {GATE!r} or {RULE!r}, got {kind!r}")
-    if kind == RULE and task.rule is None:
-        raise TaskError(
-            f"task {task.name!r} has no [rule] table, so it has no rule to flip; add "
-            "one (a field whose one-token flip inverts the answer) for the dissociation probe"
-        )
-    if n < 1:
-        raise BadArgument(f"n must be at least 1, got {n}; ask for one pair or more")
-    if filler and not task.has_filler:
-        raise TaskError(
-            f"task {task.name!r} has no {{filler}} field to put intervening text into; "
-            "add one to its template between the gating field and the query"
-        )
+    _check_request(task, n, kind, filler)
     cycle = list(range(task.n_templates)) if template is None else [template]
     wordings = [task.with_template(k) for k in cycle]  # a bad index fails here, naming the count
     try:
         answers = tuple(model.answer_token(a) for a in task.answers)
     except ValueError as e:
         raise TaskError(f"task {task.name!r}: answers: {e}") from None
-    gate = task.gate
-    by_outcome = {o: [v for v, oo in zip(gate.values, gate.outcomes) if oo == o] for o in (0, 1)}
     pairs = []
     for i in range(n):
         turn = template_of(i, len(cycle))
-        t = wordings[turn]
         rng = random.Random(f"{task.name}/{kind}/{seed}/{i}")
-        base = {**values_for(t, rng), "shots": shots_text(t, rng, filler), "filler": filler}
-        written = t.rule.values[0] if t.rule else None
-        if t.rule:
-            base[t.rule.field] = written
-        if kind == GATE:
-            a, b = rng.choice(by_outcome[0]), rng.choice(by_outcome[1])
-            old_v, new_v = (a, b) if i % 2 == 0 else (b, a)
-            old_vals, new_vals = {**base, gate.field: old_v}, {**base, gate.field: new_v}
-            expected = (t.outcome(old_v, written), t.outcome(new_v, written))
-            inputs = (gate.field,)
-        else:
-            v = rng.choice(gate.values)
-            flipped = t.rule.values[1]
-            old_vals = {**base, gate.field: v, t.rule.field: written}
-            new_vals = {**base, gate.field: v, t.rule.field: flipped}
-            expected = (t.outcome(v, written), t.outcome(v, flipped))
-            inputs = (t.rule.field, gate.field)
-        old, new = render(t, model, old_vals), render(t, model, new_vals)
+        old_vals, new_vals, expected, inputs = _values(wordings[turn], rng, i, kind, filler)
+        old, new = render(wordings[turn], model, old_vals), render(wordings[turn], model, new_vals)
         old.check_aligned(new)
         pairs.append(
             Pair(
@@ -227,3 +195,44 @@ def sample(
             )
         )
     return pairs
+
+
+def _check_request(task: Task, n: int, kind: str, filler: str) -> None:
+    """Fail early, naming the fix, on a sample the task cannot give."""
+    if kind not in (GATE, RULE):
+        raise BadArgument(f"kind must be {GATE!r} or {RULE!r}, got {kind!r}")
+    if kind == RULE and task.rule is None:
+        raise TaskError(
+            f"task {task.name!r} has no [rule] table, so it has no rule to flip; add "
+            "one (a field whose one-token flip inverts the answer) for the dissociation probe"
+        )
+    if n < 1:
+        raise BadArgument(f"n must be at least 1, got {n}; ask for one pair or more")
+    if filler and not task.has_filler:
+        raise TaskError(
+            f"task {task.name!r} has no {{filler}} field to put intervening text into; "
+            "add one to its template between the gating field and the query"
+        )
+
+
+def _values(
+    t: Task, rng: random.Random, i: int, kind: str, filler: str
+) -> tuple[dict[str, str], dict[str, str], tuple[int, int], tuple[str, ...]]:
+    """Pair i's old and new field values, its expected answers and the fields it changes: the
+    gate (its direction alternating with i) or, the gate held fixed, the rule flipped."""
+    gate = t.gate
+    base = {**values_for(t, rng), "shots": shots_text(t, rng, filler), "filler": filler}
+    written = t.rule.values[0] if t.rule else None
+    if t.rule:
+        base[t.rule.field] = written
+    if kind == GATE:
+        by_outcome = {o: [v for v, oo in zip(gate.values, gate.outcomes) if oo == o] for o in (0, 1)}
+        a, b = rng.choice(by_outcome[0]), rng.choice(by_outcome[1])
+        old_v, new_v = (a, b) if i % 2 == 0 else (b, a)
+        expected = (t.outcome(old_v, written), t.outcome(new_v, written))
+        return {**base, gate.field: old_v}, {**base, gate.field: new_v}, expected, (gate.field,)
+    v = rng.choice(gate.values)
+    flipped = t.rule.values[1]
+    old_vals = {**base, gate.field: v, t.rule.field: written}
+    new_vals = {**base, gate.field: v, t.rule.field: flipped}
+    return old_vals, new_vals, (t.outcome(v, written), t.outcome(v, flipped)), (t.rule.field, gate.field)

@@ -189,103 +189,72 @@ def load_task(name_or_path: str | Path | Task) -> Task:
     return _parse(data, str(path))
 
 
-def _parse(d: Mapping, src: str) -> Task:
-    def fail(key: str, problem: str) -> TaskError:
-        return TaskError(f"task file {src}: {key}: {problem} (schema: docs/tasks.md)")
+_KNOWN = {"name", "description", "template", "answers", "gate", "rule", "shots", "vary", "model", "variants"}
 
-    def need(table: Mapping, key: str, kind: type, where: str = ""):
+
+@dataclass(frozen=True)
+class _Reader:
+    """Reads one task file's values, each error naming the file, the key and the way out."""
+
+    d: Mapping
+    src: str
+
+    def fail(self, key: str, problem: str) -> TaskError:
+        return TaskError(f"task file {self.src}: {key}: {problem} (schema: docs/tasks.md)")
+
+    def need(self, table: Mapping, key: str, kind: type, where: str = ""):
         full = f"{where}{key}"
         if key not in table:
-            raise fail(full, f"missing; add `{key} = ...`" + (f" under [{where[:-1]}]" if where else ""))
+            raise self.fail(full, f"missing; add `{key} = ...`" + (f" under [{where[:-1]}]" if where else ""))
         v = table[key]
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise fail(full, f"must be {_kind(kind)}, got {type(v).__name__} {v!r}")
+            raise self.fail(full, f"must be {_kind(kind)}, got {type(v).__name__} {v!r}")
         return v
 
-    def strings(table: Mapping, key: str, where: str, at_least: int) -> tuple[str, ...]:
-        v = need(table, key, list, where)
+    def strings(self, table: Mapping, key: str, where: str, at_least: int) -> tuple[str, ...]:
+        v = self.need(table, key, list, where)
         if len(v) < at_least or not all(isinstance(x, str) and x for x in v):
-            raise fail(f"{where}{key}", f"must be a list of at least {at_least} non-empty strings, got {v!r}")
+            raise self.fail(
+                f"{where}{key}", f"must be a list of at least {at_least} non-empty strings, got {v!r}"
+            )
         if len(set(v)) != len(v):
-            raise fail(f"{where}{key}", f"values repeat: {v!r}")
+            raise self.fail(f"{where}{key}", f"values repeat: {v!r}")
         return tuple(v)
 
-    def table(key: str, required: bool) -> Mapping | None:
+    def table(self, key: str, required: bool) -> Mapping | None:
+        d = self.d
         if key not in d:
             if required:
-                raise fail(f"[{key}]", "missing table")
+                raise self.fail(f"[{key}]", "missing table")
             return None
         if not isinstance(d[key], Mapping):
-            raise fail(f"[{key}]", f"must be a table, got {type(d[key]).__name__}")
+            raise self.fail(f"[{key}]", f"must be a table, got {type(d[key]).__name__}")
         return d[key]
 
-    known = {
-        "name",
-        "description",
-        "template",
-        "answers",
-        "gate",
-        "rule",
-        "shots",
-        "vary",
-        "model",
-        "variants",
-    }
-    unknown = sorted(set(d) - known)
+
+def _parse(d: Mapping, src: str) -> Task:
+    """A task from a task file's parsed TOML, checked key by key (`_Reader`) and then as a whole."""
+    r = _Reader(d, src)
+    unknown = sorted(set(d) - _KNOWN)
     if unknown:
-        raise fail(str(unknown), f"unknown key(s); the known top-level keys are {sorted(known)}")
-    name = need(d, "name", str)
-    text = need(d, "template", str)
+        raise r.fail(str(unknown), f"unknown key(s); the known top-level keys are {sorted(_KNOWN)}")
+    name = r.need(d, "name", str)
+    text = r.need(d, "template", str)
     try:
         template = Template(text)
     except ValueError as e:
-        raise fail("template", str(e)) from None
-    answers = strings(d, "answers", "", 2)
+        raise r.fail("template", str(e)) from None
+    answers = r.strings(d, "answers", "", 2)
     if len(answers) != 2:
-        raise fail("answers", f"a gated decision has exactly two answers, got {len(answers)}")
-
-    g = table("gate", True)
-    gate_field = need(g, "field", str, "gate.")
-    values = strings(g, "values", "gate.", 2)
-    outcomes = tuple(g.get("outcomes", range(len(values))))
-    if len(outcomes) != len(values) or not all(isinstance(o, int) and o in (0, 1) for o in outcomes):
-        raise fail(
-            "gate.outcomes",
-            f"must give one answer index (0 or 1) per value in gate.values, got "
-            f"{list(outcomes)!r} for {len(values)} values",
-        )
-    if len(set(outcomes)) < 2:
-        raise fail("gate.outcomes", "every value leads to the same answer, so nothing is gated")
-    gate = Gate(field=gate_field, values=values, outcomes=outcomes)
-
-    rule = None
-    if (r := table("rule", False)) is not None:
-        rv = strings(r, "values", "rule.", 2)
-        if len(rv) != 2:
-            raise fail("rule.values", f"must be exactly two strings (as written, flipped), got {list(rv)!r}")
-        rule = Rule(field=need(r, "field", str, "rule."), values=rv)
-
-    shots = None
-    if (s := table("shots", False)) is not None:
-        count = need(s, "count", int, "shots.")
-        if count < 1:
-            raise fail("shots.count", f"must be at least 1, got {count}")
-        shots = Shots(template=need(s, "template", str, "shots."), count=count)
-
-    vary: dict[str, tuple[str, ...] | Digits] = {}
-    for k, v in (table("vary", False) or {}).items():
-        digits = v.get("digits") if isinstance(v, Mapping) and set(v) == {"digits"} else None
-        if isinstance(digits, int) and not isinstance(digits, bool) and 1 <= digits <= 12:
-            vary[k] = Digits(n=v["digits"])
-        elif isinstance(v, list) and v and all(isinstance(x, str) for x in v):
-            vary[k] = tuple(v)
-        else:
-            raise fail(f"vary.{k}", f"must be a non-empty list of strings or {{ digits = N }}, got {v!r}")
-
+        raise r.fail("answers", f"a gated decision has exactly two answers, got {len(answers)}")
+    gate = _parse_gate(r)
+    rule = _parse_rule(r)
+    shots = _parse_shots(r)
+    vary = _parse_vary(r)
     model = d.get("model")
     if model is not None and not isinstance(model, str):
-        raise fail("model", f"must be a model name string, got {model!r}")
-    variants = _parse_variants(d.get("variants", []), fail)
+        raise r.fail("model", f"must be a model name string, got {model!r}")
+    variants = _parse_variants(d.get("variants", []), r.fail)
     task = Task(
         name=name,
         description=str(d.get("description", "")),
@@ -299,9 +268,60 @@ def _parse(d: Mapping, src: str) -> Task:
         source=src,
         variants=variants,
     )
-    _check_fields(task, fail)
-    _check_variants(task, fail)
+    _check_fields(task, r.fail)
+    _check_variants(task, r.fail)
     return task
+
+
+def _parse_gate(r: _Reader) -> Gate:
+    """`[gate]`: the field whose value gates the decision, its values and the answer each leads to."""
+    g = r.table("gate", True)
+    gate_field = r.need(g, "field", str, "gate.")
+    values = r.strings(g, "values", "gate.", 2)
+    outcomes = tuple(g.get("outcomes", range(len(values))))
+    if len(outcomes) != len(values) or not all(isinstance(o, int) and o in (0, 1) for o in outcomes):
+        raise r.fail(
+            "gate.outcomes",
+            f"must give one answer index (0 or 1) per value in gate.values, got "
+            f"{list(outcomes)!r} for {len(values)} values",
+        )
+    if len(set(outcomes)) < 2:
+        raise r.fail("gate.outcomes", "every value leads to the same answer, so nothing is gated")
+    return Gate(field=gate_field, values=values, outcomes=outcomes)
+
+
+def _parse_rule(r: _Reader) -> Rule | None:
+    """`[rule]` (optional): a field whose two values, as written and flipped, invert the gate."""
+    if (t := r.table("rule", False)) is None:
+        return None
+    rv = r.strings(t, "values", "rule.", 2)
+    if len(rv) != 2:
+        raise r.fail("rule.values", f"must be exactly two strings (as written, flipped), got {list(rv)!r}")
+    return Rule(field=r.need(t, "field", str, "rule."), values=rv)
+
+
+def _parse_shots(r: _Reader) -> Shots | None:
+    """`[shots]` (optional): the worked-example template and how many examples precede the prompt."""
+    if (s := r.table("shots", False)) is None:
+        return None
+    count = r.need(s, "count", int, "shots.")
+    if count < 1:
+        raise r.fail("shots.count", f"must be at least 1, got {count}")
+    return Shots(template=r.need(s, "template", str, "shots."), count=count)
+
+
+def _parse_vary(r: _Reader) -> dict[str, tuple[str, ...] | Digits]:
+    """`[vary]` (optional): each other field's values, a list of strings or `{ digits = N }`."""
+    vary: dict[str, tuple[str, ...] | Digits] = {}
+    for k, v in (r.table("vary", False) or {}).items():
+        digits = v.get("digits") if isinstance(v, Mapping) and set(v) == {"digits"} else None
+        if isinstance(digits, int) and not isinstance(digits, bool) and 1 <= digits <= 12:
+            vary[k] = Digits(n=v["digits"])
+        elif isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            vary[k] = tuple(v)
+        else:
+            raise r.fail(f"vary.{k}", f"must be a non-empty list of strings or {{ digits = N }}, got {v!r}")
+    return vary
 
 
 def _parse_variants(raw, fail) -> tuple[Variant, ...]:
