@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from circuits.attribution import slot_attribution
+from circuits.attribution import SlotAttribution, slot_attribution
 from kvnotes.display import Displayable
 from kvnotes.errors import OutOfRange, PromptAttributionError, TokenCountChanged
 from kvnotes.metrics import logit_diff, spearman
@@ -197,25 +197,10 @@ def attribute_prompt(
 
     t0 = time.perf_counter()
     ld_source = float(_ld(decide(model, src, query, vocab=vocab).last)[0])
-    k = min(top, nb.n_slots)
-    order = torch.argsort(a.slot_layer.sum(0).abs(), descending=True, stable=True)[:k].tolist()
-    chosen = [int(nb.positions[i]) for i in order]
-    L = model.n_layers
-    specs = [
-        spec
-        for p in chosen
-        for spec in (Patch(positions=(p,)), *(Patch(positions=(p,), layers=(l,)) for l in range(L)))
-    ]
-    lds = _ld(decide_patched(model, nb, src, specs, query, vocab=vocab, progress=progress)).view(k, L + 1)
-    exact_seconds = time.perf_counter() - t0
-
-    delta = (lds - a.ld).tolist()
     tokens = model.token_strings(nb.tokens[0].tolist())
-    total = a.slot_layer.sum(0)
-    exact = [
-        {"position": p, "token": tokens[i], "estimate": float(total[i]), "total": d[0], "per_layer": d[1:]}
-        for p, i, d in zip(chosen, order, delta)
-    ]
+    exact, n_specs = _exact(model, nb, src, query, vocab, a, tokens, top=top, progress=progress)
+    exact_seconds = time.perf_counter() - t0
+    L, k = model.n_layers, len(exact)
     return PromptAttribution(
         model=model.name,
         prompt=prompt,
@@ -241,9 +226,42 @@ def attribute_prompt(
             "steps": steps,
             "units": "logits (change of ld)",
             "timing": "gradient: one forward and one backward over the decision token; exact: "
-            f"{len(specs)} transplants (top slots x (all layers + each layer)), batched",
+            f"{n_specs} transplants (top slots x (all layers + each layer)), batched",
         },
     )
+
+
+def _exact(
+    model: KVModel,
+    nb: Notebook,
+    src: Notebook,
+    query: Sequence[int],
+    vocab: tuple[int, int],
+    a: SlotAttribution,
+    tokens: Sequence[str],
+    *,
+    top: int,
+    progress: bool,
+) -> tuple[list[dict], int]:
+    """Exact transplants from `src` of the `top` slots by |estimate summed over layers|, over all
+    layers and each layer alone: per slot its change of ld beside the estimate, and the count."""
+    k = min(top, nb.n_slots)
+    total = a.slot_layer.sum(0)
+    order = torch.argsort(total.abs(), descending=True, stable=True)[:k].tolist()
+    chosen = [int(nb.positions[i]) for i in order]
+    L = model.n_layers
+    specs = [
+        spec
+        for p in chosen
+        for spec in (Patch(positions=(p,)), *(Patch(positions=(p,), layers=(l,)) for l in range(L)))
+    ]
+    lds = _ld(decide_patched(model, nb, src, specs, query, vocab=vocab, progress=progress)).view(k, L + 1)
+    delta = (lds - a.ld).tolist()
+    exact = [
+        {"position": p, "token": tokens[i], "estimate": float(total[i]), "total": d[0], "per_layer": d[1:]}
+        for p, i, d in zip(chosen, order, delta)
+    ]
+    return exact, len(specs)
 
 
 def _ld(logits: torch.Tensor) -> torch.Tensor:

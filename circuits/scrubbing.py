@@ -53,6 +53,8 @@ from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
 
 VARIANTS = ("hypothesis", "random_circuit", "notes_only", "heads_only", "with_field")
 OUT_OF_SAMPLE = ("hypothesis_xfit", "matched_circuit")
+# what each trial kept, one value per trial under each of these `Scrubbing` fields
+_KEPT = ("note_tokens", "note_tokens_xfit", "heads_xfit", "cross_fitted_pairs", "resamples_per_trial")
 
 
 def matched_heads(n_heads: int, heads: Sequence[Head], rng: random.Random) -> list[Head]:
@@ -129,6 +131,38 @@ def _scrub_rows(
     return t.score(out.last).cpu(), ld_res
 
 
+@dataclass(frozen=True, kw_only=True)
+class Scrubbing(ProbeResult):
+    """The effect preserved when only the hypothesis (top notes and read heads) keeps the new run's
+    values, against a random circuit of the same size and the hypothesis's halves; out of sample,
+    the cross-fitted hypothesis (`hypothesis_xfit`) against a circuit matched to it
+    (`matched_circuit`)."""
+
+    PARTS = (
+        "hypothesis",
+        "random_circuit",
+        "notes_only",
+        "heads_only",
+        "with_field",
+        "effect",
+        "scrubbed_effect",
+    )
+    PART_PATTERNS = OUT_OF_SAMPLE  # optional: reports written before them load too
+    heads: tuple[str, ...]
+    n_notes: int
+    note_tokens: tuple[tuple[str, ...], ...]
+    resamples_per_trial: tuple[int, ...]
+    draws: int
+    normalisation: str
+    undefined: str | None = None  # why the preserved share is undefined here (no effect to preserve)
+    # True: every trial's hypothesis_xfit notes ranked on the other half (False: some by position,
+    # or one trial); per trial that ran, `cross_fitted_pairs`
+    cross_fitted: bool | None = None
+    cross_fitted_pairs: tuple[bool, ...] | None = None
+    heads_xfit: tuple[tuple[str, ...], ...] | None = None  # per trial, the cross-fitted read heads
+    note_tokens_xfit: tuple[tuple[str, ...], ...] | None = None  # per trial, the cross-fitted note slots
+
+
 def scrubbing(
     trials: Sequence[Trial],
     task: Task | str,
@@ -167,53 +201,108 @@ def scrubbing(
     task = load_task(task)
     used, excluded = split_by_effect(trials, min_effect)
     heads = [tuple(h) for h in heads]
-    nums = {v: [] for v in VARIANTS + OUT_OF_SAMPLE}
-    dens, notes_used, n_res = [], [], []
     xnotes, crossed = cross_fitted_notes(used, n_notes)
     xheads, _ = cross_fitted_heads(used, len(heads))  # the same halves, so the same fallback
-    xfit_used, xnotes_used, templates, crossed_used = [], [], [], []
+    nums = {v: [] for v in VARIANTS + OUT_OF_SAMPLE}
+    dens, templates = [], []
+    kept = {k: [] for k in _KEPT}
     for i, t in enumerate(with_progress(used, "scrubbing")):
         prompts = resamples(t, task, n_resamples, seed=seed + 7919 * (i + 1))
         if not prompts:
             excluded.append({"index": i, "reason": "no other prompt of the task has the same token layout"})
             continue
         notes = top_notes(t, n_notes)
-        field = list(t.pair.field_span)
-        rng = random.Random(f"scrub/{seed}/{i}")
-        every = all_heads(t.model)
-        rand = [
-            (random_slots(t, len(notes), notes, rng), rng.sample(every, len(heads))) for _ in range(draws)
-        ]
-        mrng = random.Random(f"scrub-matched/{seed}/{i}")
-        matched = [
-            (matched_slots(t, xnotes[i], mrng), matched_heads(t.model.n_heads, xheads[i], mrng))
-            for _ in range(draws)
-        ]
-        rows = [(notes, heads), *rand, (notes, every), ([], heads), (notes + field, heads)]
-        rows += [(xnotes[i], xheads[i]), *matched]
-        sign = 1.0 if t.ld_new >= t.ld_old else -1.0
-        num, den = [], []
-        for p in prompts:
-            ld_scrubbed, ld_res = _scrub_rows(t, p, rows)
-            num.append(sign * (ld_scrubbed.numpy() - ld_res))
-            den.append(sign * (t.ld_new - ld_res))
-        per = np.mean(num, axis=0)
-        dens.append(float(np.mean(den)))
-        nums["hypothesis"].append(per[0])
-        nums["random_circuit"].append(float(np.mean(per[1 : 1 + draws])))
-        for j, name in enumerate(VARIANTS[2:]):
-            nums[name].append(per[1 + draws + j])
-        x = 1 + draws + len(VARIANTS[2:])  # the out-of-sample rows
-        nums["hypothesis_xfit"].append(per[x])
-        whole = all(len(s) == len(xnotes[i]) for s, _ in matched)  # else the region is too small to match
-        nums["matched_circuit"].append(float(np.mean(per[x + 1 : x + 1 + draws])) if whole else None)
-        notes_used.append(t.token_strings(notes))
-        xnotes_used.append(t.token_strings(xnotes[i]))
-        xfit_used.append([f"L{l}H{h}" for l, h in xheads[i]])
-        crossed_used.append(crossed.pairs[i])
-        n_res.append(len(prompts))
+        rows, matched = _circuits(t, i, notes, heads, xnotes[i], xheads[i], draws=draws, seed=seed)
+        per, den = _preserved(t, prompts, rows)
+        dens.append(den)
         templates.append(t.pair.template)
-    # compared with each other, so over the same trials: one without a matched circuit leaves both
+        whole = all(len(s) == len(xnotes[i]) for s, _ in matched)  # else the region is too small to match
+        for name, value in _variant_values(per, draws, whole).items():
+            nums[name].append(value)
+        kept["note_tokens"].append(t.token_strings(notes))
+        kept["note_tokens_xfit"].append(t.token_strings(xnotes[i]))
+        kept["heads_xfit"].append([f"L{l}H{h}" for l, h in xheads[i]])
+        kept["cross_fitted_pairs"].append(crossed.pairs[i])
+        kept["resamples_per_trial"].append(len(prompts))
+    parts, undefined = _normalised(nums, dens, templates, min_effect)
+    parts["effect"] = effect_estimate(used)
+    parts["scrubbed_effect"] = Estimate.of(dens, clusters=templates)  # logits: new run vs resampled prompts
+    return Scrubbing.of(
+        name="scrubbing",
+        headline="hypothesis",
+        parts=parts,
+        excluded=excluded,
+        heads=[f"L{l}H{h}" for l, h in heads],
+        n_notes=n_notes,
+        cross_fitted=bool(crossed),
+        **kept,
+        draws=draws,
+        normalisation="each value is a trial's s·(ld_scrubbed - ld_resampled) over the mean "
+        "s·(ld_new - ld_resampled) of all trials (part scrubbed_effect)",
+        undefined=undefined,
+        description="keep the note slots and read heads from the new run, resample everything else",
+    )
+
+
+def _circuits(
+    t: Trial,
+    i: int,
+    notes: Sequence[int],
+    heads: Sequence[Head],
+    xnotes: Sequence[int],
+    xheads: Sequence[Head],
+    *,
+    draws: int,
+    seed: int,
+) -> tuple[list, list]:
+    """The (kept slots, kept heads) rows trial i is scrubbed with, in `scrubbing`'s order: the
+    hypothesis, `draws` random circuits, its halves and the field, then out of sample the
+    cross-fitted hypothesis and `draws` matched circuits (also returned alone)."""
+    field = list(t.pair.field_span)
+    rng = random.Random(f"scrub/{seed}/{i}")
+    every = all_heads(t.model)
+    rand = [(random_slots(t, len(notes), notes, rng), rng.sample(every, len(heads))) for _ in range(draws)]
+    mrng = random.Random(f"scrub-matched/{seed}/{i}")
+    matched = [
+        (matched_slots(t, xnotes, mrng), matched_heads(t.model.n_heads, xheads, mrng)) for _ in range(draws)
+    ]
+    rows = [(notes, heads), *rand, (notes, every), ([], heads), (notes + field, heads)]
+    rows += [(xnotes, xheads), *matched]
+    return rows, matched
+
+
+def _variant_values(per: np.ndarray, draws: int, whole: bool) -> dict[str, float | None]:
+    """Each variant's value from one trial's rows (in `_circuits`' order; random and matched
+    circuits averaged over their draws, the matched one None where the region was too small)."""
+    values = {"hypothesis": per[0], "random_circuit": float(np.mean(per[1 : 1 + draws]))}
+    for j, name in enumerate(VARIANTS[2:]):
+        values[name] = per[1 + draws + j]
+    x = 1 + draws + len(VARIANTS[2:])  # the out-of-sample rows
+    values["hypothesis_xfit"] = per[x]
+    values["matched_circuit"] = float(np.mean(per[x + 1 : x + 1 + draws])) if whole else None
+    return values
+
+
+def _preserved(t: Trial, prompts: Sequence, rows: Sequence) -> tuple[np.ndarray, float]:
+    """Per row, the signed shift s·(ld_scrubbed − ld_resampled) averaged over the resampled
+    prompts, and the effect there is to preserve, s·(ld_new − ld_resampled), averaged too."""
+    sign = 1.0 if t.ld_new >= t.ld_old else -1.0
+    num, den = [], []
+    for p in prompts:
+        ld_scrubbed, ld_res = _scrub_rows(t, p, rows)
+        num.append(sign * (ld_scrubbed.numpy() - ld_res))
+        den.append(sign * (t.ld_new - ld_res))
+    return np.mean(num, axis=0), float(np.mean(den))
+
+
+def _normalised(
+    nums: dict[str, list], dens: Sequence[float], templates: Sequence, min_effect: float
+) -> tuple[dict[str, Estimate], str | None]:
+    """Each variant's values over the mean effect to preserve, and why that is undefined where the
+    resampled prompts leave no effect (then every variant is empty). The cross-fitted hypothesis
+    and the matched circuit are compared with each other, so over the same trials: one without a
+    matched circuit leaves both."""
+    nums = dict(nums)
     nums["hypothesis_xfit"], nums["matched_circuit"], _ = paired(
         nums["hypothesis_xfit"], nums["matched_circuit"]
     )
@@ -230,59 +319,7 @@ def scrubbing(
         k: Estimate.of([None if x is None else x / scale for x in v], clusters=templates[: len(v)])
         for k, v in nums.items()
     }
-    parts["effect"] = effect_estimate(used)
-    parts["scrubbed_effect"] = Estimate.of(dens, clusters=templates)  # logits: new run vs resampled prompts
-    return Scrubbing.of(
-        name="scrubbing",
-        headline="hypothesis",
-        parts=parts,
-        excluded=excluded,
-        heads=[f"L{l}H{h}" for l, h in heads],
-        n_notes=n_notes,
-        note_tokens=notes_used,
-        cross_fitted=bool(crossed),
-        cross_fitted_pairs=crossed_used,
-        heads_xfit=xfit_used,
-        note_tokens_xfit=xnotes_used,
-        resamples_per_trial=n_res,
-        draws=draws,
-        normalisation="each value is a trial's s·(ld_scrubbed - ld_resampled) over the mean "
-        "s·(ld_new - ld_resampled) of all trials (part scrubbed_effect)",
-        undefined=undefined,
-        description="keep the note slots and read heads from the new run, resample everything else",
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Scrubbing(ProbeResult):
-    """The effect preserved when only the hypothesis (top notes and read heads) keeps the new run's
-    values, against a random circuit of the same size and the hypothesis's halves; out of sample,
-    the cross-fitted hypothesis (`hypothesis_xfit`) against a circuit matched to it
-    (`matched_circuit`)."""
-
-    PARTS = (
-        "hypothesis",
-        "random_circuit",
-        "notes_only",
-        "heads_only",
-        "with_field",
-        "effect",
-        "scrubbed_effect",
-    )
-    PART_PATTERNS = OUT_OF_SAMPLE  # optional: reports written before them load too
-    heads: tuple[str, ...]
-    n_notes: int
-    note_tokens: tuple[tuple[str, ...], ...]
-    resamples_per_trial: tuple[int, ...]
-    draws: int
-    normalisation: str
-    undefined: str | None = None  # why the preserved share is undefined here (no effect to preserve)
-    # True: every trial's hypothesis_xfit notes ranked on the other half (False: some by position,
-    # or one trial); per trial that ran, `cross_fitted_pairs`
-    cross_fitted: bool | None = None
-    cross_fitted_pairs: tuple[bool, ...] | None = None
-    heads_xfit: tuple[tuple[str, ...], ...] | None = None  # per trial, the cross-fitted read heads
-    note_tokens_xfit: tuple[tuple[str, ...], ...] | None = None  # per trial, the cross-fitted note slots
+    return parts, undefined
 
 
 @dataclass(frozen=True)
