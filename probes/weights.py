@@ -6,34 +6,8 @@ holds the old value is pushed too, unrelated decisions drift, and every cached n
 the edited layer goes stale. This module builds that baseline and measures those costs side by
 side with the one-line erratum (`probes.edit.ERRATUM`).
 
-The edit, for one pair at layer L: the key k is the MLP's hidden activation (`hook_post`, the
-input of `W_out`) at the decision's last token of the OLD prompt; v* is the MLP output wanted
-there; the update is
-
-    W_out += k (v* − k·W_out − b_out)ᵀ / (kᵀk)
-
-so that k maps to v* exactly. ROME whitens k with the covariance C of keys over a corpus (C⁻¹k
-in place of the first k); this is the covariance-free version (C = identity): any other hidden
-activation h moves by (h·k / k·k)(v* − k·W_out − b_out), the more the more it resembles k.
-
-Two targets v*, one function each:
-- `match_decision` (default): ROME's own aim. The smallest change of the MLP output at the key
-  for which the old prompt's decision equals the new run's (ld_new), solved through the layers
-  above L by Gauss-Newton. It reaches the target at any layer, so contamination and drift are
-  the costs of an edit that works.
-- `match_residual`: state matching. Move the MLP output at the key by the new-minus-old
-  residual stream after layer L at that token, so the edited run's residual stream there is the
-  new run's. Exact at the last layer, but at a middle layer the decision token's own state may
-  not yet hold the conclusion (on the notes organism it is read from the notes in the last
-  layer), and then this edit barely moves the decision.
-
-That decision-keyed, identity-covariance edit is built to contaminate: every request of the task
-shares its key. `rome` is ROME itself (Meng et al. 2022), the third target: the key k* is the
-hidden activation at the changed field's LAST token (the subject), C is the second moment of the
-layer's hidden activations over fresh prompts of the task (`key_covariance`, plus a ridge), v* is
-the pre-norm MLP output there optimised by Adam until the decision reads the new value, and
-
-    W_out += C⁻¹k* (v* − k*·W_out − b_out)ᵀ / (k*ᵀ C⁻¹ k*)
+The edits themselves (the rank-one update, its three targets, ROME's key covariance) are in
+`probes.rank_one`; this module applies them pair by pair and measures what they cost.
 
 The registered analyses run one each: `weight_edit` (`--weights`) and `weight_edit_rome` (`--rome`).
 """
@@ -41,35 +15,46 @@ The registered analyses run one each: `weight_edit` (`--weights`) and `weight_ed
 from __future__ import annotations
 
 import functools
-import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
-from kvnotes.engine import require, run
-from kvnotes.errors import KVNotesError, OutOfRange
+from kvnotes.engine import Readout
+from kvnotes.errors import KVNotesError
 from kvnotes.hooks import hook_name
-from kvnotes.metrics import Metric, logit_diff, recovery
+from kvnotes.metrics import recovery
 from kvnotes.models.model import KVModel
-from kvnotes.notebook import Notebook
 from kvnotes.ops import append, decide, prefill
 from kvnotes.prompt import Prompt
-from kvnotes.tasks import Task, load_task, sample
-from kvnotes.types import Float, Tensor
+from kvnotes.tasks import Task, load_task
+from kvnotes.types import Tensor
 from probes.causal import split_by_effect
 from probes.edit import ERRATUM
+from probes.rank_one import (
+    COV_PROMPTS,
+    COV_SEED,
+    RIDGE,
+    EditTarget,
+    KeyCovariance,
+    RankOneEdit,
+    applied,
+    check_layer,
+    decision_ld,
+    key_covariance,
+    match_decision,
+    rome,
+)
+from probes.rank_one import edit_hooks as edit_hooks  # the old addresses
+from probes.rank_one import match_residual as match_residual
+from probes.rank_one import pre_norm_value as pre_norm_value
 from probes.trials import (
     MIN_EFFECT,
     Pairs,
     Trial,
     make_trials,
-    read_decision,
     shared_trials,
     with_progress,
 )
@@ -82,373 +67,6 @@ DRIFT_TASKS = {
     "notes-organism": "lookup-organism",
     "lookup-organism": "notes-organism",
 }
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class RankOneEdit:
-    """A rank-one change of `blocks.{layer}.mlp.W_out` that maps the hidden activation `key` to the
-    pre-norm MLP output `value` exactly; apply it with `applied(model, edit)`.
-
-    `target` is the wanted contribution to the residual stream (after the post-MLP norm, if the
-    model has one) and `old` the unedited one, both at the key's token; they are kept so the
-    achieved change can be checked against the wanted one.
-
-    `direction` is C⁻¹k for ROME's covariance C (None: k itself, the covariance-free edit);
-    `position` the key's token in the old prompt (None: the decision's last token).
-    """
-
-    layer: int
-    key: Float[Tensor, " d_mlp"]
-    value: Float[Tensor, " d_model"]
-    target: Float[Tensor, " d_model"]
-    old: Float[Tensor, " d_model"]
-    direction: Float[Tensor, " d_mlp"] | None = None
-    position: int | None = None
-
-    def delta(self, model: KVModel) -> Float[Tensor, "d_mlp d_model"]:
-        """ΔW = c (v* − k·W_out − b_out)ᵀ / (kᵀc), c = C⁻¹k (or k), against the model's current
-        weights (float64 math); k still maps to v* exactly."""
-        mlp = model.tl.blocks[self.layer].mlp
-        k = self.key.double()
-        current = k @ mlp.W_out.double() + mlp.b_out.double()
-        if self.direction is None:
-            return (torch.outer(k, self.value.double() - current) / (k @ k)).to(mlp.W_out.dtype)
-        c = self.direction.double()
-        return (torch.outer(c, self.value.double() - current) / (k @ c)).to(mlp.W_out.dtype)
-
-
-EditTarget = Callable[..., RankOneEdit]  # (trial, layer, *, new_nb=None) -> RankOneEdit
-
-COV_PROMPTS = 32  # prompts whose every token gives ROME's key covariance
-COV_SEED = 1000  # their sampler seed is the trials' + COV_SEED: other prompts than the edited ones
-RIDGE = 1e-2  # ROME's C + λI, λ = RIDGE · trace(C)/d_mlp: 1% of the mean eigenvalue
-ROME_STEPS, ROME_LR, ROME_DECAY = (
-    30,
-    0.2,
-    1e-2,
-)  # Adam on v*: steps, lr (× rms of the old output), |δ|² penalty
-
-
-@dataclass(frozen=True, eq=False)
-class KeyCovariance:
-    """ROME's key statistics at one layer: the second moment C = E[h hᵀ] of the MLP's hidden
-    activation (`hook_post`) over every token of `prompts` prompts of `task` (`tokens` in all),
-    and the ridge λ added before solving, (C + λI)⁻¹k. Made by `key_covariance`."""
-
-    layer: int
-    task: str
-    prompts: int
-    tokens: int
-    second_moment: Float[Tensor, "d_mlp d_mlp"]  # float64
-    ridge: float  # λ, absolute
-    ridge_fraction: float  # λ / (trace(C)/d_mlp)
-    seconds: float  # computing it (once per model, layer and task in a run)
-
-    @functools.cached_property
-    def _factor(self) -> Tensor:
-        eye = torch.eye(self.second_moment.shape[0], dtype=torch.float64)
-        return torch.linalg.cholesky(self.second_moment + self.ridge * eye)
-
-    def solve(self, k: Float[Tensor, " d_mlp"]) -> Float[Tensor, " d_mlp"]:
-        """(C + λI)⁻¹ k, in k's dtype."""
-        return torch.cholesky_solve(k.double()[:, None], self._factor)[:, 0].to(k.dtype)
-
-    def describe(self) -> str:
-        return (
-            f"second moment of {self.tokens} tokens ({self.prompts} {self.task} prompts) "
-            f"+ ridge λ={self.ridge:.3g} ({self.ridge_fraction:g}·trace(C)/d)"
-        )
-
-
-def key_covariance(
-    model: KVModel,
-    task: Task | str,
-    layer: int,
-    *,
-    prompts: int = COV_PROMPTS,
-    seed: int = COV_SEED,
-    ridge: float = RIDGE,
-) -> KeyCovariance:
-    """The second moment of layer `layer`'s MLP hidden activations over every token (BOS and
-    decision included) of the old prompts of `prompts` fresh pairs of `task` (sampler `seed`),
-    with the ridge λ = `ridge`·trace(C)/d_mlp. The sample is small (hundreds to thousands of
-    tokens against d_mlp dimensions), so C alone can be singular; relative to the mean eigenvalue
-    the ridge leaves the well-sampled directions whitened and keeps the solve finite.
-
-    >>> from kvnotes import load_model
-    >>> c = key_covariance(load_model("tiny-llama"), "order-cancel", 1, prompts=2)
-    >>> c.prompts, c.second_moment.shape[0] == load_model("tiny-llama").cfg.d_mlp
-    (2, True)
-    """
-    s = time.perf_counter()
-    task = load_task(task)
-    post = hook_name(layer, "mlp.hook_post")
-    d = model.facts.d_mlp
-    total, n = torch.zeros(d, d, dtype=torch.float64), 0
-    with torch.no_grad():
-        for pair in sample(task, model, prompts, seed=seed):
-            ids = list(pair.old.ids)
-            _, out = run(model, Notebook.empty(model), ids, capture=[post], logits_at=())
-            h = out.activations[post][0].double()
-            total += h.T @ h
-            n += h.shape[0]
-    c = total / n
-    return KeyCovariance(
-        layer=layer,
-        task=task.name,
-        prompts=prompts,
-        tokens=n,
-        second_moment=c,
-        ridge=ridge * float(torch.trace(c)) / d,
-        ridge_fraction=ridge,
-        seconds=time.perf_counter() - s,
-    )
-
-
-@contextmanager
-def applied(model: KVModel, edit: RankOneEdit) -> Iterator[KVModel]:
-    """The model with `edit` applied in place for the block's duration; on exit, even on an
-    error, `W_out` is restored bit for bit from a saved copy (models are cached and shared).
-
-    Notebooks keep the model's fingerprint across the edit, so a notebook prefilled before it
-    is accepted but stale above the edited layer: prefill again inside the block.
-
-    >>> from kvnotes import load_model
-    >>> m = load_model("tiny-llama")
-    >>> w = m.tl.blocks[1].mlp.W_out.clone()
-    >>> e = RankOneEdit(layer=1, key=torch.ones(m.cfg.d_mlp), value=torch.zeros(m.cfg.d_model),
-    ...                 target=torch.zeros(m.cfg.d_model), old=torch.zeros(m.cfg.d_model))
-    >>> with applied(m, e):
-    ...     changed = not torch.equal(m.tl.blocks[1].mlp.W_out, w)
-    >>> changed, torch.equal(m.tl.blocks[1].mlp.W_out, w)
-    (True, True)
-    """
-    w = model.tl.blocks[edit.layer].mlp.W_out
-    saved = w.detach().clone()
-    try:
-        with torch.no_grad():
-            w.add_(edit.delta(model))
-        yield model
-    finally:
-        with torch.no_grad():
-            w.copy_(saved)
-
-
-def check_layer(model: KVModel, layer: int | None) -> int:
-    """The layer to edit: `layer`, or the middle one (n_layers // 2) when None. Weight edits write
-    TransformerLens's MLP weights (`W_out`), so they run on that backend only."""
-    require(model, "weights", "weight edits (they write TransformerLens's MLP weights)")
-    if layer is None:
-        return model.n_layers // 2
-    if not 0 <= layer < model.n_layers:
-        raise OutOfRange(
-            f"layer {layer} is out of range for {model.name} ({model.n_layers} layers); "
-            f"pick a layer in 0..{model.n_layers - 1}, or None for the middle one"
-        )
-    return layer
-
-
-def match_decision(
-    trial: Trial, layer: int, *, new_nb: Notebook | None = None, steps: int = 30
-) -> RankOneEdit:
-    """ROME's target, without its covariance or KL terms: a small change u of the layer's MLP
-    output at the key for which the old prompt's decision reaches the new run's (ld_new).
-
-    The decision is read through the layers above with the edit emulated by hooks on the old
-    notebook (`edit_hooks`; it is the edit itself on the decision tokens). u is solved from 0 by
-    Gauss-Newton on the one constraint ld(u) = ld_new: each step adds the minimum-norm solution
-    of the linearised constraint, halved until |ld − ld_new| shrinks (the full step can overshoot
-    where attention switches). Each try is one forward and one backward over the decision tokens.
-    It stops within 0.1% of the effect, or after `steps` tries, keeping the best u. `new_nb`
-    (default `trial.new_nb`) gives ld_new; the timing loop passes a fresh prefill, so that
-    reading the target is counted in the edit's cost.
-    """
-    m, pair = trial.model, trial.pair
-    post, out = hook_name(layer, "mlp.hook_post"), hook_name(layer, "hook_mlp_out")
-    goal = _ld(m, pair.new, pair.answers, trial.new_nb if new_nb is None else new_nb, metric=trial.metric)
-    acts = decide(m, trial.old_nb, pair.old, capture=[post, out], vocab=pair.answers).activations
-    key, y_old = acts[post][0, -1], acts[out][0, -1]
-    tol = 1e-3 * abs(goal - trial.ld_old) + 1e-5
-
-    def gap_and_grad(u: Tensor) -> tuple[float, Tensor]:
-        u = u.clone().requires_grad_(True)
-        hooks = edit_hooks(m, layer, key, u)
-        logits = decide(m, trial.old_nb, pair.old, hooks=hooks, vocab=trial.vocab).last
-        score = trial.score(logits)[0]
-        (g,) = torch.autograd.grad(score, u)
-        return goal - score.item(), g
-
-    u = torch.zeros_like(y_old)
-    gap, g = gap_and_grad(u)
-    step = 1.0
-    for _ in range(steps):
-        if abs(gap) <= tol or not float(g @ g) > 0:
-            break
-        trial_u = u + step * (gap / (g @ g)) * g
-        trial_gap, trial_g = gap_and_grad(trial_u)
-        if abs(trial_gap) < abs(gap):
-            u, gap, g, step = trial_u, trial_gap, trial_g, min(1.0, 2 * step)
-        else:
-            step /= 2
-    value = _mlp_out(m, layer, key) + u
-    return RankOneEdit(layer=layer, key=key, value=value, target=_contribution(m, layer, value), old=y_old)
-
-
-def match_residual(trial: Trial, layer: int, *, new_nb: Notebook | None = None) -> RankOneEdit:
-    """A state-matching target: move the layer's MLP output at the key by the new-minus-old
-    residual stream after that layer (`hook_resid_post`) at the decision token, so the edited old
-    run's residual stream there is the new run's. Exact at the last layer; below it the decision
-    also reads the other (still old) tokens, and on a model that keeps its conclusion in notes
-    the decision token's own state barely differs at a middle layer (docs/edit-compose.md).
-    """
-    m, pair = trial.model, trial.pair
-    post, out, resid = (
-        hook_name(layer, "mlp.hook_post"),
-        hook_name(layer, "hook_mlp_out"),
-        hook_name(layer, "hook_resid_post"),
-    )
-    old = decide(m, trial.old_nb, pair.old, capture=[post, out, resid], vocab=pair.answers).activations
-    new = decide(
-        m, trial.new_nb if new_nb is None else new_nb, pair.new, capture=[resid], vocab=pair.answers
-    ).activations
-    key, y_old = old[post][0, -1], old[out][0, -1]
-    target = y_old + (new[resid][0, -1] - old[resid][0, -1])
-    x_old = _mlp_out(m, layer, key).double()
-    value = pre_norm_value(m, layer, x_old, target.double()).to(key.dtype)
-    return RankOneEdit(layer=layer, key=key, value=value, target=target, old=y_old)
-
-
-def rome(
-    trial: Trial,
-    layer: int,
-    *,
-    new_nb: Notebook | None = None,
-    covariance: KeyCovariance | None = None,
-    steps: int = ROME_STEPS,
-) -> RankOneEdit:
-    """ROME (Meng et al. 2022) on one pair, without its KL term: key, covariance and value.
-
-    - k*: the MLP's hidden activation at the changed field's last token of the OLD prompt;
-    - v*: the pre-norm MLP output there, x_old + δ, for which the old prompt's decision reads the
-      new run's (ld_new). δ is optimised with the rest of the model frozen: Adam from 0 for
-      `steps` steps (lr `ROME_LR` × the rms of x_old), on ((ld(δ) − ld_new) / effect)² +
-      `ROME_DECAY`·|δ|²/|x_old|², each step one forward and backward over the tokens from the
-      field's last one to the decision against the prefix's notebook. The δ of lowest loss is
-      kept; it stops early within 1% of the effect. Deterministic.
-    - the update whitens k* by `covariance` (`key_covariance` of the pair's task at `layer` when
-      None): ΔW = C⁻¹k* (v* − k*·W_out − b_out)ᵀ / (k*ᵀC⁻¹k*), exact at k* (`RankOneEdit`).
-
-    Where no path leads from that MLP output at the field to the decision (on the notes organism
-    above layer 0: the decision reads notes, which read the field at layer 1's attention), the
-    gradient is 0 and so is the edit.
-    """
-    m, pair = trial.model, trial.pair
-    cov = key_covariance(m, pair.task, layer) if covariance is None else covariance
-    if cov.layer != layer:
-        raise KVNotesError(f"the key covariance is of layer {cov.layer}, not {layer}; compute it there")
-    post, out = hook_name(layer, "mlp.hook_post"), hook_name(layer, "hook_mlp_out")
-    goal = _ld(m, pair.new, pair.answers, trial.new_nb if new_nb is None else new_nb, metric=trial.metric)
-    p = pair.field_span.stop - 1
-    rest = list(pair.old.ids[p:])
-    prefix = prefill(m, pair.old, upto=p)
-    acts = decide(m, prefix, rest, capture=[post, out], vocab=trial.vocab).activations
-    key, y_old = acts[post][0, 0], acts[out][0, 0]
-    x_old = _mlp_out(m, layer, key).detach()
-    effect = abs(goal - trial.ld_old) or 1.0
-
-    def at_key(y, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
-        head = _contribution(m, layer, x_old + delta).expand(y.shape[0], 1, -1)
-        return torch.cat([head, y[:, 1:]], dim=1)
-
-    delta = torch.zeros_like(x_old, requires_grad=True)
-    opt = torch.optim.Adam([delta], lr=ROME_LR * float(x_old.norm()) / math.sqrt(x_old.numel()))
-    best, best_loss = torch.zeros_like(x_old), math.inf
-    for step in range(steps + 1):
-        opt.zero_grad()
-        score = trial.score(decide(m, prefix, rest, hooks=[(out, at_key)], vocab=trial.vocab).last)[0]
-        loss = ((score - goal) / effect) ** 2 + ROME_DECAY * (delta @ delta) / (x_old @ x_old)
-        if loss.item() < best_loss:
-            best, best_loss = delta.detach().clone(), loss.item()
-        if abs(score.item() - goal) <= 1e-2 * effect or step == steps:
-            break
-        loss.backward()
-        opt.step()
-    value = (x_old + best).detach()
-    return RankOneEdit(
-        layer=layer,
-        key=key,
-        value=value,
-        target=_contribution(m, layer, value).detach(),
-        old=y_old,
-        direction=cov.solve(key),
-        position=p,
-    )
-
-
-def edit_hooks(model: KVModel, layer: int, key: Tensor, u: Tensor) -> list:
-    """Hooks that make layer `layer`'s MLP output what it is after the update k uᵀ/(kᵀk), at every
-    computed token: x + (h·k / k·k) u before the post-MLP norm, h being the token's hook_post.
-    Differentiable in `u`; on decision tokens read against an unedited notebook it is the edit."""
-    store: dict[str, Tensor] = {}
-
-    def save(h, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
-        store["h"] = h
-        return h
-
-    def edited(_unedited, hook):  # noqa: ARG001 - TransformerLens passes hook= by keyword
-        h = store["h"]
-        coef = (h @ key) / (key @ key)
-        return _contribution(model, layer, _mlp_out(model, layer, h) + coef[..., None] * u)
-
-    return [(hook_name(layer, "mlp.hook_post"), save), (hook_name(layer, "hook_mlp_out"), edited)]
-
-
-def _mlp_out(model: KVModel, layer: int, h: Tensor) -> Tensor:
-    """The MLP's output for hidden activations h (its hook_post), before any post-MLP norm."""
-    mlp = model.tl.blocks[layer].mlp
-    return h @ mlp.W_out + mlp.b_out
-
-
-def _contribution(model: KVModel, layer: int, x: Tensor) -> Tensor:
-    """What an MLP output x adds to the residual stream: x, or ln2_post(x) where the model has one."""
-    return model.tl.blocks[layer].ln2_post(x) if model.cfg.use_normalization_before_and_after else x
-
-
-def pre_norm_value(model: KVModel, layer: int, x_old: Tensor, target: Tensor) -> Tensor:
-    """The MLP output (before `ln2_post`) whose contribution to the residual stream is `target`.
-
-    Without a post-MLP norm that is `target` itself, and the edit is exact. With one (Gemma 2/3:
-    y = w ⊙ x / rms(x)), a rank-one change of W_out only moves y on the sphere of normalised
-    outputs, so we take the point of that sphere closest to `target` (least squares; the scale
-    of x is kept at the unedited one, so the norm's eps acts as before) and the edit is exact
-    only where the target lies on it.
-    """
-    if not model.cfg.use_normalization_before_and_after:
-        return target
-    ln = model.tl.blocks[layer].ln2_post
-    rho2 = x_old.pow(2).mean()
-    a = ln.w.double() * torch.sqrt(rho2 / (rho2 + ln.eps))  # y = a ⊙ s for x = rms(x_old)·s, mean(s²) = 1
-    d = target.numel()
-    ay, a2 = a * target, a * a
-    # min |a⊙s − y|² s.t. |s|² = d: s = a y / (a² + λ) with λ > −min a², |s|² decreasing in λ
-    lo, hi = -float(a2.min()), float(ay.norm()) / math.sqrt(d) - float(a2.min())
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if float(((ay / (a2 + mid)) ** 2).sum()) > d else (lo, mid)
-    s = ay / (a2 + hi)
-    return s * torch.sqrt(rho2)
-
-
-def _ld(
-    model: KVModel,
-    prompt: Prompt,
-    answers: Sequence[int],
-    nb: Notebook | None = None,
-    *,
-    metric: Metric = logit_diff,
-) -> float:
-    nb = prefill(model, prompt) if nb is None else nb
-    return float(read_decision(model, nb, prompt, answers, metric=metric)[0])
 
 
 def concurrent(trials: Sequence[Trial], i: int) -> tuple[int, Prompt, float, float]:
@@ -470,6 +88,38 @@ def concurrent(trials: Sequence[Trial], i: int) -> tuple[int, Prompt, float, flo
         f"contamination needs another request holding {field}={value!r} with other "
         f"names and ids, and the {len(trials)} pair(s) given have none; sample n >= 2"
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightEdit(ProbeResult):
+    """A rank-one MLP edit per pair: its `target` recovery, `contamination` of a concurrent request,
+    `drift` of other decisions and its cost (`seconds`, ...) beside the `erratum` (see `weight_edit`)."""
+
+    PARTS = (
+        "target",
+        "target.agree",
+        "target.stale_cache",
+        "contamination",
+        "contamination.flips",
+        "drift",
+        "drift.dld",
+        "seconds",
+        "reprefill_seconds",
+        "erratum",
+        "erratum_seconds",
+        "update_error",
+    )
+    layer: int
+    n_layers: int
+    target: str  # how the edit was aimed: match_decision, match_residual or rome
+    covariance: str  # "identity (covariance-free ROME)" or the second moment's sample and ridge
+    pairs: tuple[dict, ...]  # per pair: the concurrent request and every logit difference read
+    drift_task: str | None
+    drift_decisions: int
+    erratum: str
+    method: str = "decision"  # "decision": decision-keyed, identity covariance; "rome": `rome`
+    key_position: str = "decision"  # the key's token: the decision's last one, or the changed "field"'s last
+    covariance_seconds: float | None = None  # computing ROME's covariance, once per run (not in `seconds`)
 
 
 def weight_edit(
@@ -522,20 +172,8 @@ def weight_edit(
             f"weight_edit needs at least 2 pairs (contamination is read on another "
             f"pair's prompt), got {len(trials)}; sample n >= 2"
         )
-    model = trials[0].model
-    layer = check_layer(model, layer)
-    out_name = hook_name(layer, "hook_mlp_out")
-    aim = target
-    how = {"method": "decision", "key_position": "decision", "covariance": "identity (covariance-free ROME)"}
-    if target is rome:
-        cov = key_covariance(model, trials[0].pair.task, layer) if covariance is None else covariance
-        aim = functools.partial(rome, covariance=cov)
-        how = {
-            "method": "rome",
-            "key_position": "field",
-            "covariance": cov.describe(),
-            "covariance_seconds": cov.seconds,
-        }
+    layer = check_layer(trials[0].model, layer)
+    aim, how = _method(trials, layer, target, covariance)
     used, excluded = split_by_effect(trials, min_effect)
     acc: dict[str, list] = {k: [] for k in WeightEdit.PARTS}
     labels: dict[str, list[int]] = {k: [] for k in WeightEdit.PARTS}  # each value's pair's template
@@ -543,77 +181,17 @@ def weight_edit(
     other = list(other_trials or [])
     index = {id(t): i for i, t in enumerate(trials)}
     for t in with_progress(used, "weight edit"):
-        m, pair, i = t.model, t.pair, index[id(t)]
-        j, c, ld_c, ld_alt = concurrent(trials, i)
-        s = time.perf_counter()
-        edit = aim(t, layer, new_nb=prefill(m, pair.new))
-        with applied(m, edit):
-            acc["seconds"].append(time.perf_counter() - s)
-            stale = decide(m, t.old_nb, pair.old, capture=[out_name], vocab=t.vocab)
-            s = time.perf_counter()
-            ld_edited = _ld(m, pair.old, pair.answers, metric=t.metric)
-            acc["reprefill_seconds"].append(time.perf_counter() - s)
-            ld_c_edit = _ld(m, c, trials[j].pair.answers, metric=trials[j].metric)
-            drift = [(_ld(m, o.pair.old, o.pair.answers, metric=o.metric), o.ld_old) for o in other]
-            drift += [(_ld(m, o.pair.new, o.pair.answers, metric=o.metric), o.ld_new) for o in other]
-            achieved = stale.activations[out_name][0, -1]
-            if edit.position is not None:  # the key is in the prompt: its token computed again, edited
-                prefix = prefill(m, pair.old, upto=edit.position)
-                rest = list(pair.old.ids[edit.position :])
-                achieved = decide(m, prefix, rest, capture=[out_name]).activations[out_name][0, 0]
-        s = time.perf_counter()
-        text = erratum.format(field=pair.changed, value=pair.new.values[pair.changed])
-        ld_err = _ld(m, pair.new, pair.answers, append(m, t.old_nb, text), metric=t.metric)
-        acc["erratum_seconds"].append(time.perf_counter() - s)
-
-        wanted = float((edit.target - edit.old).norm())
-        # an edit that wants no change (rome where no path leads to the decision) has no error to read
-        acc["update_error"].append(
-            float((achieved - edit.target).norm()) / wanted
-            if wanted > 1e-5 * float(edit.old.norm())
-            else None
-        )
-        acc["target"].append(float(t.recovery(ld_edited)))
-        acc["target.agree"].append(float((ld_edited > 0) == (t.ld_new > 0)))
-        acc["target.stale_cache"].append(float(t.recovery(t.score(stale.last)[0])))
-        acc["erratum"].append(float(t.recovery(ld_err)))
-        acc["contamination"].append(
-            float(recovery(ld_c_edit, ld_c, ld_alt)) if abs(ld_alt - ld_c) >= min_effect else None
-        )
-        acc["contamination.flips"].append(
-            float((ld_c_edit > 0) == (ld_alt > 0)) if (ld_c > 0) != (ld_alt > 0) else None
-        )
-        if drift:
-            acc["drift"].append(sum((a > 0) != (b > 0) for a, b in drift) / len(drift))
-            acc["drift.dld"].append(sum(abs(a - b) for a, b in drift) / len(drift))
-        for k, v in acc.items():  # label the values this pair added (None ones are left out below)
-            labels[k] += [pair.template] * (len(v) - len(labels[k]))
-        per_pair.append(
-            {
-                "index": i,
-                "key_position": len(pair.old.ids) - 1 if edit.position is None else edit.position,
-                "concurrent": j,
-                "concurrent_text": c.text,
-                "ld_edited": ld_edited,
-                "ld_concurrent": ld_c,
-                "ld_concurrent_edited": ld_c_edit,
-                "ld_concurrent_new_value": ld_alt,
-                "wanted_norm": wanted,
-                "update_norm": float(edit.delta(m).norm() / m.tl.blocks[layer].mlp.W_out.norm()),
-            }
-        )
+        values, row = _edit_pair(trials, index[id(t)], layer, aim, other, erratum, min_effect)
+        for k, v in values.items():  # None values are left out below, with their labels
+            acc[k].append(v)
+            labels[k].append(t.pair.template)
+        per_pair.append(row)
     return WeightEdit.of(
         name="weight_edit_rome" if target is rome else "weight_edit",
         headline="contamination",
-        parts={
-            k: Estimate.of(
-                [x for x in v if x is not None],
-                clusters=[c for x, c in zip(v, labels[k]) if x is not None],
-            )
-            for k, v in acc.items()
-        },
+        parts={k: _estimate(v, labels[k]) for k, v in acc.items()},
         layer=layer,
-        n_layers=model.n_layers,
+        n_layers=trials[0].model.n_layers,
         target=target.__name__,
         **how,
         excluded=excluded,
@@ -624,6 +202,133 @@ def weight_edit(
         description="a rank-one MLP weight edit per pair: target recovery, contamination of a concurrent "
         "request, drift of other decisions, and its cost beside the erratum",
     )
+
+
+def _estimate(values: list, templates: list[int]) -> Estimate:
+    """One part's estimate over the pairs where it is defined, clustered by template."""
+    return Estimate.of(
+        [x for x in values if x is not None],
+        clusters=[c for x, c in zip(values, templates) if x is not None],
+    )
+
+
+def _method(
+    trials: Sequence[Trial], layer: int, target: EditTarget, covariance: KeyCovariance | None
+) -> tuple[EditTarget, dict]:
+    """The edit each pair gets (`target`, with ROME's covariance bound in) and how to describe it."""
+    if target is not rome:
+        return target, {
+            "method": "decision",
+            "key_position": "decision",
+            "covariance": "identity (covariance-free ROME)",
+        }
+    model = trials[0].model
+    cov = key_covariance(model, trials[0].pair.task, layer) if covariance is None else covariance
+    how = {
+        "method": "rome",
+        "key_position": "field",
+        "covariance": cov.describe(),
+        "covariance_seconds": cov.seconds,
+    }
+    return functools.partial(rome, covariance=cov), how
+
+
+@dataclass(frozen=True)
+class _Edited:
+    """What is read while one pair's edit is applied."""
+
+    stale: Readout  # the old notebook's decision, as it was cached before the edit (the MLP output captured)
+    ld_edited: float  # the old prompt prefilled again with the edited weights
+    reprefill_seconds: float
+    ld_concurrent: float  # the concurrent request, edited
+    drift: list[tuple[float, float]]  # (edited, unedited) ld of each other decision
+    achieved: Tensor  # the layer's MLP output at the key, edited
+
+
+def _read_edited(
+    trials: Sequence[Trial], i: int, j: int, c: Prompt, edit: RankOneEdit, layer: int, other: list
+) -> _Edited:
+    """Every read of trial i's edit, made while it is applied (`applied`)."""
+    t = trials[i]
+    m, pair = t.model, t.pair
+    out_name = hook_name(layer, "hook_mlp_out")
+    stale = decide(m, t.old_nb, pair.old, capture=[out_name], vocab=t.vocab)
+    s = time.perf_counter()
+    ld_edited = decision_ld(m, pair.old, pair.answers, metric=t.metric)
+    reprefill = time.perf_counter() - s
+    ld_c_edit = decision_ld(m, c, trials[j].pair.answers, metric=trials[j].metric)
+    drift = [(decision_ld(m, o.pair.old, o.pair.answers, metric=o.metric), o.ld_old) for o in other]
+    drift += [(decision_ld(m, o.pair.new, o.pair.answers, metric=o.metric), o.ld_new) for o in other]
+    achieved = stale.activations[out_name][0, -1]
+    if edit.position is not None:  # the key is in the prompt: its token computed again, edited
+        prefix = prefill(m, pair.old, upto=edit.position)
+        rest = list(pair.old.ids[edit.position :])
+        achieved = decide(m, prefix, rest, capture=[out_name]).activations[out_name][0, 0]
+    return _Edited(stale, ld_edited, reprefill, ld_c_edit, drift, achieved)
+
+
+def _edit_pair(
+    trials: Sequence[Trial],
+    i: int,
+    layer: int,
+    aim: EditTarget,
+    other: list,
+    erratum: str,
+    min_effect: float,
+) -> tuple[dict[str, float | None], dict]:
+    """Edit for trial i, read it, restore the weights, and time the erratum on the stale notebook:
+    this pair's value of each part (None where undefined) and its row of `WeightEdit.pairs`."""
+    t = trials[i]
+    m, pair = t.model, t.pair
+    j, c, ld_c, ld_alt = concurrent(trials, i)
+    s = time.perf_counter()
+    edit = aim(t, layer, new_nb=prefill(m, pair.new))
+    with applied(m, edit):
+        seconds = time.perf_counter() - s
+        r = _read_edited(trials, i, j, c, edit, layer, other)
+    s = time.perf_counter()
+    text = erratum.format(field=pair.changed, value=pair.new.values[pair.changed])
+    ld_err = decision_ld(m, pair.new, pair.answers, append(m, t.old_nb, text), metric=t.metric)
+    erratum_seconds = time.perf_counter() - s
+
+    wanted = float((edit.target - edit.old).norm())
+    values = {
+        "seconds": seconds,
+        "reprefill_seconds": r.reprefill_seconds,
+        "erratum_seconds": erratum_seconds,
+        # an edit that wants no change (rome where no path leads to the decision) has no error to read
+        "update_error": (
+            float((r.achieved - edit.target).norm()) / wanted
+            if wanted > 1e-5 * float(edit.old.norm())
+            else None
+        ),
+        "target": float(t.recovery(r.ld_edited)),
+        "target.agree": float((r.ld_edited > 0) == (t.ld_new > 0)),
+        "target.stale_cache": float(t.recovery(t.score(r.stale.last)[0])),
+        "erratum": float(t.recovery(ld_err)),
+        "contamination": (
+            float(recovery(r.ld_concurrent, ld_c, ld_alt)) if abs(ld_alt - ld_c) >= min_effect else None
+        ),
+        "contamination.flips": (
+            float((r.ld_concurrent > 0) == (ld_alt > 0)) if (ld_c > 0) != (ld_alt > 0) else None
+        ),
+    }
+    if r.drift:
+        values["drift"] = sum((a > 0) != (b > 0) for a, b in r.drift) / len(r.drift)
+        values["drift.dld"] = sum(abs(a - b) for a, b in r.drift) / len(r.drift)
+    row = {
+        "index": i,
+        "key_position": len(pair.old.ids) - 1 if edit.position is None else edit.position,
+        "concurrent": j,
+        "concurrent_text": c.text,
+        "ld_edited": r.ld_edited,
+        "ld_concurrent": ld_c,
+        "ld_concurrent_edited": r.ld_concurrent,
+        "ld_concurrent_new_value": ld_alt,
+        "wanted_norm": wanted,
+        "update_norm": float(edit.delta(m).norm() / m.tl.blocks[layer].mlp.W_out.norm()),
+    }
+    return values, row
 
 
 def drift_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0) -> list[Trial]:
@@ -644,38 +349,6 @@ def drift_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0) -> 
             return make_trials(model, other, n, seed=seed, progress=False)
     except KVNotesError:
         return make_trials(model, task, n, seed=seed + 1, progress=False)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WeightEdit(ProbeResult):
-    """A rank-one MLP edit per pair: its `target` recovery, `contamination` of a concurrent request,
-    `drift` of other decisions and its cost (`seconds`, ...) beside the `erratum` (see `weight_edit`)."""
-
-    PARTS = (
-        "target",
-        "target.agree",
-        "target.stale_cache",
-        "contamination",
-        "contamination.flips",
-        "drift",
-        "drift.dld",
-        "seconds",
-        "reprefill_seconds",
-        "erratum",
-        "erratum_seconds",
-        "update_error",
-    )
-    layer: int
-    n_layers: int
-    target: str  # how the edit was aimed: match_decision, match_residual or rome
-    covariance: str  # "identity (covariance-free ROME)" or the second moment's sample and ridge
-    pairs: tuple[dict, ...]  # per pair: the concurrent request and every logit difference read
-    drift_task: str | None
-    drift_decisions: int
-    erratum: str
-    method: str = "decision"  # "decision": decision-keyed, identity covariance; "rome": `rome`
-    key_position: str = "decision"  # the key's token: the decision's last one, or the changed "field"'s last
-    covariance_seconds: float | None = None  # computing ROME's covariance, once per run (not in `seconds`)
 
 
 @dataclass(frozen=True)
