@@ -170,6 +170,26 @@ def attribute(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class AttributionPatching(ProbeResult):
+    """Gradient attribution against activation patching: rank agreement (heads, slots), overlap of
+    the top heads, and speed; table `heads` with both scores per head."""
+
+    PARTS = (
+        "rank_correlation",
+        "slot_rank_correlation",
+        "top_overlap",
+        "speedup",
+        "attribution_seconds",
+        "activation_seconds",
+        "effect",
+    )
+    TABLES = ("heads",)
+    slots: tuple[SlotScores, ...]
+    top: int
+    timing: str
+
+
 def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MIN_EFFECT) -> ProbeResult:
     """Attribution patching against activation patching, for slots (the field's and the note
     slots, all layers at once) and heads (output at the decision).
@@ -259,26 +279,6 @@ class SlotScores:
     tokens: tuple[str, ...]
     attribution: tuple[float, ...]
     activation: tuple[float, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class AttributionPatching(ProbeResult):
-    """Gradient attribution against activation patching: rank agreement (heads, slots), overlap of
-    the top heads, and speed; table `heads` with both scores per head."""
-
-    PARTS = (
-        "rank_correlation",
-        "slot_rank_correlation",
-        "top_overlap",
-        "speedup",
-        "attribution_seconds",
-        "activation_seconds",
-        "effect",
-    )
-    TABLES = ("heads",)
-    slots: tuple[SlotScores, ...]
-    top: int
-    timing: str
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,29 @@ def _head_analysis(
     return heads, out, parts, {"topk_curve": topk, "random_curve": rnd}, details
 
 
+@dataclass(frozen=True, kw_only=True)
+class HeadCircuit(ProbeResult):
+    """Heads ranked by their causal share, and the top-k heads (cross-fitted) against k random."""
+
+    PARTS = ("top_k", "random_k", "top_head", "all_heads", "effect")
+    CURVES = ("topk_curve", "random_curve")
+    TABLES = ("ranking",)
+    # None only where the analysis could not run (`not_applicable`)
+    grouping: Grouping | None = None
+    k_max: int | None = None
+    headline_k: int | None = None  # the k of `top_k` and `random_k`
+    cross_fitted: bool | None = None
+    draws: int | None = None
+    top_heads_per_trial: tuple[tuple[str, ...], ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadHeads(HeadCircuit):
+    """Read side: head outputs at the decision; `{path}_path` via one key region at a time."""
+
+    PARTS = HeadCircuit.PARTS + tuple(f"{p}_path" for p in PATHS)
+
+
 def read_heads(
     trials: Sequence[Trial],
     *,
@@ -179,6 +202,14 @@ def read_heads(
         description="patch head outputs at the decision from the new-value run: the heads that read "
         "the conclusion",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteHeads(HeadCircuit):
+    """Write side: head outputs at the note slots during prefill; table `by_layer`."""
+
+    TABLES = ("ranking", "by_layer")
+    note_slots: str
 
 
 def write_heads(
@@ -250,37 +281,6 @@ class Grouping:
     queries_per_kv_head: int
     attention: str  # multi-head, grouped-query or multi-query
     note: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class HeadCircuit(ProbeResult):
-    """Heads ranked by their causal share, and the top-k heads (cross-fitted) against k random."""
-
-    PARTS = ("top_k", "random_k", "top_head", "all_heads", "effect")
-    CURVES = ("topk_curve", "random_curve")
-    TABLES = ("ranking",)
-    # None only where the analysis could not run (`not_applicable`)
-    grouping: Grouping | None = None
-    k_max: int | None = None
-    headline_k: int | None = None  # the k of `top_k` and `random_k`
-    cross_fitted: bool | None = None
-    draws: int | None = None
-    top_heads_per_trial: tuple[tuple[str, ...], ...] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReadHeads(HeadCircuit):
-    """Read side: head outputs at the decision; `{path}_path` via one key region at a time."""
-
-    PARTS = HeadCircuit.PARTS + tuple(f"{p}_path" for p in PATHS)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WriteHeads(HeadCircuit):
-    """Write side: head outputs at the note slots during prefill; table `by_layer`."""
-
-    TABLES = ("ranking", "by_layer")
-    note_slots: str
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,17 @@ from probes.compose import chunk_end
 from probes.edit import ERRATUM
 
 
+@dataclass(frozen=True, kw_only=True)
+class AgentLoop(ProbeResult):
+    """Per turn t: logit `cosine@t` and answer `agree@t` against recomputing every turn."""
+
+    PARTS = ("cosine_last", "cosine_min", "follows")
+    PART_PATTERNS = (r"(cosine|agree)@\d+",)
+    turns: int
+    seam: int
+    erratum: str
+
+
 def agent_loop(
     model: KVModel,
     task: Task | str,
@@ -101,17 +112,6 @@ def agent_loop(
         erratum=erratum,
         description="spliced policy, one erratum per turn as the field toggles, vs recompute every turn",
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentLoop(ProbeResult):
-    """Per turn t: logit `cosine@t` and answer `agree@t` against recomputing every turn."""
-
-    PARTS = ("cosine_last", "cosine_min", "follows")
-    PART_PATTERNS = (r"(cosine|agree)@\d+",)
-    turns: int
-    seam: int
-    erratum: str
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,15 @@ def effect_estimate(trials: Sequence[Trial]) -> Estimate:
     return Estimate.of([t.effect for t in trials], clusters=clusters_of(trials))
 
 
+@dataclass(frozen=True, kw_only=True)
+class FieldRefresh(ProbeResult):
+    """`recovery` (headline), `deviation_before_field` (KV deviation of the slots before the field:
+    0 by causality) and `effect` (the field's move of the decision, logits)."""
+
+    PARTS = ("recovery", "deviation_before_field", "effect")
+    deviation_exactly_zero: bool
+
+
 def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
     """Recompute only the changed field's K/V with the new value, every other slot stale.
 
@@ -64,6 +73,14 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
         deviation_exactly_zero=all(d == 0.0 for d in dev),
         description="recompute only the field's K/V with the new value; reuse every other slot stale",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotesTransplant(ProbeResult):
+    """Every downstream slot from the new run: both K and V (`kv`, headline), or one of them."""
+
+    PARTS = ("kv", "k_only", "v_only")
+    n_slots: tuple[int, ...]  # downstream slots per pair
 
 
 def notes_transplant(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
@@ -158,6 +175,16 @@ def top_notes(t: Trial, k: int, layer_window: int = 1) -> list[int]:
     return [p for _, p in notes[:k]]
 
 
+@dataclass(frozen=True, kw_only=True)
+class NoteMap(ProbeResult):
+    """Single-slot, single-layer and slot × layer transplants (see `note_map`)."""
+
+    PARTS = ("top_slot", "field_slots", "delimiter_share", "deviation_effect_spearman")
+    PART_PATTERNS = (r"layer_\d+", r"layers_\d+-\d+")
+    maps: tuple[SlotMap, ...]
+    layer_window: int
+
+
 def note_map(
     trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_window: int = 3
 ) -> ProbeResult:
@@ -226,23 +253,6 @@ def note_map(
     )
 
 
-@dataclass(frozen=True, kw_only=True)
-class FieldRefresh(ProbeResult):
-    """`recovery` (headline), `deviation_before_field` (KV deviation of the slots before the field:
-    0 by causality) and `effect` (the field's move of the decision, logits)."""
-
-    PARTS = ("recovery", "deviation_before_field", "effect")
-    deviation_exactly_zero: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class NotesTransplant(ProbeResult):
-    """Every downstream slot from the new run: both K and V (`kv`, headline), or one of them."""
-
-    PARTS = ("kv", "k_only", "v_only")
-    n_slots: tuple[int, ...]  # downstream slots per pair
-
-
 @dataclass(frozen=True)
 class SlotMap:
     """One pair's note map: per slot (the field's, then the notes), its transplant recovery and
@@ -261,16 +271,6 @@ class SlotMap:
     layer_windows: tuple[tuple[int, ...], ...]
     per_window: tuple[float, ...]
     slot_layer: tuple[tuple[float, ...], ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class NoteMap(ProbeResult):
-    """Single-slot, single-layer and slot × layer transplants (see `note_map`)."""
-
-    PARTS = ("top_slot", "field_slots", "delimiter_share", "deviation_effect_spearman")
-    PART_PATTERNS = (r"layer_\d+", r"layers_\d+-\d+")
-    maps: tuple[SlotMap, ...]
-    layer_window: int
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,17 @@ def chunk_end(p, field: str) -> int:
     return end
 
 
+@dataclass(frozen=True, kw_only=True)
+class SeamRepair(ProbeResult):
+    """Per seam b (chunk tokens recomputed): logit `cosine@b`, answer `agree@b` and `top1@b` against
+    prefilling in context, and the same without RoPE re-rotation (`norot_*`)."""
+
+    PART_PATTERNS = (r"(cosine|agree|top1|norot_cosine|norot_agree)@\d+",)
+    seams: tuple[int, ...]
+    offsets: tuple[int, ...]  # host context lengths before the chunk
+    chunk_tokens: tuple[int, ...]  # per prompt
+
+
 def seam_repair(
     model: KVModel,
     task: Task | str,
@@ -111,17 +122,6 @@ def seam_repair(
     )
 
 
-@dataclass(frozen=True, kw_only=True)
-class SeamRepair(ProbeResult):
-    """Per seam b (chunk tokens recomputed): logit `cosine@b`, answer `agree@b` and `top1@b` against
-    prefilling in context, and the same without RoPE re-rotation (`norot_*`)."""
-
-    PART_PATTERNS = (r"(cosine|agree|top1|norot_cosine|norot_agree)@\d+",)
-    seams: tuple[int, ...]
-    offsets: tuple[int, ...]  # host context lengths before the chunk
-    chunk_tokens: tuple[int, ...]  # per prompt
-
-
 @dataclass(frozen=True)
 class SeamConfig(Options):
     n: int = option(4, "prompts (each at every offset)", least=1)
@@ -135,7 +135,6 @@ register_section(
         "Composing",
         order=50,
         command="compose",
-        help="splice a precompiled chunk, repair the seam, compare to recompute",
         intro=("A precompiled chunk spliced into a new context, the seam repaired; errata over many turns."),
     )
 )

@@ -176,6 +176,27 @@ def _blocked_lost(t: Trial, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     return 1.0 - t.recovery(t.ld(t.new_nb.expand(len(rows)), hooks=knockout_hooks(t.model, mask)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Knockout(ProbeResult):
+    """Fraction of the decision lost with the top-k note slots blocked (`top`) vs k random ones;
+    out of sample, the cross-fitted top slots (`top_xfit`) vs slots matched to them (`matched`)."""
+
+    PARTS = ("top", "random")
+    # optional: reports written before them load too
+    PART_PATTERNS = ("top_xfit", "matched", "xfit_minus_matched")
+    IN_SAMPLE = ("top", "random")
+    k: int
+    draws: int
+    slots: tuple[KnockedSlots, ...]
+    # True: every pair's top_xfit ranked on the other half (False: some by position, or one pair)
+    cross_fitted: bool | None = None
+    cross_fitted_pairs: tuple[bool, ...] | None = None  # per used pair: ranked on the other half
+    matched_off_class: tuple[int, int] | None = None  # control slots that left their class, of all drawn
+
+    def notes(self) -> list[tuple[str, str]]:
+        return _control_notes(self, {self.k: self.matched_off_class})
+
+
 def knockout(
     trials: Sequence[Trial], *, k: int = 4, draws: int = 8, seed: int = 0, min_effect: float = MIN_EFFECT
 ) -> ProbeResult:
@@ -242,6 +263,13 @@ def knockout(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Dissociation(ProbeResult):
+    """Rule flipped, field fixed: the notes (`notes`) vs the rule token's own slot (`rule_slot`)."""
+
+    PARTS = ("notes", "rule_slot", "effect")
+
+
 def dissociation(rule_trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
     """Field held fixed, rule token flipped (trials of kind "rule"): transplanting the notes
     (slots after both rule and field, before the decision) should carry the flipped conclusion,
@@ -268,6 +296,30 @@ def dissociation(rule_trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT
         excluded=excluded,
         description="flip one rule token, field fixed: transplant the notes vs patch the rule token's slot",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FalseNoteInjection(ProbeResult):
+    """Per k: recovery toward the injected conclusion (`k{k}`), whether the answer follows it
+    (`follows_k{k}`), and the same injection into random slots (`random_k{k}`); out of sample, the
+    cross-fitted top slots (`xfit_k{k}`) and slots matched to them (`matched_k{k}`)."""
+
+    PART_PATTERNS = (
+        r"k\d+",
+        r"follows_k\d+",
+        r"random_k\d+",
+        r"xfit_k\d+",
+        r"matched_k\d+",
+        r"xfit_minus_matched_k\d+",
+    )
+    IN_SAMPLE = (r"k\d+", r"follows_k\d+", r"random_k\d+")
+    ks: tuple[int, ...]
+    cross_fitted: bool | None = None  # as Knockout's
+    cross_fitted_pairs: tuple[bool, ...] | None = None
+    matched_off_class: Mapping[int, tuple[int, int]] | None = None  # per k, as Knockout's
+
+    def notes(self) -> list[tuple[str, str]]:
+        return _control_notes(self, self.matched_off_class)
 
 
 def false_note_injection(
@@ -370,58 +422,6 @@ def _injected_out_of_sample(used: Sequence[Trial], ks: Sequence[int], seed: int)
 class KnockedSlots:
     top: tuple[int, ...]  # positions blocked
     tokens: tuple[str, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Knockout(ProbeResult):
-    """Fraction of the decision lost with the top-k note slots blocked (`top`) vs k random ones;
-    out of sample, the cross-fitted top slots (`top_xfit`) vs slots matched to them (`matched`)."""
-
-    PARTS = ("top", "random")
-    # optional: reports written before them load too
-    PART_PATTERNS = ("top_xfit", "matched", "xfit_minus_matched")
-    IN_SAMPLE = ("top", "random")
-    k: int
-    draws: int
-    slots: tuple[KnockedSlots, ...]
-    # True: every pair's top_xfit ranked on the other half (False: some by position, or one pair)
-    cross_fitted: bool | None = None
-    cross_fitted_pairs: tuple[bool, ...] | None = None  # per used pair: ranked on the other half
-    matched_off_class: tuple[int, int] | None = None  # control slots that left their class, of all drawn
-
-    def notes(self) -> list[tuple[str, str]]:
-        return _control_notes(self, {self.k: self.matched_off_class})
-
-
-@dataclass(frozen=True, kw_only=True)
-class Dissociation(ProbeResult):
-    """Rule flipped, field fixed: the notes (`notes`) vs the rule token's own slot (`rule_slot`)."""
-
-    PARTS = ("notes", "rule_slot", "effect")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FalseNoteInjection(ProbeResult):
-    """Per k: recovery toward the injected conclusion (`k{k}`), whether the answer follows it
-    (`follows_k{k}`), and the same injection into random slots (`random_k{k}`); out of sample, the
-    cross-fitted top slots (`xfit_k{k}`) and slots matched to them (`matched_k{k}`)."""
-
-    PART_PATTERNS = (
-        r"k\d+",
-        r"follows_k\d+",
-        r"random_k\d+",
-        r"xfit_k\d+",
-        r"matched_k\d+",
-        r"xfit_minus_matched_k\d+",
-    )
-    IN_SAMPLE = (r"k\d+", r"follows_k\d+", r"random_k\d+")
-    ks: tuple[int, ...]
-    cross_fitted: bool | None = None  # as Knockout's
-    cross_fitted_pairs: tuple[bool, ...] | None = None
-    matched_off_class: Mapping[int, tuple[int, int]] | None = None  # per k, as Knockout's
-
-    def notes(self) -> list[tuple[str, str]]:
-        return _control_notes(self, self.matched_off_class)
 
 
 def _control_notes(r, off: Mapping | None) -> list[tuple[str, str]]:

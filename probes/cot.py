@@ -48,6 +48,16 @@ def _decision_ld(t: Trial, nb: Notebook) -> float:
     return float(t.score(out)[0])
 
 
+@dataclass(frozen=True, kw_only=True)
+class CotRefresh(ProbeResult):
+    """A greedy reasoning chain after an in-place refresh, against a clean prefill's chain."""
+
+    PARTS = ("recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain", "chain_effect")
+    cue: str
+    max_tokens: int
+    examples: tuple[dict[str, str], ...]  # decoded chains (stale, edited, clean) of the first pairs
+
+
 def cot_refresh(
     trials: Sequence[Trial], *, cue: str = CUE, max_tokens: int = 48, min_effect: float = MIN_EFFECT
 ) -> ProbeResult:
@@ -90,16 +100,6 @@ def cot_refresh(
         examples=examples,
         description="in-place field refresh, then a greedy reasoning chain, vs a clean prefill's chain",
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class CotRefresh(ProbeResult):
-    """A greedy reasoning chain after an in-place refresh, against a clean prefill's chain."""
-
-    PARTS = ("recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain", "chain_effect")
-    cue: str
-    max_tokens: int
-    examples: tuple[dict[str, str], ...]  # decoded chains (stale, edited, clean) of the first pairs
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,16 @@ def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float,
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class EditMethods(ProbeResult):
+    """Per method m: recovery (`m`), same answer as full recompute (`m.agree`), tokens recomputed
+    (`m.tokens`) and wall time (`m.seconds`)."""
+
+    PART_PATTERNS = (r"[a-z_]+(@\d+)?(\.(agree|tokens|seconds))?",)
+    erratum: str
+    ks: tuple[int, ...]  # slot budgets of the selective methods
+
+
 def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM) -> ProbeResult:
     """Every editing method on every pair: parts `{method}` (recovery), `{method}.agree` (same
     answer as full recompute), `{method}.tokens` and `{method}.seconds`. Headline: erratum."""
@@ -129,16 +139,6 @@ def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: st
     )
 
 
-@dataclass(frozen=True, kw_only=True)
-class EditMethods(ProbeResult):
-    """Per method m: recovery (`m`), same answer as full recompute (`m.agree`), tokens recomputed
-    (`m.tokens`) and wall time (`m.seconds`)."""
-
-    PART_PATTERNS = (r"[a-z_]+(@\d+)?(\.(agree|tokens|seconds))?",)
-    erratum: str
-    ks: tuple[int, ...]  # slot budgets of the selective methods
-
-
 @dataclass(frozen=True)
 class EditConfig(Pairs):
     erratum: str = option(ERRATUM, "correction line; {field} and {value} are filled in")
@@ -150,7 +150,6 @@ register_section(
         "Editing",
         order=40,
         command="edit",
-        help="one changed field: every editing method against full recompute",
         intro=("One changed field: every way to update a stale cache, against full recompute."),
     )
 )

@@ -30,6 +30,16 @@ def _block(model: KVModel, text: str) -> Notebook:
     return precompile(model, model.encode(text, bos=False))
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemoryBlocks(ProbeResult):
+    """Answer agreement and logit cosine with the facts in separate blocks (`split_*`) or in one
+    (`colocated_*`), against prefilling them in context; `reference_correct`: that prefill's accuracy."""
+
+    PARTS = ("split_agree", "colocated_agree", "split_cosine", "colocated_cosine", "reference_correct")
+    people: int
+    seam: int
+
+
 def memory_blocks(
     model: KVModel, *, n: int = 8, people: int = 4, seam: int = 2, seed: int = 0, progress: bool = True
 ) -> ProbeResult:
@@ -71,16 +81,6 @@ def memory_blocks(
         seam=seam,
         description="two-hop question over facts precompiled together vs in separate blocks",
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryBlocks(ProbeResult):
-    """Answer agreement and logit cosine with the facts in separate blocks (`split_*`) or in one
-    (`colocated_*`), against prefilling them in context; `reference_correct`: that prefill's accuracy."""
-
-    PARTS = ("split_agree", "colocated_agree", "split_cosine", "colocated_cosine", "reference_correct")
-    people: int
-    seam: int
 
 
 @dataclass(frozen=True)

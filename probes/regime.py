@@ -30,6 +30,18 @@ def filler_text(model: KVModel, n_tokens: int) -> str:
     return fit_notes(lambda text: len(model.encode(text, bos=False)), n_tokens)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Regime(ProbeResult):
+    """Per filler length d: `field_refresh@d`, `notes_transplant@d` and the field's `effect@d`."""
+
+    PART_PATTERNS = (r"(field_refresh|notes_transplant|effect)@\d+",)
+    filler_tokens: tuple[int, ...]  # filler lengths measured
+    distance: tuple[int, ...]  # tokens from the field to the decision at each
+    skipped: tuple[dict, ...]  # lengths beyond the model's context, with the reason
+    window: int | None  # the model's sliding window (None: global attention only)
+    n_layers: int
+
+
 def regime(
     model: KVModel,
     task: Task | str,
@@ -87,18 +99,6 @@ def regime(
         n_layers=model.n_layers,
         description="field-only refresh vs notes transplant as filler separates the field from the decision",
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Regime(ProbeResult):
-    """Per filler length d: `field_refresh@d`, `notes_transplant@d` and the field's `effect@d`."""
-
-    PART_PATTERNS = (r"(field_refresh|notes_transplant|effect)@\d+",)
-    filler_tokens: tuple[int, ...]  # filler lengths measured
-    distance: tuple[int, ...]  # tokens from the field to the decision at each
-    skipped: tuple[dict, ...]  # lengths beyond the model's context, with the reason
-    window: int | None  # the model's sliding window (None: global attention only)
-    n_layers: int
 
 
 @dataclass(frozen=True)
