@@ -13,14 +13,16 @@ from dashboards.figures import (
     Panel,
     ci_bars,
     ci_curves,
+    est,
     fmt,
     heatmap,
+    n_note,
+    say,
     scatter,
     slot_label,
     token_text,
     visible,
 )
-from dashboards.probe_panels import est, n_note, say
 from dashboards.registry import for_type, panel
 from kvnotes.analysis.results import Curve
 from probes.controls import crossing_summary
@@ -34,10 +36,9 @@ def _curve(c: Curve | None, name: str, **kw) -> dict:
 
 @panel("read_heads", "write_heads")
 def head_panels(r: HeadCircuit, key: str) -> list[Panel]:
+    """A head circuit: the layer × head grid, top-k against random-k, and (read side) the paths."""
     key = f"{key}/{r.name}"
     read = r.name == "read_heads"
-    where = "at the decision" if read else "at the note slots"
-    g = r.grouping
     ranking = r.tables.get("ranking", [])
     if not ranking:
         return [
@@ -47,6 +48,17 @@ def head_panels(r: HeadCircuit, key: str) -> list[Panel]:
                 reading=f"Not measured: {r.not_applicable or 'no usable pairs'}.",
             )
         ]
+    panels = [_head_grid_panel(r, key, ranking), _topk_panel(r, key)]
+    if read and "prefix_path" in r.parts:
+        panels.append(_read_paths_panel(r, key))
+    return panels
+
+
+def _head_grid_panel(r: HeadCircuit, key: str, ranking: list) -> Panel:
+    """One head's output patched from the new run, every layer × head, and the strongest one."""
+    read = r.name == "read_heads"
+    where = "at the decision" if read else "at the note slots"
+    g = r.grouping
     L, H = g.n_layers, g.n_heads
     z: list[list[float | None]] = [[None] * H for _ in range(L)]
     for row in ranking:
@@ -72,15 +84,18 @@ def head_panels(r: HeadCircuit, key: str) -> list[Panel]:
         f"The strongest single head is {top['label']} ({fmt(top['mean'])}{paths}); "
         f"{g.attention} attention, {g.n_kv_heads} KV head(s) per layer."
     )
-    panels = [
-        Panel(
-            title=f"{'Read' if read else 'Write'}-head grid",
-            reading=reading,
-            figure=grid,
-            note=n_note(r) + "; a cell is the mean over pairs",
-            key=f"{key}/grid",
-        )
-    ]
+    return Panel(
+        title=f"{'Read' if read else 'Write'}-head grid",
+        reading=reading,
+        figure=grid,
+        note=n_note(r) + "; a cell is the mean over pairs",
+        key=f"{key}/grid",
+    )
+
+
+def _topk_panel(r: HeadCircuit, key: str) -> Panel:
+    """Recovery of the top-k heads (ranked on held-out pairs) against k random heads."""
+    read = r.name == "read_heads"
     curve = ci_curves(
         [
             _curve(r.curve("topk_curve"), "top-k heads (cross-fitted ranking)"),
@@ -95,34 +110,32 @@ def head_panels(r: HeadCircuit, key: str) -> list[Panel]:
         f"The top {k} heads recover {say(r.part('top_k'))}, {k} random heads "
         f"{say(r.part('random_k'))}; all heads together {say(r.part('all_heads'))}."
     )
-    panels.append(
-        Panel(
-            title=f"Top-k vs random-k ({'read' if read else 'write'})",
-            reading=reading,
-            figure=curve,
-            note=n_note(r) + "; heads ranked on the other half of the pairs",
-            key=f"{key}/topk",
-        )
+    return Panel(
+        title=f"Top-k vs random-k ({'read' if read else 'write'})",
+        reading=reading,
+        figure=curve,
+        note=n_note(r) + "; heads ranked on the other half of the pairs",
+        key=f"{key}/topk",
     )
-    if read and "prefix_path" in r.parts:
-        items = [
-            est(r.part(f"{p}_path"), f"via the {p}") for p in ("prefix", "field", "notes", "query", "self")
-        ]
-        fig = ci_bars(
-            items, title=f"Where the top {k} read heads bring it from (path patching)", y_title="recovery"
-        )
-        panels.append(
-            Panel(
-                title="Read paths",
-                figure=fig,
-                note=n_note(r),
-                key=f"{key}/paths",
-                reading=f"Through the note slots {say(r.part('notes_path'))}, straight from the "
-                f"field {say(r.part('field_path'))}, from the prefix "
-                f"{say(r.part('prefix_path'))}.",
-            )
-        )
-    return panels
+
+
+def _read_paths_panel(r: HeadCircuit, key: str) -> Panel:
+    """Path patching of the top read heads: where what they read comes from."""
+    items = [est(r.part(f"{p}_path"), f"via the {p}") for p in ("prefix", "field", "notes", "query", "self")]
+    fig = ci_bars(
+        items,
+        title=f"Where the top {r.headline_k} read heads bring it from (path patching)",
+        y_title="recovery",
+    )
+    return Panel(
+        title="Read paths",
+        figure=fig,
+        note=n_note(r),
+        key=f"{key}/paths",
+        reading=f"Through the note slots {say(r.part('notes_path'))}, straight from the "
+        f"field {say(r.part('field_path'))}, from the prefix "
+        f"{say(r.part('prefix_path'))}.",
+    )
 
 
 @panel("scrubbing")
@@ -218,6 +231,7 @@ def attribution_panels(r: AttributionPatching, key: str) -> list[Panel]:
 
 @panel("sae")
 def sae_panels(r: SAEFeatures, key: str) -> list[Panel]:
+    """SAE features: decoding AUC against causal recovery, the top-k curve, the residual scan."""
     if r.not_applicable:
         return [Panel(title="SAE features", reading=f"Not measured: {r.not_applicable}.", key=f"{key}/sae")]
     rows = r.top_features
@@ -252,6 +266,13 @@ def sae_panels(r: SAEFeatures, key: str) -> list[Panel]:
             key=f"{key}/sae_scatter",
         )
     ]
+    panels.append(_sae_topk_panel(r, key))
+    scan = _sae_scan_panel(r, key)
+    return panels + ([scan] if scan else [])
+
+
+def _sae_topk_panel(r: SAEFeatures, key: str) -> Panel:
+    """Features patched together, top-k (two rankings) against k random ones."""
     curve = ci_curves(
         [
             _curve(r.curve("topk_curve"), "top-k along the conclusion (cross-fitted)"),
@@ -265,16 +286,18 @@ def sae_panels(r: SAEFeatures, key: str) -> list[Panel]:
     )
     tk = r.curve("topk_curve")
     last = f"at k = {tk.x[-1]} {fmt(tk.points[-1].mean)}" if tk and tk.points else ""
-    panels.append(
-        Panel(
-            title="SAE top-k curve",
-            figure=curve,
-            key=f"{key}/sae_topk",
-            note=n_note(r),
-            reading=f"Features patched together recover {last}; all features with the error term "
-            f"{say(r.part('all_features'))}.",
-        )
+    return Panel(
+        title="SAE top-k curve",
+        figure=curve,
+        key=f"{key}/sae_topk",
+        note=n_note(r),
+        reading=f"Features patched together recover {last}; all features with the error term "
+        f"{say(r.part('all_features'))}.",
     )
+
+
+def _sae_scan_panel(r: SAEFeatures, key: str) -> Panel | None:
+    """The whole residual patched after each layer: where the SAE was placed, and why."""
     scans = [
         _curve(r.curve(f"scan_{s}"), f"whole residual at the {s}")
         for s in ("notes", "decision")
@@ -288,17 +311,14 @@ def sae_panels(r: SAEFeatures, key: str) -> list[Panel]:
             y_title="recovery",
         )
         loc = r.located
-        panels.append(
-            Panel(
-                title="Residual scan",
-                figure=fig,
-                key=f"{key}/scan",
-                note=n_note(r),
-                reading=f"The SAE was placed at the {loc.site}, layer {loc.layer} "
-                "(the rule is in report.json).",
-            )
+        return Panel(
+            title="Residual scan",
+            figure=fig,
+            key=f"{key}/scan",
+            note=n_note(r),
+            reading=f"The SAE was placed at the {loc.site}, layer {loc.layer} (the rule is in report.json).",
         )
-    return panels
+    return None
 
 
 @for_type("PromptAttribution")

@@ -6,8 +6,20 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from dashboards.figures import GREEN, RED, Panel, ci_bars, ci_curves, fmt, plotly_text, style
-from dashboards.probe_panels import est, n_note, say, series
+from dashboards.figures import (
+    GREEN,
+    RED,
+    Panel,
+    ci_bars,
+    ci_curves,
+    est,
+    fmt,
+    n_note,
+    plotly_text,
+    say,
+    series,
+    style,
+)
 from dashboards.registry import for_type, panel
 from kvnotes.analysis.results import ProbeResult
 
@@ -459,35 +471,35 @@ def serve_panels(b, key: str) -> list[Panel]:
         ),
     ]
     if b.agent:
-        turns = b.agent[0].turns
-        curves = ci_curves(
-            [
-                {"name": a.strategy, "x": list(range(1, turns + 1)), "mean": a.per_turn_agreement}
-                for a in b.agent
-            ],
-            title="agent loop: agreement with recompute-every-turn per turn",
-            x_title="turn",
-            y_title="share of prompts",
-        )
-        reading = "; ".join(
-            f"{a.strategy}: agreement {fmt(a.agreement)}, follows the rule {fmt(a.follows)}, "
-            f"cumulative TTFT {a.cumulative_ttft:.2f} s"
-            for a in b.agent
-        )
-        agent_note = (
-            f"{b.agent_task}, {b.agent[0].prompts} prompt(s) × {turns} turns, one request at a time, "
-            f"{b.server.get('vllm', 'vLLM')}, {b.machine}"
-        )
-        panels.append(
-            Panel(
-                title="Serving: agent loop",
-                reading=reading,
-                figure=curves,
-                note=agent_note,
-                key=f"{key}/serve_agent",
-            )
-        )
+        panels.append(_serve_agent_panel(b, key))
     return panels
+
+
+def _serve_agent_panel(b, key: str) -> Panel:
+    """The agent loop on the server: each strategy's per-turn agreement with recomputing every turn."""
+    turns = b.agent[0].turns
+    curves = ci_curves(
+        [{"name": a.strategy, "x": list(range(1, turns + 1)), "mean": a.per_turn_agreement} for a in b.agent],
+        title="agent loop: agreement with recompute-every-turn per turn",
+        x_title="turn",
+        y_title="share of prompts",
+    )
+    reading = "; ".join(
+        f"{a.strategy}: agreement {fmt(a.agreement)}, follows the rule {fmt(a.follows)}, "
+        f"cumulative TTFT {a.cumulative_ttft:.2f} s"
+        for a in b.agent
+    )
+    agent_note = (
+        f"{b.agent_task}, {b.agent[0].prompts} prompt(s) × {turns} turns, one request at a time, "
+        f"{b.server.get('vllm', 'vLLM')}, {b.machine}"
+    )
+    return Panel(
+        title="Serving: agent loop",
+        reading=reading,
+        figure=curves,
+        note=agent_note,
+        key=f"{key}/serve_agent",
+    )
 
 
 @for_type("SlotSweep")

@@ -1,5 +1,6 @@
-"""Plotly building blocks: curves and bars with their 95% CIs, heatmaps, scatters, and the
-prompt's text coloured by a per-token value.
+"""Plotly building blocks: curves and bars with their 95% CIs, heatmaps, scatters, the
+prompt's text coloured by a per-token value, and the items every panel module makes from
+results (`est`, `series`, `say`, `n_note`).
 
 Every token string is HTML-escaped before it reaches a figure or a page: plotly draws text as
 its own small HTML dialect (it decodes `&lt;` back to `<` for display), so escaping shows a
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
+
+from kvnotes.analysis.results import Estimate, ProbeResult
 
 BLUE, ORANGE, GREY, GREEN, RED = "#1f77b4", "#ff7f0e", "#7f7f7f", "#2ca02c", "#d62728"
 PALETTE = (BLUE, ORANGE, GREEN, RED, "#9467bd", "#8c564b", "#e377c2", GREY)
@@ -301,3 +304,37 @@ class Panel:
     html: str | None = None
     note: str = ""
     key: str = ""  # stable id, e.g. "order-cancel/probes/note_map_text"
+
+
+# --- items from results (shared by every panel module) ---------------------------------------------
+
+
+def est(e: Estimate | None, name: str, **kw) -> dict:
+    """A bar/curve item from an Estimate (missing → undefined)."""
+    if e is None:
+        return {"name": name, "mean": None, "ci": None, "n": 0, **kw}
+    return {"name": name, "mean": e.mean, "ci": e.ci, "n": e.n, **kw}
+
+
+def say(e: Estimate | None, digits: int = 2) -> str:
+    return fmt_ci(e.mean, e.ci, digits) if e is not None else "n/a"
+
+
+def n_note(r: ProbeResult, what: str = "pairs") -> str:
+    n = r.estimate.n
+    excl = len(r.excluded)
+    s = f"n = {n} {what}; bars and bands are bootstrap 95% CIs of the mean"
+    return s + (
+        f"; {excl} pair(s) excluded (decision moved too little, listed in report.json)" if excl else ""
+    )
+
+
+def series(name: str, x: list, es: list[Estimate | None], **kw) -> dict:
+    """A `ci_curves` series from one Estimate per x (None where not measured)."""
+    return {
+        "name": name,
+        "x": x,
+        "mean": [e.mean if e else None for e in es],
+        "ci": [e.ci if e else None for e in es],
+        **kw,
+    }

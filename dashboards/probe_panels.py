@@ -1,46 +1,29 @@
-"""Panels for the causal probes, the note map and the regime sweep (and the helpers every panel
-module shares). Each function takes a typed result and returns `Panel`s; none computes an
-analysis, they only arrange figures the result already holds and say in one line what they show."""
+"""Panels for the causal probes, the note map and the regime sweep. Each function takes a typed
+result and returns `Panel`s; none computes an analysis, they only arrange figures the result
+already holds and say in one line what they show."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 
-from dashboards.figures import (
+from dashboards.figures import (  # est, n_note, say, series: also read from here by older code
     GREY,
     Panel,
     ci_bars,
     ci_curves,
+    est,
     fmt,
-    fmt_ci,
     heatmap,
+    n_note,
+    say,
+    series,
     slot_label,
     token_text,
     visible,
 )
 from dashboards.registry import in_summary, panel, summary
 from kvnotes.analysis.results import Estimate, ProbeResult
-
-
-def est(e: Estimate | None, name: str, **kw) -> dict:
-    """A bar/curve item from an Estimate (missing → undefined)."""
-    if e is None:
-        return {"name": name, "mean": None, "ci": None, "n": 0, **kw}
-    return {"name": name, "mean": e.mean, "ci": e.ci, "n": e.n, **kw}
-
-
-def say(e: Estimate | None, digits: int = 2) -> str:
-    return fmt_ci(e.mean, e.ci, digits) if e is not None else "n/a"
-
-
-def n_note(r: ProbeResult, what: str = "pairs") -> str:
-    n = r.estimate.n
-    excl = len(r.excluded)
-    s = f"n = {n} {what}; bars and bands are bootstrap 95% CIs of the mean"
-    return s + (
-        f"; {excl} pair(s) excluded (decision moved too little, listed in report.json)" if excl else ""
-    )
 
 
 def _above(a: Estimate | None, b: Estimate | None) -> bool:
@@ -58,6 +41,7 @@ panel("field_refresh", "notes_transplant", "knockout", "dissociation")(in_summar
 
 @panel("note_map")
 def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
+    """The note map: the prompt coloured by slot, the slot × layer grid, the per-layer curve."""
     maps = r.maps
     if not maps:
         return [
@@ -67,7 +51,14 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
                 key=f"{key}/note_map_text",
             )
         ]
-    m = maps[0]
+    panels = [_note_text_panel(r, maps[0], key)]
+    panels += [p for p in (_slot_layer_panel(maps[0], key), _per_layer_panel(r, key)) if p is not None]
+    return panels
+
+
+def _note_text_panel(r: ProbeResult, m, key: str) -> Panel:
+    """The prompt's text coloured by each slot's single-slot recovery (pair 1)."""
+    maps = r.maps
     tokens = m.prompt_tokens or m.tokens
     positions = list(range(len(tokens))) if m.prompt_tokens else m.positions
     values: list[float | None] = [None] * len(tokens)
@@ -96,7 +87,7 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
             else "."
         )
     )
-    text = Panel(
+    return Panel(
         title="Note map over the prompt (single-slot transplant, all layers)",
         reading=reading,
         html=token_text(tokens, values, value_name="recovery", positions=positions, marks=marks),
@@ -105,9 +96,12 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
         "map (before the field). " + n_note(r),
         key=f"{key}/note_map_text",
     )
+
+
+def _slot_layer_panel(m, key: str) -> Panel | None:
+    """Recovery of one note slot at one layer (pair 1), where the map has the grid."""
     down = [(p, t) for p, t, role in zip(m.positions, m.tokens, m.role) if role == "note"]
     grid = m.slot_layer
-    panels = [text]
     if grid and down:
         L = len(grid[0])
         z = [[grid[s][l] for s in range(len(down))] for l in range(L)]
@@ -128,15 +122,18 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
             if cell
             else ""
         )
-        panels.append(
-            Panel(
-                title="Slot × layer map",
-                reading=reading,
-                figure=fig,
-                note="pair 1; one forward per cell, exact transplants",
-                key=f"{key}/slot_layer",
-            )
+        return Panel(
+            title="Slot × layer map",
+            reading=reading,
+            figure=fig,
+            note="pair 1; one forward per cell, exact transplants",
+            key=f"{key}/slot_layer",
         )
+    return None
+
+
+def _per_layer_panel(r: ProbeResult, key: str) -> Panel | None:
+    """All note slots transplanted at one layer, layer by layer, over every pair."""
     layers = sorted((int(k.split("_")[1]), e) for k, e in r.parts.items() if re.fullmatch(r"layer_\d+", k))
     if layers:
         best_l = max(((e.mean, l) for l, e in layers if e.mean is not None), default=None)
@@ -159,16 +156,14 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
             if best_l
             else "No layer measured."
         )
-        panels.append(
-            Panel(
-                title="Per-layer note transplant",
-                reading=reading,
-                figure=fig,
-                note=n_note(r),
-                key=f"{key}/per_layer",
-            )
+        return Panel(
+            title="Per-layer note transplant",
+            reading=reading,
+            figure=fig,
+            note=n_note(r),
+            key=f"{key}/per_layer",
         )
-    return panels
+    return None
 
 
 @summary("probes")
@@ -252,17 +247,6 @@ def false_note_panel(r: ProbeResult, key: str) -> list[Panel]:
 
 
 # --- regime -------------------------------------------------------------------------------------
-
-
-def series(name: str, x: list, es: list[Estimate | None], **kw) -> dict:
-    """A `ci_curves` series from one Estimate per x (None where not measured)."""
-    return {
-        "name": name,
-        "x": x,
-        "mean": [e.mean if e else None for e in es],
-        "ci": [e.ci if e else None for e in es],
-        **kw,
-    }
 
 
 @panel("regime")

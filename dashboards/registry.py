@@ -1,6 +1,7 @@
 """Which panels draw which result. Panel modules register a function per analysis (by the name it
 has in `kvnotes.analysis.registry`), per section (a summary over several analyses' results) or per result
-type (results that are not analyses: `verify`, a prompt's attribution). `render` looks them up;
+type (results that are not analyses: `verify`, a prompt's attribution). The modules that register
+them are listed once, in `PANEL_MODULES`; `render` loads them (`load_panels`) and looks them up;
 an analysis without a panel of its own gets the generic one (its parts as bars with CIs).
 
     from dashboards.registry import panel
@@ -11,13 +12,26 @@ an analysis without a panel of its own gets the generic one (its parts as bars w
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from functools import cache
 
 PanelFn = Callable  # (result, key) -> list[Panel]
+
+# every module that registers panels, in one place: `load_panels` imports them
+PANEL_MODULES = ("dashboards.probe_panels", "dashboards.circuit_panels", "dashboards.edit_panels")
 
 PANELS: dict[str, PanelFn] = {}
 SUMMARIES: dict[str, PanelFn] = {}  # section -> (results by name, key) -> list[Panel]
 TYPES: dict[str, PanelFn] = {}  # result class name -> (result, key) -> list[Panel]
+
+
+@cache
+def load_panels() -> None:
+    """Import `PANEL_MODULES` (each registers its panels): the renderer calls this before it looks
+    a panel up, so which panels exist is read from one list, not from scattered imports."""
+    for name in PANEL_MODULES:
+        importlib.import_module(name)
 
 
 def _add_to(table: dict[str, PanelFn], keys: tuple[str, ...]) -> Callable[[PanelFn], PanelFn]:

@@ -18,26 +18,24 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
-import dashboards.circuit_panels  # noqa: F401  (each panel module registers its panels on import)
-import dashboards.edit_panels  # noqa: F401
-from dashboards.figures import Panel, ci_bars, esc
-from dashboards.probe_panels import est, n_note
-from dashboards.registry import PANELS, SUMMARIES, TYPES
+from dashboards.figures import Panel, ci_bars, esc, est, n_note
+from dashboards.registry import PANELS, SUMMARIES, TYPES, load_panels
 from kvnotes.analysis.registry import analyses, sections
-from kvnotes.analysis.results import ProbeReport, ProbeResult
+from kvnotes.analysis.results import ProbeResult, SectionReport
 
 # --- from results to panels ---------------------------------------------------------------------
 
 
 def panels(obj, key: str = "") -> list[Panel]:
-    """Every panel of a result object: a Report, a section's report (ProbeReport, CircuitReport),
+    """Every panel of a result object: a Report, a section's report (SectionReport),
     one analysis's result, or another kvnotes result with panels (verify, a prompt attribution).
 
     `key` is the part's key ("order-cancel/probes", "model/ttft"); panel keys extend it."""
+    load_panels()
     kind = type(obj).__name__
     if kind == "Report":
         return [p for _, ps in report_sections(obj) for p in ps]
-    if isinstance(obj, ProbeReport) and obj.meta.get("skipped"):
+    if isinstance(obj, SectionReport) and obj.meta.get("skipped"):
         return [
             Panel(
                 title="Not run",
@@ -45,8 +43,8 @@ def panels(obj, key: str = "") -> list[Panel]:
                 key=f"{key or obj.task}/skipped",
             )
         ]
-    if isinstance(obj, ProbeReport):
-        return result_panels(obj.probes, key or obj.task)
+    if isinstance(obj, SectionReport):
+        return result_panels(obj.results, key or obj.task)
     if isinstance(obj, ProbeResult):
         return result_panels({obj.name: obj}, key or obj.name)
     for name, a in analyses().items():
@@ -56,7 +54,7 @@ def panels(obj, key: str = "") -> list[Panel]:
         return TYPES[kind](obj, key or kind)
     raise TypeError(
         f"dashboards cannot render a {kind}; it renders kvnotes result objects "
-        "(Report, ProbeReport, CircuitReport, an analysis's result, VerifyReport, PromptAttribution)"
+        "(Report, SectionReport, an analysis's result, VerifyReport, PromptAttribution)"
     )
 
 
@@ -66,6 +64,7 @@ def result_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
 
     `key` is a part key ("order-cancel/circuits") or a task; panels are keyed under
     "<task>/<section>"."""
+    load_panels()
     known = analyses()
     task, _, last = key.rpartition("/")
     task = task if last in sections() else key

@@ -256,35 +256,49 @@ def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token:
     app = Flask(__name__)
     catalog = Catalog(dirs)
     app.extensions["kvnotes_catalog"] = catalog
+    _add_access_rules(app, catalog, loopback_only=loopback_only, token=token)
+    _add_pages(app, catalog)
+    return app
 
-    def message(status: int, title: str, text: str, *, show_ids: bool = False) -> Response:
-        entries = catalog.known() if show_ids else []
-        body = render_template(
-            "server_message.html",
-            title=title,
-            text=text,
-            status=status,
-            entries=[
-                {"id": e.id, "label": _row(e)["label"] if e.report else f"{e.directory} (unreadable)"}
-                for e in entries
-            ],
-        )
-        return Response(
-            body, status=status, mimetype="text/html", headers={"Content-Security-Policy": NO_SCRIPT}
-        )
 
-    def entry_or_error(rid: str | None, which: str = "") -> Entry | Response:
-        if not rid:
-            return message(
-                400,
-                "No report chosen",
-                f"the comparison needs two reports: pass ?a=<id>&b=<id> (parameter {which!r} is missing)",
-                show_ids=True,
-            )
-        e = catalog.get(rid)
-        if e is None:
-            return message(404, "Unknown report", f"no report has the id {rid!r}", show_ids=True)
-        return e
+def _message(catalog: Catalog, status: int, title: str, text: str, *, show_ids: bool = False) -> Response:
+    """A small page (no script) that says what went wrong, with the known reports' ids if asked."""
+    entries = catalog.known() if show_ids else []
+    body = render_template(
+        "server_message.html",
+        title=title,
+        text=text,
+        status=status,
+        entries=[
+            {"id": e.id, "label": _row(e)["label"] if e.report else f"{e.directory} (unreadable)"}
+            for e in entries
+        ],
+    )
+    return Response(body, status=status, mimetype="text/html", headers={"Content-Security-Policy": NO_SCRIPT})
+
+
+def _entry_or_error(catalog: Catalog, rid: str | None, which: str = "") -> Entry | Response:
+    """The report `rid` names, or the page that says why there is none."""
+    if not rid:
+        return _message(
+            catalog,
+            400,
+            "No report chosen",
+            f"the comparison needs two reports: pass ?a=<id>&b=<id> (parameter {which!r} is missing)",
+            show_ids=True,
+        )
+    e = catalog.get(rid)
+    if e is None:
+        return _message(catalog, 404, "Unknown report", f"no report has the id {rid!r}", show_ids=True)
+    return e
+
+
+def _add_access_rules(app: Flask, catalog: Catalog, *, loopback_only: bool, token: str | None) -> None:
+    """Who may read: requests to this machine only (`loopback_only`), carrying `token` if one is set;
+    and the headers every answer carries."""
+
+    def message(*args, **kwargs) -> Response:
+        return _message(catalog, *args, **kwargs)
 
     cookie = f"kvnotes_token_{hashlib.sha256((token or '').encode()).hexdigest()[:8]}"
 
@@ -331,6 +345,16 @@ def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token:
         resp.headers.setdefault("Referrer-Policy", "no-referrer")
         resp.headers.setdefault("Cache-Control", "no-store")
         return resp
+
+
+def _add_pages(app: Flask, catalog: Catalog) -> None:
+    """The pages: the index, each report's page and JSON, the comparison of two."""
+
+    def message(*args, **kwargs) -> Response:
+        return _message(catalog, *args, **kwargs)
+
+    def entry_or_error(rid: str | None, which: str = "") -> Entry | Response:
+        return _entry_or_error(catalog, rid, which)
 
     @app.get("/")
     def index():
@@ -397,8 +421,6 @@ def create_app(dirs: Sequence[str | Path], *, loopback_only: bool = True, token:
     @app.errorhandler(404)
     def not_found(_):
         return message(404, "Not found", f"nothing is served at {request.path}; the reports are listed at /")
-
-    return app
 
 
 def report_count(dirs: Sequence[str | Path]) -> int:

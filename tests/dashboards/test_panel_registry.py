@@ -1,0 +1,23 @@
+"""The panel modules are listed once (`dashboards.registry.PANEL_MODULES`) and loaded by the
+renderer; the helpers every panel module shares live in `dashboards.figures`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from dashboards import figures
+from dashboards.registry import PANEL_MODULES, PANELS, SUMMARIES, TYPES, load_panels
+
+
+def test_load_panels_imports_every_listed_module_and_their_panels():
+    load_panels()
+    assert all(name in sys.modules for name in PANEL_MODULES)
+    assert {"note_map", "read_heads", "write_heads", "sae", "regime", "ttft", "serve"} <= set(PANELS)
+    assert "probes" in SUMMARIES and "PromptAttribution" in TYPES
+
+
+def test_the_shared_helpers_keep_their_old_address():
+    old = importlib.import_module("dashboards.probe_panels")
+    for name in ("est", "n_note", "say", "series"):
+        assert getattr(old, name) is getattr(figures, name)
