@@ -180,3 +180,16 @@ def test_parsing_a_bad_option_imports_no_torch(tmp_path):
     assert first.stdout.split() == ["2", "True"], first.stderr  # the first call builds the spec
     assert again.stdout.split() == ["2", "False"], again.stderr
     assert "argument --tokens: -5 is below 1" in again.stderr
+
+
+def test_each_analysis_command_takes_its_help_from_its_section():
+    from kvnotes.analysis.registry import sections
+
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    shown = {c.dest: c.help for c in subs._choices_actions}
+    declared: dict[str, str] = {}
+    for sec in sections().values():
+        if sec.command and sec.help:
+            declared.setdefault(sec.command, sec.help)
+    assert set(declared) == {"probe", "circuits", "edit", "compose", "bench"}
+    assert {c: shown[c] for c in declared} == declared

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from dashboards.figures import Panel, ci_bars
-from dashboards.probe_panels import est, n_note
+from dashboards.figures import Panel, ci_bars, est, n_note
 from dashboards.registry import PANELS, panel
 from kvnotes.analysis.registry import Analysis, Context, option, register, report_analyses, unregister
 from kvnotes.analysis.results import Estimate, ProbeResult
@@ -33,7 +32,7 @@ class FlipsConfig(Pairs):
     threshold: float = option(0.0, "logit difference above which the first answer is chosen")
 
 
-def decision_flips(ctx: Context, cfg: FlipsConfig) -> DecisionFlips:
+def _run_decision_flips(ctx: Context, cfg: FlipsConfig) -> DecisionFlips:
     trials = shared_trials(ctx, cfg.n)
     flips = [float((t.ld_old > cfg.threshold) != (t.ld_new > cfg.threshold)) for t in trials]
     margin = [abs(t.ld_new - t.ld_old) for t in trials]
@@ -68,7 +67,7 @@ def _register() -> None:
             "decision_flips",
             "probes",
             FlipsConfig,
-            decision_flips,
+            _run_decision_flips,
             DecisionFlips,
             "how often the changed field flips the decision",
             quick={"n": 2},
@@ -140,7 +139,7 @@ def test_it_runs_in_the_report_is_saved_reads_back_and_draws_its_panel(registere
         "not_applicable": None,
         "threshold": 0.0,
     }
-    back = Report.load(out).part("order-cancel", "probes").probes["decision_flips"]
+    back = Report.load(out).part("order-cancel", "probes").results["decision_flips"]
     assert isinstance(back, DecisionFlips) and back.to_dict() == r
     page = (out / "index.html").read_text(encoding="utf-8")
     assert "Decision flips" in page and "The field flips the decision in" in page
