@@ -255,6 +255,24 @@ def sae_analysis(
     dec = _decoding(sae, held, cfg, model.token_strings(list(pairs[0].answers)))
     clock.lap("decoding")
     # 3) causing: feature patches at the site of every trial whose decision moves
+    causal = _causing(trials, used, excluded, sae, decoder, dec["ranked"][:TOP], cfg, progress)
+    clock.lap("patches")
+    # 4) the result
+    return _result(sae, dec, causal, scans, cfg, asked, hook, layer, excluded, clock)
+
+
+def _causing(
+    trials: Sequence[Trial],
+    used: Sequence[Trial],
+    excluded: list,
+    sae,
+    decoder: Tensor,
+    top: Sequence[int],
+    cfg: SAEConfig,
+    progress: bool,
+) -> dict | None:
+    """Every feature patch (`_causal`) at the site of each usable trial; at the notes site a trial
+    without note slots is added to `excluded`. None when no trial is left."""
     if cfg.site == "notes":
         excluded += [
             {"index": trials.index(t), "reason": "no note slots between the field and the decision"}
@@ -266,9 +284,22 @@ def sae_analysis(
         feature_site(t, sae, cfg.site, decoder=decoder)
         for t in tqdm(used, desc=f"SAE sites ({cfg.site})", disable=not progress, unit="pair")
     ]
-    causal = _causal(sites, dec["ranked"][:TOP], cfg, progress) if sites else None
-    clock.lap("patches")
-    # 4) the result
+    return _causal(sites, top, cfg, progress) if sites else None
+
+
+def _result(
+    sae,
+    dec: dict,
+    causal: dict | None,
+    scans: dict,
+    cfg: SAEConfig,
+    asked: SAEConfig,
+    hook: str,
+    layer: int,
+    excluded: list,
+    clock: _Clock,
+) -> SAEFeatures:
+    """The parts, curves and details of `sae_analysis`, gathered into its typed result."""
     details = _details(sae, dec, causal, cfg, hook, layer, excluded)
     parts = {"best_auc": dec["best_auc"], "reconstruction": Estimate.of(dec["reconstruction"])}
     curves: dict[str, Curve] = {}
