@@ -1,6 +1,7 @@
 """Running analyses: a section's analyses (and what they need) over one context, in registry order,
-each timed; `collect` gathers a task section's results in one `SectionReport`, and `run_section`
-is the runner behind `run_probes`, `run_circuits` and the task commands of the CLI.
+each timed; `collect` gathers a task section's results in one `SectionReport` (the report's task
+parts and the CLI's task commands call it), and `run_section`, which checks the names against a
+command first, is the runner behind `run_probes` and `run_circuits`.
 
     from kvnotes import load_model
     from kvnotes.analysis.runner import run_section
