@@ -1,4 +1,4 @@
-"""`kvnotes circuits`: the whole run on an organism writes every analysis under its key, and bad
+"""`kvnotes circuits`: the whole run on an organism writes every analysis under its name, and bad
 input fails fast with a clear message."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ def test_circuits_command_writes_every_analysis(tmp_path, notes_organism, capsys
     rc = main(["circuits", "--model", "notes-organism", "--n", "4", "--draws", "4", "--json", str(out)])
     assert rc == 0
     d = json.loads(out.read_text())
-    assert {"ranking", "topk_curve", "random_curve"} <= set(d["read_heads"])
-    assert "write_heads" in d and "scrubbing" in d
-    assert {"rank_correlation", "speedup"} <= set(d["attribution"])
-    assert {"best_auc", "single_feature_recovery", "topk_curve", "reconstruction"} <= set(d["sae"])
-    assert d["read_heads"]["details"]["grouping"]["n_kv_heads"] == notes_organism.n_kv_heads
+    a = d["probes"]  # every section's report keeps its analyses under one key
+    assert {"ranking", "topk_curve", "random_curve"} <= set(a["read_heads"])
+    assert "write_heads" in a and "scrubbing" in a
+    assert {"rank_correlation", "speedup"} <= set(a["attribution"])
+    assert {"best_auc", "single_feature_recovery", "topk_curve", "reconstruction"} <= set(a["sae"])
+    assert a["read_heads"]["details"]["grouping"]["n_kv_heads"] == notes_organism.n_kv_heads
     assert CircuitReport.from_dict(d).to_dict() == d
     assert "read_heads.top_k" in capsys.readouterr().out
 
@@ -56,7 +57,7 @@ def test_circuits_command_uses_a_saved_sae_and_refuses_a_missing_one(tmp_path, n
         ]
     )
     assert rc == 0
-    d = json.loads(out.read_text())["sae"]
+    d = json.loads(out.read_text())["probes"]["sae"]
     assert d["details"]["hook_name"] == "blocks.0.hook_resid_post"
     assert "train" not in d["details"]["seconds"]  # the saved SAE, not a new one
     assert (
