@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import fields
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from dashboards.figures import visible as token_label
 from dashboards.widget import PatchingView, PatchState
 from kvnotes.errors import KVNotesError, MissingDependency, OutOfRange
-from kvnotes.models.model import KVModel
+from kvnotes.models.model import TransformerLensModel
 from kvnotes.ops import Patch, decide, patch
 from kvnotes.prompt import Template
 from probes.trials import make_trials
@@ -156,7 +157,7 @@ def test_display_delegates_to_the_widget(view):
     assert isinstance(view.widget, ipywidgets.Box)
 
 
-class ScriptTokens(KVModel):
+class ScriptTokens(TransformerLensModel):
     """tiny-llama whose token strings are hostile markup."""
 
     def token_strings(self, ids) -> list[str]:
@@ -165,7 +166,7 @@ class ScriptTokens(KVModel):
 
 def test_token_text_is_never_rendered_as_html():
     m = get_model("tiny-llama")
-    evil = ScriptTokens(name=m.name, tl=m.tl, tokenizer=m.tokenizer, fingerprint=m.fingerprint)
+    evil = ScriptTokens(**{f.name: getattr(m, f.name) for f in fields(m) if f.init})  # the same model
     old = TEMPLATE.render(evil, order_status="pending")
     v = PatchingView(evil, old, old.with_values(evil, order_status="shipped"))
 
