@@ -150,6 +150,22 @@ def test_cli_verify_on_a_local_checkpoint_directory(family, backend, tmp_path):
 # float32's own rounding (it moves no tensor by more than 1.3x the float32 forward's gap from
 # float64, docs/engine.md), so no float32 comparison can tell it from the checkpoint's eps.
 BELOW_FLOAT32 = {("gemma-mha", 1e-5)}
+# At 1e-4 the same checkpoint sits at float32's edge: the change moves its values 3.7x the float32
+# forward's gap where verify allows 4x (transformers 5.24, torch 2.13; other releases landed just
+# above it), so the outcome is the rounding's, not verify's. 1e-3 is this family's planted bug
+# (about 60x float32's epsilon on a norm whose mean square is ~64), and it must fail.
+AT_FLOAT32_EDGE = {("gemma-mha", 1e-4)}
+EPS_CASES = [1e-5, 1e-4, 1e-3]
+EPS_IDS = ["eps-1e-5", "eps-1e-4", "eps-1e-3"]
+
+
+def mark_float32_limits(request, name: str, eps: float) -> None:
+    """Strict xfail where the eps change is below float32's rounding; skip where it sits on its edge."""
+    if (name, eps) in BELOW_FLOAT32:
+        reason = "the eps change is below float32's rounding"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    if (name, eps) in AT_FLOAT32_EDGE:
+        pytest.skip("the eps change sits at float32's rounding edge for this family; its 1e-3 case runs")
 
 
 @pytest.fixture(scope="module")
@@ -158,15 +174,12 @@ def reference(family):
     return hf_reference(family[1])
 
 
-@pytest.mark.parametrize("eps", [1e-5, 1e-4], ids=["eps-1e-5", "eps-1e-4"])
+@pytest.mark.parametrize("eps", EPS_CASES, ids=EPS_IDS)
 def test_a_wrong_norm_eps_fails_verify(family, reference, monkeypatch, request, eps):
-    """Every RMSNorm's eps at 1e-5 or 1e-4 where the checkpoint says 1e-6: the reference invariants,
-    whose tolerances are a few times float32's own rounding gap, must fail."""
+    """Every RMSNorm's eps at 1e-5, 1e-4 or 1e-3 where the checkpoint says 1e-6: the reference
+    invariants, whose tolerances are a few times float32's own rounding gap, must fail."""
     name = request.node.callspec.params["family"]
-    if (name, eps) in BELOW_FLOAT32:
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="the eps change is below float32's rounding")
-        )
+    mark_float32_limits(request, name, eps)
     _, model, _, _ = family
     clean = verify(model, progress=False, only=HF_INVARIANTS, reference=reference)
     assert clean.passed, clean.table()

@@ -21,7 +21,7 @@ from kvnotes.models.nn import ORDER, NNsightModel
 from kvnotes.nn_engine import EagerAttention, feed
 from kvnotes.notebook import Notebook
 from tests.checkpoints import ATOL, FAMILIES, build_checkpoint
-from tests.models.test_hf_families import BELOW_FLOAT32
+from tests.models.test_hf_families import EPS_CASES, EPS_IDS, mark_float32_limits
 from tests.test_verify import _norm_eps
 
 CUT = 25  # prefill this many tokens, then run the rest against the notebook
@@ -144,15 +144,12 @@ def test_a_wrong_rerotation_fails_verify(tmp_path, monkeypatch):
     assert not verify(nn, only=["rerotation_equals_offset_prefill"], progress=False).passed
 
 
-@pytest.mark.parametrize("eps", [1e-5, 1e-4], ids=["eps-1e-5", "eps-1e-4"])
+@pytest.mark.parametrize("eps", EPS_CASES, ids=EPS_IDS)
 def test_a_wrong_norm_eps_fails_verify_here_too(both, monkeypatch, request, eps):
-    """The nnsight model's own norms at eps 1e-5 or 1e-4 where the checkpoint says 1e-6: the
+    """The nnsight model's own norms at eps 1e-5, 1e-4 or 1e-3 where the checkpoint says 1e-6: the
     reference invariants (transformers in float64, an independent precision) must fail."""
     name = request.node.callspec.params["both"]
-    if (name, eps) in BELOW_FLOAT32:
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="the eps change is below float32's rounding")
-        )
+    mark_float32_limits(request, name, eps)
     _, nn, _, _, _ = both
     ref = hf_reference(nn)
     assert verify(nn, progress=False, only=HF_INVARIANTS, reference=ref).passed
