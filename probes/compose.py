@@ -135,6 +135,7 @@ register_section(
         "Composing",
         order=50,
         command="compose",
+        help="splice a precompiled chunk, repair the seam, compare to recompute",
         intro=("A precompiled chunk spliced into a new context, the seam repaired; errata over many turns."),
     )
 )

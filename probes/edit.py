@@ -150,6 +150,7 @@ register_section(
         "Editing",
         order=40,
         command="edit",
+        help="one changed field: every editing method against full recompute",
         intro=("One changed field: every way to update a stale cache, against full recompute."),
     )
 )
