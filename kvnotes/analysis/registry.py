@@ -13,8 +13,8 @@ result. Adding an analysis is one `@analysis` (or `register`) beside its code
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
 The built-in analyses register when their packages are imported; `analyses()` imports every
-package named in the `kvnotes.analyses` entry-point group (`probes`, `circuits` and `kvnotes.bench.ttft`
-here), so another package can add its own the same way.
+module named in the `kvnotes.analyses` entry-point group (`probes`, `circuits` and each bench module
+that registers one), so another package can add its own the same way.
 """
 
 from __future__ import annotations
