@@ -60,7 +60,7 @@ from kvnotes.serving.vllm import Server, run_sync
 from kvnotes.tasks import Task, load_task
 
 DEFAULT_TASK = "refund-window"  # a numeric gating field: every change is a new value
-RATE_FACTORS = (0.5, 1, 2, 4)  # the default rates, as multiples of the rate one cold request can serve
+RATE_FACTORS = (0.5, 1.0, 2.0, 4.0)  # the default rates, as multiples of the rate one cold request can serve
 
 
 # --- results -------------------------------------------------------------------------------------
