@@ -26,6 +26,7 @@ from kvnotes.analysis.registry import (
     get,
 )
 from kvnotes.analysis.results import SectionReport
+from kvnotes.engine.profile import label
 
 
 def versions(
@@ -78,7 +79,8 @@ def run(
         a = get(name)
         cfg = configs.get(name) or a.make_config()
         s = time.perf_counter()
-        result = a.run(ctx, cfg)
+        with label(name):  # an active engine profile files this analysis's calls under its name
+            result = a.run(ctx, cfg)
         timings[name] = round(time.perf_counter() - s, 2)
         if result is not None:
             ctx.results[name] = result
@@ -119,21 +121,21 @@ def collect(
     seed: int = 0,
     min_effect: float = MIN_EFFECT,
     progress: bool = True,
-    memo: Mapping | None = None,
+    memo: dict | None = None,
 ) -> SectionReport:
     """Run task-level analyses `names` on one model and task, sharing prompt pairs among them, and
     collect their results in one `SectionReport`.
 
     Each analysis's config is `configs[name]`, else its `preset` with `overrides` (and `n`) for the
-    fields it has; `memo` seeds the run's shared memo (a loaded SAE, say)."""
+    fields it has; `memo` is the run's shared memo: a loaded SAE, say, or one dict passed to every
+    section of a report on one task, so that they share prompt pairs and what was computed on them."""
     from kvnotes.tasks import load_task
 
     task = load_task(task)
     over = {**(overrides or {}), **({"n": n} if n is not None else {})}
     cfgs = {k: (configs or {}).get(k) or get(k).make_config(preset, **over) for k in names}
-    ctx = Context(
-        model=model, task=task, seed=seed, min_effect=min_effect, progress=progress, memo=dict(memo or {})
-    )
+    memo = memo if memo is not None else {}
+    ctx = Context(model=model, task=task, seed=seed, min_effect=min_effect, progress=progress, memo=memo)
     results, meta = run(ctx, names, cfgs)
     sizes = [c.n for c in cfgs.values() if hasattr(c, "n")]
     return SectionReport(

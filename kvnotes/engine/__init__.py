@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvnotes.engine import profile
 from kvnotes.engine.backend import Backend, require
 from kvnotes.engine.nnsight import NNSIGHT
 from kvnotes.engine.plan import (
     PREFILL_CHUNK,
     Hook,
     Readout,
+    Resume,
     fast_attention,
     fast_attention_enabled,
     make_plan,
@@ -52,6 +54,7 @@ def run(
     logits_at: Sequence[int] | None = None,
     vocab: Sequence[int] | None = None,
     overlay: Notebook | None = None,
+    resume: Resume | None = None,
 ) -> tuple[Notebook, Readout]:
     """Compute `tokens` at `positions` against `notebook`; return the new notebook and a readout.
 
@@ -62,6 +65,10 @@ def run(
     overlay: slots read in place of `notebook`'s slots at the same positions (or beside them),
         with a batch of their own: what a batch of patches differs in, while the unpatched slots
         stay shared, never copied. Read-only: needs `write=False`.
+    resume: start at a later block with the residual given (`plan.Resume`; backends with the
+        "resume" capability). Read-only; hooks on the skipped blocks do not fire.
+
+    Inside `kvnotes.engine.profile.profile()` each call is timed and recorded.
 
     >>> from kvnotes import load_model, prefill
     >>> model = load_model("tiny-llama")
@@ -70,13 +77,55 @@ def run(
     >>> nb.n_slots, nb2.n_slots, tuple(out.logits.shape)  # [batch, read-out positions, d_vocab]
     (7, 11, (1, 1, 512))
     """
+    kw = dict(
+        write=write,
+        hooks=hooks,
+        capture=capture,
+        logits_at=logits_at,
+        vocab=vocab,
+        overlay=overlay,
+        resume=resume,
+    )
+    if not profile.active():
+        return _compute(model, notebook, tokens, positions, **kw)
+    tok = tokens if isinstance(tokens, Tensor) else torch.as_tensor(tokens)
+    rows = max(notebook.batch, 1 if tok.ndim == 1 else tok.shape[0], overlay.batch if overlay else 1)
+    slots = notebook.n_slots + (overlay.n_slots if overlay is not None else 0)
+    with profile.record(rows, tok.shape[-1], slots):
+        return _compute(model, notebook, tokens, positions, **kw)
+
+
+def _compute(
+    model: KVModel,
+    notebook: Notebook,
+    tokens: Sequence[int] | Tensor,
+    positions: Sequence[int] | Tensor | None,
+    *,
+    write: bool,
+    hooks: Sequence[Hook],
+    capture: Sequence[str],
+    logits_at: Sequence[int] | None,
+    vocab: Sequence[int] | None,
+    overlay: Notebook | None,
+    resume: Resume | None,
+) -> tuple[Notebook, Readout]:
+    """`run`'s three steps: plan, the backend's forward, write back."""
     # 1) plan: checked tokens [batch, pos] at positions [pos], the read-out positions and columns
     plan = make_plan(
-        model, notebook, tokens, positions, write=write, logits_at=logits_at, vocab=vocab, overlay=overlay
+        model,
+        notebook,
+        tokens,
+        positions,
+        write=write,
+        logits_at=logits_at,
+        vocab=vocab,
+        overlay=overlay,
+        resume=resume,
     )
     if plan.tok.shape[1] == 0:  # nothing to compute: the notebook as it is, an empty readout
         return notebook, Readout(logits=torch.zeros(notebook.batch, 0, plan.width), positions=())
-    if not hooks and not capture and overlay is None and _chunkable(model, notebook, plan.pos):
+    plain = not hooks and not capture and overlay is None and resume is None
+    if plain and _chunkable(model, notebook, plan.pos):
         return _run_in_chunks(model, notebook, plan.tok, plan.pos, plan.read, vocab, write)
     # 2) the backend: per layer fresh K/V [batch, n_kv_heads, pos, d_head], logits [batch, read, width]
     fresh = model.backend.forward(model, plan, hooks, capture)
@@ -119,6 +168,7 @@ __all__ = [
     "Backend",
     "Hook",
     "Readout",
+    "Resume",
     "fast_attention",
     "fast_attention_enabled",
     "final_logits",

@@ -1,0 +1,140 @@
+"""Where an analysis's seconds go: every `run()` call inside `with profile() as p:`, by operation.
+
+    from kvnotes.engine.profile import profile
+    with profile() as p:
+        run_probes(model, "order-cancel", n=8)
+    print(p.table())          # per analysis and operation: calls, rows, tokens computed, seconds
+
+Each record is one top-level `run()` (a chunked prefill counts once): the operation that called it
+(`prefill`, `decide`, `recompute`, ...), the analysis it ran under (`label`), its batch rows,
+computed tokens, slots read and seconds. Off (the default), `run()` pays one `is None` test.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+_WRAPPERS = {"contextlib", "jaxtyping", "beartype"}  # their frames wrap a call: the caller is above them
+_active: Profile | None = None
+_label: str = ""
+_depth = 0  # nested run() calls (a chunked prefill) are inside their caller's record
+
+
+@dataclass(frozen=True)
+class Call:
+    """One top-level `run()`: who called it, under which analysis, its size and its seconds."""
+
+    op: str
+    label: str
+    rows: int  # batch rows computed
+    tokens: int  # tokens computed per row
+    slots: int  # notebook slots read (plus overlay slots)
+    seconds: float
+
+
+@dataclass
+class Profile:
+    """The `Call`s recorded inside one `profile()` block, and tables of them."""
+
+    calls: list[Call] = field(default_factory=list)
+
+    def by(self, *keys: str) -> dict[tuple, dict[str, int | float]]:
+        """Totals (calls, rows, tokens as rows x tokens, seconds) grouped by the `Call` fields `keys`."""
+        out: dict[tuple, dict[str, int | float]] = defaultdict(
+            lambda: dict(calls=0, rows=0, tokens=0, seconds=0.0)
+        )
+        for c in self.calls:
+            row = out[tuple(getattr(c, k) for k in keys)]
+            row["calls"] += 1
+            row["rows"] += c.rows
+            row["tokens"] += c.rows * c.tokens
+            row["seconds"] += c.seconds
+        return dict(out)
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.calls)
+
+    def table(self, keys: tuple[str, ...] = ("label", "op")) -> str:
+        """A plain-text table of `by(*keys)`, slowest first, with each group's share of the time."""
+        rows = sorted(self.by(*keys).items(), key=lambda kv: -kv[1]["seconds"])
+        total = self.seconds or 1.0
+        head = f"{' / '.join(keys):<40} {'calls':>7} {'rows':>8} {'tokens':>10} {'seconds':>9} {'share':>6}"
+        lines = [head, "-" * len(head)]
+        for k, r in rows:
+            name = " / ".join(str(x) for x in k)
+            lines.append(
+                f"{name:<40} {r['calls']:>7} {r['rows']:>8} {r['tokens']:>10} "
+                f"{r['seconds']:>9.2f} {r['seconds'] / total:>6.1%}"
+            )
+        return "\n".join(lines)
+
+
+@contextmanager
+def profile() -> Iterator[Profile]:
+    """Record every top-level `run()` inside the block (see the module docstring)."""
+    global _active
+    before, _active = _active, Profile()
+    try:
+        yield _active
+    finally:
+        _active = before
+
+
+@contextmanager
+def label(name: str) -> Iterator[None]:
+    """Attribute the `run()` calls inside the block to `name` (the analysis runner labels each analysis)."""
+    global _label
+    before, _label = _label, name
+    try:
+        yield
+    finally:
+        _label = before
+
+
+@contextmanager
+def record(rows: int, tokens: int, slots: int) -> Iterator[None]:
+    """Time one `run()` (called from outside the engine) into the active profile; a nested run
+    (a chunk of a long prefill) is part of its caller's record."""
+    global _depth
+    if _active is None or _depth:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+        return
+    op = _caller()
+    _depth += 1
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _depth -= 1
+        _active.calls.append(Call(op, _label, rows, tokens, slots, time.perf_counter() - start))
+
+
+def active() -> bool:
+    return _active is not None
+
+
+def _caller() -> str:
+    """The first function on the stack outside the engine and the wrappers around calls (context
+    managers, run-time type checkers): the operation that called `run`."""
+    frame = sys._getframe(1)
+    while frame is not None and _passes_through(frame.f_globals.get("__name__", "")):
+        frame = frame.f_back
+    return frame.f_code.co_name if frame is not None else "?"
+
+
+def _passes_through(module: str) -> bool:
+    engine = module == "kvnotes.engine" or module.startswith("kvnotes.engine.")
+    return engine or module.split(".")[0] in _WRAPPERS
+
+
+__all__ = ["Call", "Profile", "label", "profile", "record", "active"]
