@@ -6,8 +6,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from tqdm.auto import tqdm
 
+from kvnotes.batches import fixed_batches, plan_batches, run_rows
 from kvnotes.engine import Hook, Readout, run
 from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
 from kvnotes.models.model import KVModel
@@ -81,6 +81,89 @@ def prefill(
         spans = {k: (a + offset, b + offset) for k, (a, b) in prompt.spans.items() if b <= stop}
         nb = replace(nb, spans=spans)
     return nb
+
+
+def common_prefix(sequences: Sequence[Sequence[int]]) -> int:
+    """The length of the longest token prefix every sequence in `sequences` starts with.
+
+    >>> common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]])
+    2
+    """
+    if not sequences:
+        return 0
+    first, n = sequences[0], min(len(s) for s in sequences)
+    for s in sequences[1:]:
+        i = 0
+        while i < n and s[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
+class Prefixes:
+    """Notebooks of token prefixes, each computed once and extended by every prompt that starts
+    with it: the policy and examples a task's prompts share, or the part of a pair before its
+    changed field. Prefill-then-append equals one prefill (invariant 2), so a prompt prefilled
+    through `Prefixes` gives the slots `prefill` gives, up to float rounding.
+
+    >>> from kvnotes import load_model
+    >>> model = load_model("tiny-llama")
+    >>> shared = Prefixes(model)
+    >>> base = shared.add(model.encode("Policy: refunds within 30 days."))
+    >>> nb = shared.prefill(model.encode("Policy: refunds within 30 days. Order 7 shipped."))
+    >>> nb.n_slots - base.n_slots, shared.computed   # only the new tokens were computed
+    (5, 19)
+    """
+
+    def __init__(self, model: KVModel):
+        self.model = model
+        self._store: dict[tuple[int, ...], Notebook] = {}
+        self.computed = 0  # tokens prefilled so far (what sharing saves is the rest)
+
+    def longest(self, ids: Sequence[int]) -> tuple[int, Notebook | None]:
+        """The longest stored prefix of `ids`: its length and notebook (0, None when none is)."""
+        best: tuple[int, Notebook | None] = (0, None)
+        for key, nb in self._store.items():
+            if best[0] < len(key) <= len(ids) and tuple(ids[: len(key)]) == key:
+                best = (len(key), nb)
+        return best
+
+    def prefill(self, prompt: PromptLike, *, upto: int | str | None = None, keep: bool = False) -> Notebook:
+        """`prefill(model, prompt, upto=upto)`, extending the longest stored prefix of its tokens;
+        `keep` stores the result for later prompts to extend."""
+        ids = _ids(self.model, prompt)
+        stop = _stop(prompt, upto, len(ids))
+        have, base = self.longest(ids[:stop])
+        nb = base if base is not None else Notebook.empty(self.model)
+        if stop > have:
+            nb, _ = run(self.model, nb, ids[have:stop], torch.arange(have, stop), logits_at=())
+            self.computed += stop - have
+        if isinstance(prompt, Prompt):
+            nb = replace(nb, spans={k: v for k, v in prompt.spans.items() if v[1] <= stop})
+        else:
+            nb = replace(nb, spans={})
+        if keep:
+            self._store[tuple(ids[:stop])] = nb
+        return nb
+
+    def add(self, ids: Sequence[int]) -> Notebook:
+        """Prefill the token prefix `ids` (extending what is stored) and keep it for later prompts."""
+        return self.prefill([int(t) for t in ids], keep=True)
+
+    def prefill_all(self, prompts: Sequence[PromptLike]) -> list[Notebook]:
+        """`prefill` each of `prompts`, computing the start they share once (kept only for this
+        call): the old and new prompt of a pair pay once for everything before the changed field."""
+        ids = [_ids(self.model, p)[: _stop(p, None, len(_ids(self.model, p)))] for p in prompts]
+        n = common_prefix(ids)
+        key = tuple(ids[0][:n])
+        stored = key in self._store
+        if n and not stored:
+            self.add(key)
+        try:
+            return [self.prefill(p) for p in prompts]
+        finally:
+            if n and not stored:
+                del self._store[key]
 
 
 def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple[list[int], Tensor]:
@@ -250,6 +333,32 @@ def patched_slots(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Noteb
     )
 
 
+OVERLAY_BYTES = 256 * 2**20  # the patched slots' K/V one forward may hold (rows x touched slots)
+
+
+def patch_batches(
+    dst: Notebook, specs: Sequence[Patch], n_query: int, first: Sequence[int] | None = None
+) -> list[list[int]]:
+    """The indices of `specs` (in order) in the batches `decide_patched` runs them in by default:
+    `kvnotes.batches.plan_batches` (rows share forwards; a batch starts at its lowest `first`
+    layer, all 0 by default), each batch's patched K/V under `OVERLAY_BYTES` (rows x the slots
+    any of its rows touches)."""
+    first = [0] * len(specs) if first is None else list(first)
+    per_slot = sum(k.shape[1] * k.shape[-1] * k.element_size() for k in dst.keys) * 2  # K and V, all layers
+    every = set(dst.positions.tolist())
+    touch = [every if s.positions is None else set(s.positions) for s in specs]
+
+    def fits(i: int, j: int) -> bool:
+        return (j - i) * len(set().union(*touch[i:j])) * per_slot <= OVERLAY_BYTES
+
+    return plan_batches(first, dst.n_layers, n_query, fits)
+
+
+def first_layer(spec: Patch, n_layers: int) -> int:
+    """The lowest layer `spec` patches: a decision's blocks below it read nothing patched."""
+    return 0 if spec.layers is None or not spec.layers else min(l % n_layers for l in spec.layers)
+
+
 def decide_patched(
     model: KVModel,
     dst: Notebook,
@@ -257,27 +366,39 @@ def decide_patched(
     specs: Sequence[Patch],
     prompt: PromptLike,
     *,
-    batch_size: int = 16,
+    batch_size: int | None = None,
     progress: bool = False,
     hooks: Sequence[Hook] = (),
     vocab: Sequence[int] | None = None,
 ) -> Float[Tensor, "n d_vocab"]:
     """Decision logits for each patch in `specs`, evaluated as batched forwards.
 
-    Equal to `[decide(model, patch(dst, src, s), prompt).last[0] for s in specs]`, but each
-    chunk of `batch_size` patches is one forward over the decision tokens, reading `dst` as it
-    is plus only the patched slots per row (`patched_slots`, `run`'s overlay): the notebook is
-    never copied. `vocab`: only these token ids' logits (columns in that order). In hooks on
-    attention scores or patterns the key axis is `dst`'s slots (a patched slot's own column
-    masked), then the patched slots, then the decision tokens.
+    Equal to `[decide(model, patch(dst, src, s), prompt).last[0] for s in specs]` (up to float
+    rounding), but each batch of patches is one forward over the decision tokens, reading `dst`
+    as it is plus only the patched slots per row (`patched_slots`, `run`'s overlay): the
+    notebook is never copied. `batch_size`: patches per forward, in the order given (default:
+    `patch_batches`, sized to the decision and the model, the patches in order of their lowest
+    patched layer). Without `hooks`, on a backend that can resume, each batch starts at its
+    lowest patched layer from the unpatched decision's residual (`kvnotes.batches.run_rows`).
+    `vocab`: only these token ids' logits (columns in that order). In hooks on attention
+    scores or patterns the key axis is `dst`'s slots (a patched slot's own column masked), then
+    the patched slots, then the decision tokens.
     """
-    out = []
-    chunks = range(0, len(specs), batch_size)
-    for i in tqdm(chunks, desc="patches", disable=not progress, unit="batch"):
-        overlay = patched_slots(dst, src, specs[i : i + batch_size])
-        out.append(decide(model, dst, prompt, hooks=hooks, vocab=vocab, overlay=overlay).last)
-    width = model.facts.d_vocab_out if vocab is None else len(vocab)
-    return torch.cat(out) if out else torch.zeros(0, width)
+    ids, pos = query_tokens(model, dst, prompt)
+    resume = not hooks and "resume" in model.backend.capabilities
+    first = [first_layer(s, dst.n_layers) if resume else 0 for s in specs]
+    batches = fixed_batches(len(specs), batch_size)
+    if batches is None:
+        order = sorted(range(len(specs)), key=lambda i: first[i])
+        at = patch_batches(dst, [specs[i] for i in order], len(ids), [first[i] for i in order])
+        batches = [[order[k] for k in b] for b in at]
+
+    def make(rows: list[int], base: bool) -> tuple[Sequence[Hook], Notebook]:
+        chosen = [specs[i] for i in rows] + ([Patch(positions=())] if base else [])
+        return hooks, patched_slots(dst, src, chosen)
+
+    kw = dict(vocab=vocab, batches=batches, resume=resume, progress=progress, desc="patches")
+    return run_rows(model, dst, ids, pos, first, make, **kw)
 
 
 # --- edits ---------------------------------------------------------------------------------

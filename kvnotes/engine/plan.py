@@ -60,6 +60,19 @@ class Readout:
 
 
 @dataclass(frozen=True, eq=False)
+class Resume:
+    """Start a forward at block `layer`, with `resid` (`[1 or batch, pos, d_model]`) entering it as
+    the computed tokens' residual stream: the blocks before `layer` are not run.
+
+    Exact when nothing those blocks read differs from the run `resid` was captured in (its
+    `blocks.{layer}.hook_resid_pre`): a batch of patches that all touch only layers >= `layer`
+    (`kvnotes.ops.decide_patched` resumes each batch at its lowest patched layer)."""
+
+    layer: int
+    resid: Float[Tensor, "batch pos d_model"]
+
+
+@dataclass(frozen=True, eq=False)
 class Plan:
     """One call's checked inputs: `tok` at `pos` against `notebook` (and `overlay`), unembedding
     the positions `read` (indices `read_idx` among the computed) over columns `cols` (None: all)."""
@@ -72,6 +85,7 @@ class Plan:
     read_idx: Int[Tensor, " read"]
     cols: Int[Tensor, " vocab"] | None
     width: int  # columns of the logits: the whole vocabulary, or len(cols)
+    resume: Resume | None = None  # start at this block with this residual (read-only runs)
 
     @property
     def batch(self) -> int:
@@ -81,10 +95,11 @@ class Plan:
 @dataclass(frozen=True, eq=False)
 class Fresh:
     """What a backend's forward returns: per layer the computed tokens' K/V
-    (`[batch, n_kv_heads, pos, d_head]`), logits `[batch, read, width]` and captured activations."""
+    (`[batch, n_kv_heads, pos, d_head]`; None for a block a resumed run skipped), logits
+    `[batch, read, width]` and captured activations."""
 
-    keys: list[Tensor]
-    values: list[Tensor]
+    keys: list[Tensor | None]
+    values: list[Tensor | None]
     logits: Float[Tensor, "batch read d_vocab"]
     activations: dict[str, Tensor] = field(default_factory=dict)
 
@@ -99,6 +114,7 @@ def make_plan(
     logits_at: Sequence[int] | None,
     vocab: Sequence[int] | None,
     overlay: Notebook | None,
+    resume: Resume | None = None,
 ) -> Plan:
     """Check `run()`'s arguments against the model and notebook and resolve their defaults."""
     notebook.check_model(model)
@@ -117,7 +133,36 @@ def make_plan(
     if cols is not None and cols.numel() and not 0 <= int(cols.min()) <= int(cols.max()) < n_vocab:
         raise OutOfRange(f"vocab ids must lie in 0..{n_vocab - 1}")
     width = n_vocab if cols is None else cols.numel()
-    return Plan(notebook, overlay, tok, pos, read, read_idx, cols, width)
+    if resume is not None:
+        check_resume(model, resume, tok, write)
+    return Plan(notebook, overlay, tok, pos, read, read_idx, cols, width, resume)
+
+
+def check_resume(model: KVModel, resume: Resume, tok: Tensor, write: bool) -> None:
+    """Refuse a resume the backend lacks, one that writes, or a residual of the wrong shape."""
+    if "resume" not in model.backend.capabilities:
+        raise BadArgument(
+            f"the {model.backend.name} backend cannot start a forward at a later block; run without "
+            "`resume` (every block from the first)"
+        )
+    if write:
+        raise BadArgument("a resumed run skips blocks, so it has no K/V to write there: pass write=False")
+    if not 0 <= resume.layer < model.n_layers:
+        raise OutOfRange(f"resume layer {resume.layer} is outside 0..{model.n_layers - 1}")
+    want = (tok.shape[1], model.facts.d_model)
+    if (
+        resume.resid.ndim != 3
+        or tuple(resume.resid.shape[1:]) != want
+        or resume.resid.shape[0]
+        not in (
+            1,
+            tok.shape[0],
+        )
+    ):
+        raise ShapeMismatch(
+            f"resume residual of shape {tuple(resume.resid.shape)}; want [1 or {tok.shape[0]}, {want[0]}, "
+            f"{want[1]}] (batch, computed tokens, d_model)"
+        )
 
 
 def tokens_and_positions(notebook: Notebook, tokens, positions) -> tuple[Tensor, Tensor]:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kvnotes import rope
 from kvnotes.engine import plan as planning
 from kvnotes.engine.backend import register
-from kvnotes.engine.plan import Fresh, Hook, Plan, SlotKeys, saver, softcap, take_slots
+from kvnotes.engine.plan import Fresh, Hook, Plan, Resume, SlotKeys, saver, softcap, take_slots
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Int, Tensor
 
@@ -40,7 +40,15 @@ class TransformerLensBackend:
 
     name = "transformer-lens"
     capabilities = frozenset(
-        {"weights", "transformer-lens", "hook_attn_scores", "hook_pattern", "hook_rot_q", "hook_rot_k"}
+        {
+            "weights",
+            "transformer-lens",
+            "hook_attn_scores",
+            "hook_pattern",
+            "hook_rot_q",
+            "hook_rot_k",
+            "resume",
+        }
     )
 
     def forward(self, model: KVModel, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]) -> Fresh:
@@ -49,7 +57,9 @@ class TransformerLensBackend:
         capture_hooks = [(name, saver(captured)) for name in capture]
         with model.tl.hooks(fwd_hooks=list(hooks) + capture_hooks):
             # 1) every layer over the notebook's keys: fresh K/V per layer, resid [batch, pos, d_model]
-            fresh_k, fresh_v, resid = _forward(model, plan.notebook, plan.overlay, plan.tok, plan.pos)
+            fresh_k, fresh_v, resid = _forward(
+                model, plan.notebook, plan.overlay, plan.tok, plan.pos, plan.resume
+            )
             # 2) unembed the read positions only: [batch, read, width]
             if plan.read:
                 logits = final_logits(model, resid[:, plan.read_idx], plan.cols)
@@ -91,15 +101,23 @@ def _forward(
     overlay: Notebook | None,
     tok: Int[Tensor, "batch pos"],
     pos: Int[Tensor, " pos"],
-) -> tuple[list[Tensor], list[Tensor], Float[Tensor, "batch pos d_model"]]:
+    resume: Resume | None = None,
+) -> tuple[list[Tensor | None], list[Tensor | None], Float[Tensor, "batch pos d_model"]]:
     """Run the computed tokens through every block against the notebook's slots (then the
-    overlay's): per layer their fresh K/V `[batch, n_kv_heads, pos, d_head]`, and the last residual."""
+    overlay's): per layer their fresh K/V `[batch, n_kv_heads, pos, d_head]`, and the last residual.
+    With `resume`, the blocks before its layer are skipped (their K/V are None)."""
     tl, cfg = model.tl, model.cfg
     device = nb.keys[0].device
     keys_for = planning.key_planner(nb, overlay, pos, device, nb.keys[0].dtype)
-    resid = tl.hook_embed(tl.embed(tok.to(device)))  # [batch, pos, d_model]
-    fresh_k, fresh_v = [], []
-    for l, block in enumerate(tl.blocks):
+    start = 0 if resume is None else resume.layer
+    fresh_k: list[Tensor | None] = [None] * start
+    fresh_v: list[Tensor | None] = [None] * start
+    if resume is None:
+        resid = tl.hook_embed(tl.embed(tok.to(device)))  # [batch, pos, d_model]
+    else:
+        resid = resume.resid.to(device).expand(tok.shape[0], -1, -1)
+    for l in range(start, len(tl.blocks)):
+        block = tl.blocks[l]
         # 1) the keys this layer reads: the fast path trims a sliding window's slots
         attn = block.attn
         fast = planning.fast_attention_enabled() and not (

@@ -1,0 +1,149 @@
+"""Many variants of one decision as few batched forwards: which rows go together, and each batch
+started at the lowest block it changes.
+
+A sweep (of K/V patches, of head patches) asks for one decision per row, each row changing the
+model from some block on. Two facts make it cheap: a small forward's time is the model's weights
+streamed from memory whatever its rows, so rows should share forwards; and a row that changes
+nothing below block l computes, below l, exactly what the unchanged decision computes, so its
+batch can start at l from that decision's residual (`kvnotes.engine.Resume`).
+
+    from kvnotes.batches import run_rows
+    logits = run_rows(model, nb, ids, pos, first, make)   # make(rows, base) -> (hooks, overlay)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from kvnotes.engine import Hook, Resume, run
+from kvnotes.errors import BadArgument
+from kvnotes.models.model import KVModel
+from kvnotes.notebook import Notebook
+from kvnotes.types import Float, Tensor
+
+FORWARD_TOKEN_ROWS = 84  # a block's fixed cost (its weights streamed), in query token-rows of compute
+MAX_ROWS = 256  # rows per batched forward at most
+
+Make = Callable[[list[int], bool], tuple[Sequence[Hook], Notebook | None]]
+
+
+def plan_batches(
+    first: Sequence[int],
+    n_layers: int,
+    n_query: int,
+    fits: Callable[[int, int], bool] | None = None,
+) -> list[list[int]]:
+    """Rows `0..len(first)-1`, in order, cut into the batches of least summed cost.
+
+    A batch of rows i..j-1 starts at block `first[i]` (rows come sorted by their first block) and
+    costs `(n_layers - first[i]) * (FORWARD_TOKEN_ROWS + rows * n_query)`: every block it runs
+    streams its weights whatever the rows (Gemma 3 270M on 2 cores: 9 ms a block for 7 rows of a
+    2-token decision, 32 ms for 126), then pays per row. Each batch holds at most `MAX_ROWS`
+    rows, and `fits(i, j)` (when given) must accept it (a memory bound, say).
+
+    >>> [len(b) for b in plan_batches([0] * 2 + [5] * 100, 6, 1)]   # the late rows go together
+    [2, 100]
+    """
+    n = len(first)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cheapest batches of rows[:j]
+    cut = [0] * (n + 1)
+    for i in range(n):
+        for j in range(i + 1, min(n, i + MAX_ROWS) + 1):
+            if j - i > 1 and fits is not None and not fits(i, j):
+                break
+            cost = best[i] + (n_layers - first[i]) * (FORWARD_TOKEN_ROWS + (j - i) * n_query)
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    batches, j = [], n
+    while j > 0:
+        batches.append(list(range(cut[j], j)))
+        j = cut[j]
+    return batches[::-1]
+
+
+def run_rows(
+    model: KVModel,
+    nb: Notebook,
+    ids: Sequence[int],
+    pos: Tensor,
+    first: Sequence[int],
+    make: Make,
+    *,
+    vocab: Sequence[int] | None = None,
+    batches: Sequence[Sequence[int]] | None = None,
+    resume: bool = True,
+    progress: bool = False,
+    desc: str = "rows",
+) -> Float[Tensor, "n d_vocab"]:
+    """Decision logits of each row: `ids` at `pos` read after `nb`, row r changed from block
+    `first[r]` on by what `make` returns for its batch.
+
+    `make(rows, base)` gives the hooks and overlay of a batch of row indices (each hook masks by
+    its row); with `base`, one more row is last in the batch and must be left unchanged: the
+    decision whose residual later batches resume from. `batches` (row indices; default
+    `plan_batches` over the rows sorted by first block) are run in turn, each from its lowest
+    first block when the backend can resume and `resume` allows (False where a hook outside
+    `make`'s may sit below a row's first block): from block 0 otherwise."""
+    n, L = len(first), model.n_layers
+    width = model.facts.d_vocab_out if vocab is None else len(vocab)
+    resume = resume and "resume" in model.backend.capabilities and n > 0 and max(first) > 0
+    if batches is None:
+        order = sorted(range(n), key=lambda i: first[i]) if resume else list(range(n))
+        at = [first[i] if resume else 0 for i in order]
+        batches = [[order[k] for k in b] for b in plan_batches(at, L, len(ids))]
+    starts = {min(first[i] for i in b) for b in batches} if resume else set()
+    need = sorted(l for l in starts if l > 0)
+    resid: dict[int, Tensor] = {}
+    out: Tensor | None = None
+    for rows in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
+        rows = list(rows)
+        start = min(first[i] for i in rows) if resume else 0
+        base = bool(need) and not resid and start == 0  # this batch also computes the residuals
+        if need and not resid and not base:
+            resid = layer_inputs(model, nb, ids, pos, need)
+        hooks, overlay = make(rows, base)
+        tok = torch.as_tensor(list(ids))[None].expand(len(rows) + base, -1)  # one row per batch row
+        capture = [f"blocks.{l}.hook_resid_pre" for l in need] if base else []
+        again = Resume(start, resid[start]) if start > 0 else None
+        _, r = run(
+            model,
+            nb,
+            tok,
+            pos,
+            write=False,
+            hooks=hooks,
+            capture=capture,
+            vocab=vocab,
+            overlay=overlay,
+            resume=again,
+        )
+        if base:
+            resid = {l: r.activations[f"blocks.{l}.hook_resid_pre"][-1:] for l in need}
+        if out is None:
+            out = r.last.new_zeros(n, width)
+        out[rows] = r.last[: len(rows)]
+    return out if out is not None else torch.zeros(0, width)
+
+
+def fixed_batches(n: int, size: int | None) -> list[list[int]] | None:
+    """Rows `0..n-1` in batches of `size`, in order (None for `size` None: let `run_rows` plan them)."""
+    if size is None:
+        return None
+    if size < 1:
+        raise BadArgument(f"batch_size must be at least 1, got {size}")
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def layer_inputs(
+    model: KVModel, nb: Notebook, ids: Sequence[int], pos: Tensor, layers: Sequence[int]
+) -> dict[int, Tensor]:
+    """The unchanged decision's residual entering each block in `layers` (`[1, pos, d_model]`)."""
+    names = {l: f"blocks.{l}.hook_resid_pre" for l in layers if l > 0}
+    _, r = run(model, nb, ids, pos, write=False, capture=list(names.values()), logits_at=())
+    return {l: r.activations[n] for l, n in names.items()}
+
+
+__all__ = ["FORWARD_TOKEN_ROWS", "MAX_ROWS", "fixed_batches", "layer_inputs", "plan_batches", "run_rows"]
