@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvnotes.batches import fixed_batches, run_rows
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
 from kvnotes.models.model import KVModel
@@ -33,7 +34,6 @@ from kvnotes.types import Bool, Float, Tensor
 from probes.trials import Trial
 
 Head = tuple[int, int]
-ROWS = 32  # head sets per batched forward
 
 
 def all_heads(model: KVModel) -> list[Head]:
@@ -177,23 +177,43 @@ def read_hooks(masks: Tensor, source: Tensor, *, add: bool) -> list:
 
 
 def read_sweep(
-    t: Trial, sets: Sequence[Sequence[Head]], *, path: Sequence[int] | None = None, batch_size: int = ROWS
+    t: Trial,
+    sets: Sequence[Sequence[Head]],
+    *,
+    path: Sequence[int] | None = None,
+    batch_size: int | None = None,
 ) -> Float[Tensor, " n"]:
     """Recovery for each head set patched at the decision (new → old run).
 
     path=None: output patching (each head's whole output from the new run). path=positions:
     path patching (only the part of each head's attention that lands on those slots changes).
+    Batched forwards (`batch_size` sets each, in order; default: planned by
+    `kvnotes.batches.run_rows`, each batch started at its lowest patched layer).
     """
     site = read_site(t)
     source = site.z_new if path is None else path_delta(t, path)
-    out = []
-    for i in range(0, len(sets), batch_size):
-        m = masks_for(t.model, sets[i : i + batch_size])
-        hooks = read_hooks(m, source, add=path is not None)
-        tok = torch.tensor([[site.token]]).expand(len(m), 1)
-        _, r = run(t.model, site.old, tok, [site.position], write=False, hooks=hooks, vocab=t.vocab)
-        out.append(t.score(r.last))
-    return t.recovery(torch.cat(out).cpu()) if out else torch.zeros(0, dtype=torch.float64)
+
+    def make(rows: list[int], base: bool) -> tuple[list, None]:
+        m = masks_for(t.model, [sets[i] for i in rows] + ([[]] if base else []))
+        return read_hooks(m, source, add=path is not None), None
+
+    logits = run_rows(
+        t.model,
+        site.old,
+        [site.token],
+        torch.tensor([site.position]),
+        first_layers(t.model, sets),
+        make,
+        vocab=t.vocab,
+        batches=fixed_batches(len(sets), batch_size),
+        desc="head sets",
+    )
+    return t.recovery(t.score(logits).cpu()) if len(sets) else torch.zeros(0, dtype=torch.float64)
+
+
+def first_layers(model: KVModel, sets: Sequence[Sequence[Head]]) -> list[int]:
+    """The lowest layer of each head set (the last layer for an empty set: it changes nothing)."""
+    return [min((l % model.n_layers for l, _ in s), default=model.n_layers - 1) for s in sets]
 
 
 # --- write side ------------------------------------------------------------------------------
@@ -253,31 +273,35 @@ def write_hooks(masks: Tensor, z_new: Sequence[Tensor], n_total: int) -> list:
     return [(_hook_z(l), make(l)) for l in layers]
 
 
-def write_sweep(t: Trial, sets: Sequence[Sequence[Head]], *, batch_size: int = ROWS) -> Float[Tensor, " n"]:
+def write_sweep(
+    t: Trial, sets: Sequence[Sequence[Head]], *, batch_size: int | None = None
+) -> Float[Tensor, " n"]:
     """Recovery for each head set whose outputs at the note slots come from the new run while
     the old notebook's note slots are recomputed (NaN for every set when there are no notes).
 
     The note slots and the query are computed in one pass, the query attending to the
-    recomputed note slots as it would after writing them."""
+    recomputed note slots as it would after writing them; batched as `read_sweep` is."""
     site = write_site(t)
     if site is None:
         return torch.full((len(sets),), float("nan"), dtype=torch.float64)
-    out = []
     n = len(site.tokens)
-    for i in range(0, len(sets), batch_size):
-        m = masks_for(t.model, sets[i : i + batch_size])
-        tok = torch.tensor([site.tokens]).expand(len(m), -1)
-        _, r = run(
-            t.model,
-            site.base,
-            tok,
-            site.positions,
-            write=False,
-            vocab=t.vocab,
-            hooks=write_hooks(m, site.z_new, n),
-        )
-        out.append(t.score(r.last))
-    return t.recovery(torch.cat(out).cpu()) if out else torch.zeros(0, dtype=torch.float64)
+
+    def make(rows: list[int], base: bool) -> tuple[list, None]:
+        m = masks_for(t.model, [sets[i] for i in rows] + ([[]] if base else []))
+        return write_hooks(m, site.z_new, n), None
+
+    logits = run_rows(
+        t.model,
+        site.base,
+        list(site.tokens),
+        torch.tensor(site.positions),
+        first_layers(t.model, sets),
+        make,
+        vocab=t.vocab,
+        batches=fixed_batches(len(sets), batch_size),
+        desc="head sets",
+    )
+    return t.recovery(t.score(logits).cpu()) if len(sets) else torch.zeros(0, dtype=torch.float64)
 
 
 Sweep = Callable[[Trial, Sequence[Sequence[Head]]], Tensor]

@@ -106,20 +106,40 @@ def notes_transplant(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT)
 
 
 def single_slot_map(t: Trial, layer_window: int) -> dict:
-    """One pair's note map (cached on the trial): per-slot and per-layer transplant recoveries."""
+    """One pair's note map (cached on the trial): per-slot and per-layer transplant recoveries.
+
+    The sweeps that do not depend on `layer_window` run once per pair, whichever window asks
+    first (the edit methods' window 1 reuses the note map's); a window of one layer is the
+    per-layer sweep itself."""
     key = ("note_map", layer_window)
     if key in t.cache:
         return t.cache[key]
+    base = _slot_sweeps(t)
+    L = t.model.n_layers
+    windows = [tuple(range(s, s + layer_window)) for s in range(0, L - layer_window + 1)]
+    if layer_window == 1:
+        per_window = list(base["per_layer"])
+    else:
+        down = tuple(t.pair.downstream())
+        per_window = t.sweep([Patch(positions=down, layers=w) for w in windows]).tolist()
+    out = {**base, "layer_windows": [list(w) for w in windows], "per_window": per_window}
+    t.cache[key] = out
+    return out
+
+
+def _slot_sweeps(t: Trial) -> dict:
+    """The window-independent part of a pair's note map (cached on the trial): the field's slots
+    together, each slot alone, all notes per layer, and each note slot x layer."""
+    if "slot_sweeps" in t.cache:
+        return t.cache["slot_sweeps"]
     field_pos = list(t.pair.field_span)
     down = t.pair.downstream()
     slots = field_pos + down
     L = t.model.n_layers
-    windows = [tuple(range(s, s + layer_window)) for s in range(0, L - layer_window + 1)]
     specs = (
         [Patch(positions=tuple(field_pos))]
         + [Patch(positions=(p,)) for p in slots]
         + [Patch(positions=tuple(down), layers=(l,)) for l in range(L)]
-        + [Patch(positions=tuple(down), layers=w) for w in windows]
         + [Patch(positions=(p,), layers=(l,)) for p in down for l in range(L)]
     )
     r = t.sweep(specs).tolist()
@@ -127,7 +147,6 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
     field_joint, r = r[0], r[1:]
     per_slot, r = r[:n_s], r[n_s:]
     per_layer, r = r[:L], r[L:]
-    per_window, r = r[: len(windows)], r[len(windows) :]
     grid = [r[i * L : (i + 1) * L] for i in range(n_d)]
     dev = kv_deviation(t.old_nb, t.new_nb)[0]  # [layer, slot]
     dev_slot = dev.pow(2).sum(0).sqrt()
@@ -145,23 +164,21 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
         "delimiter": [bool(s) and is_delimiter(s) for s in strings],
         "distance_to_decision": [decision - p for p in slots],
         "per_layer": per_layer,
-        "layer_windows": [list(w) for w in windows],
-        "per_window": per_window,
         "slot_layer": grid,
     }
-    t.cache[key] = out
+    t.cache["slot_sweeps"] = out
     return out
 
 
-def note_scores(t: Trial, layer_window: int = 1) -> list[tuple[float, int]]:
+def note_scores(t: Trial, layer_window: int = 1) -> list[tuple[float, int]]:  # noqa: ARG001 - kept for callers
     """(single-slot transplant recovery, position) of each downstream slot of the pair.
 
-    Read from the pair's note map when one was computed; otherwise only the single-slot
-    transplants are run (the same patches, without the per-layer sweeps), and kept on the trial.
+    Read from the pair's note map when one was computed (any window: the single-slot sweep does
+    not depend on it); otherwise only the single-slot transplants are run (the same patches,
+    without the per-layer sweeps), and kept on the trial.
     """
-    key = ("note_map", layer_window)
-    if key in t.cache:
-        m = t.cache[key]
+    if "slot_sweeps" in t.cache:
+        m = t.cache["slot_sweeps"]
         return [(r, p) for r, p, role in zip(m["recovery"], m["positions"], m["role"]) if role == "note"]
     if "note_slots" not in t.cache:
         down = t.pair.downstream()

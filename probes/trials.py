@@ -19,7 +19,7 @@ from kvnotes.metrics import Metric, answer_columns, logit_diff, recovery
 from kvnotes.models import default_task
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.ops import Patch, PromptLike, decide, decide_patched, prefill
+from kvnotes.ops import Patch, Prefixes, PromptLike, common_prefix, decide, decide_patched, prefill
 from kvnotes.tasks import GATE, Pair, Task, load_task, sample
 from kvnotes.types import Float, Tensor
 
@@ -50,8 +50,10 @@ class Pairs(Options):
 def shared_trials(ctx: Context, n: int, *, kind: str = GATE, template: int | None = None) -> list[Trial]:
     """`n` prefilled pairs of the context's task (drawn across its templates, or from `template`
     alone), made once per run and shared by its analyses."""
+    fingerprint = getattr(ctx.model, "fingerprint", None)  # one memo may serve several runs
+    key = ("trials", ctx.model.name, fingerprint, ctx.task.name, ctx.seed, n, kind, template)
     return ctx.shared(
-        ("trials", n, kind, template),
+        key,
         lambda: make_trials(
             ctx.model, ctx.task, n, seed=ctx.seed, kind=kind, template=template, progress=ctx.progress
         ),
@@ -117,9 +119,10 @@ class Trial:
         *,
         src: Notebook | None = None,
         dst: Notebook | None = None,
-        batch_size: int = 16,
+        batch_size: int | None = None,
     ) -> Float[Tensor, " n"]:
-        """Recovery of each patch in `specs` (new → old by default), as batched forwards."""
+        """Recovery of each patch in `specs` (new → old by default), as batched forwards
+        (`batch_size` patches each; default sized by `kvnotes.ops.patch_batches`)."""
         src = self.new_nb if src is None else src
         dst = self.old_nb if dst is None else dst
         out = decide_patched(
@@ -152,6 +155,18 @@ def read_decision(
     return metric(decide(model, nb, prompt, hooks=hooks, vocab=vocab).last, columns)
 
 
+def template_prefixes(model: KVModel, pairs: Sequence[Pair]) -> Prefixes:
+    """`Prefixes` holding, per template among `pairs`, the token start all its prompts share."""
+    shared = Prefixes(model)
+    for tmpl in sorted({p.template for p in pairs}):
+        prompts = [q for p in pairs if p.template == tmpl for q in (p.old, p.new)]
+        ids = [q.ids[: q.spans["decision"][0] if "decision" in q.spans else len(q)] for q in prompts]
+        n = common_prefix(ids)
+        if n:
+            shared.add(ids[0][:n])
+    return shared
+
+
 def make_trials(
     model: KVModel,
     task: Task | str,
@@ -163,10 +178,16 @@ def make_trials(
     template: int | None = None,
     progress: bool = True,
     metric: Metric = logit_diff,
+    share: bool = True,
 ) -> list[Trial]:
     """Sample `n` aligned pairs of `task` (across its templates, or from `template` alone; see
     `kvnotes.tasks.sample`) and prefill both prompts of each; `metric` is the decision readout
     every probe reads from the trials (default: the logit difference).
+
+    `share`: prefill the start every pair of a template shares (policy, examples) once, and each
+    pair's start before its changed field once for both prompts (`kvnotes.ops.Prefixes`); the
+    slots equal separate prefills up to float rounding (invariant 2). `share=False` prefills
+    every prompt from its first token.
 
     >>> from kvnotes import load_model
     >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
@@ -181,9 +202,13 @@ def make_trials(
             stacklevel=2,
         )
     pairs = sample(task, model, n, seed=seed, kind=kind, filler=filler, template=template)
+    shared = template_prefixes(model, pairs) if share else None
     out = []
     for pair in tqdm(pairs, desc=f"prefill {task.name} ({kind})", disable=not progress, unit="pair"):
-        old_nb, new_nb = prefill(model, pair.old), prefill(model, pair.new)
+        if shared is not None:
+            old_nb, new_nb = shared.prefill_all([pair.old, pair.new])
+        else:
+            old_nb, new_nb = prefill(model, pair.old), prefill(model, pair.new)
         lds = [
             float(read_decision(model, nb, prompt, pair.answers, metric=metric)[0])
             for nb, prompt in ((old_nb, pair.old), (new_nb, pair.new))

@@ -352,12 +352,12 @@ def plan_parts(
     run_ = [a for a in report_analyses().values() if a.name not in cfg.skip]
     secs = sections()
     for task in tasks:
+        memo: dict = {}  # the task's sections share its prompt pairs and what was computed on them
         for sec in secs.values():
             names = [a.name for a in run_ if a.section == sec.name]
             if sec.level == TASK and names:
-                out.append(
-                    (f"{task.name}/{sec.name}", partial(_task_part, model, task, sec, names, cfg, progress))
-                )
+                part = partial(_task_part, model, task, sec, names, cfg, progress, memo)
+                out.append((f"{task.name}/{sec.name}", part))
     for a in run_:
         if secs[a.section].level == MODEL:
             out.append((f"model/{a.name}", partial(_model_part, model, a, cfg, progress)))
@@ -365,9 +365,16 @@ def plan_parts(
 
 
 def _task_part(
-    model: KVModel, task: Task, section: Section, names: list[str], cfg: ReportConfig, progress: bool
+    model: KVModel,
+    task: Task,
+    section: Section,
+    names: list[str],
+    cfg: ReportConfig,
+    progress: bool,
+    memo: dict,
 ) -> SectionReport:
-    """`section`'s analyses `names` on one task, as one SectionReport."""
+    """`section`'s analyses `names` on one task, as one SectionReport (`memo`: shared by the task's
+    sections)."""
     return collect(
         model,
         task,
@@ -376,6 +383,7 @@ def _task_part(
         seed=cfg.seed,
         min_effect=cfg.min_effect,
         progress=progress,
+        memo=memo,
     )
 
 
