@@ -13,7 +13,9 @@ batch can start at l from that decision's residual (`kvnotes.engine.Resume`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -24,8 +26,31 @@ from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Tensor
 
+_sharing = os.environ.get("KVNOTES_SHARING", "1") != "0"
+UNSHARED_ROWS = 16  # the unshared way's rows per forward: the fixed batch sweeps used before planning
+
 FORWARD_TOKEN_ROWS = 84  # a block's fixed cost (its weights streamed), in query token-rows of compute
 MAX_ROWS = 256  # rows per batched forward at most
+
+
+@contextmanager
+def sharing(enabled: bool = True) -> Iterator[None]:
+    """Share what pairs share inside a `with` block (the default), or not: `sharing(False)` is the
+    unshared way `kvnotes bench analyses` times beside it (every prompt prefilled from its first
+    token, sweeps in fixed batches of `UNSHARED_ROWS` from block 0, nothing memoised across a
+    report's sections). Both give the same numbers up to float rounding. `KVNOTES_SHARING=0`
+    turns it off for a whole process."""
+    global _sharing
+    before, _sharing = _sharing, bool(enabled)
+    try:
+        yield
+    finally:
+        _sharing = before
+
+
+def sharing_enabled() -> bool:
+    return _sharing
+
 
 Make = Callable[[list[int], bool], tuple[Sequence[Hook], Notebook | None]]
 
@@ -89,7 +114,9 @@ def run_rows(
     `make`'s may sit below a row's first block): from block 0 otherwise."""
     n, L = len(first), model.n_layers
     width = model.facts.d_vocab_out if vocab is None else len(vocab)
-    resume = resume and "resume" in model.backend.capabilities and n > 0 and max(first) > 0
+    if batches is None and not _sharing:
+        batches = fixed_batches(n, UNSHARED_ROWS)
+    resume = resume and _sharing and "resume" in model.backend.capabilities and n > 0 and max(first) > 0
     if batches is None:
         order = sorted(range(n), key=lambda i: first[i]) if resume else list(range(n))
         at = [first[i] if resume else 0 for i in order]
@@ -146,4 +173,14 @@ def layer_inputs(
     return {l: r.activations[n] for l, n in names.items()}
 
 
-__all__ = ["FORWARD_TOKEN_ROWS", "MAX_ROWS", "fixed_batches", "layer_inputs", "plan_batches", "run_rows"]
+__all__ = [
+    "FORWARD_TOKEN_ROWS",
+    "MAX_ROWS",
+    "UNSHARED_ROWS",
+    "fixed_batches",
+    "layer_inputs",
+    "plan_batches",
+    "run_rows",
+    "sharing",
+    "sharing_enabled",
+]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvnotes.batches import fixed_batches, plan_batches, run_rows
+from kvnotes.batches import fixed_batches, plan_batches, run_rows, sharing_enabled
 from kvnotes.engine import Hook, Readout, run
 from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
 from kvnotes.models.model import KVModel
@@ -101,36 +101,42 @@ def common_prefix(sequences: Sequence[Sequence[int]]) -> int:
 
 
 class Prefixes:
-    """Notebooks of token prefixes, each computed once and extended by every prompt that starts
-    with it: the policy and examples a task's prompts share, or the part of a pair before its
-    changed field. Prefill-then-append equals one prefill (invariant 2), so a prompt prefilled
-    through `Prefixes` gives the slots `prefill` gives, up to float rounding.
+    """Prefilled prompts kept so that a later prompt computes only what it does not share with
+    one of them: a task's policy and examples, a pair's start before its changed field, the same
+    pair at another filler length. A prompt extends the kept notebook whose tokens share its
+    longest start (cut to that start); prefill-then-append equals one prefill (invariant 2), so
+    a prompt prefilled through `Prefixes` gives the slots `prefill` gives, up to float rounding.
 
     >>> from kvnotes import load_model
     >>> model = load_model("tiny-llama")
     >>> shared = Prefixes(model)
-    >>> base = shared.add(model.encode("Policy: refunds within 30 days."))
-    >>> nb = shared.prefill(model.encode("Policy: refunds within 30 days. Order 7 shipped."))
-    >>> nb.n_slots - base.n_slots, shared.computed   # only the new tokens were computed
-    (5, 19)
+    >>> a = shared.prefill(model.encode("Policy: refunds within 30 days. Order 7 shipped."))
+    >>> b = shared.prefill(model.encode("Policy: refunds within 30 days. Order 8 is late."))
+    >>> a.n_slots + b.n_slots - shared.computed   # tokens b took from a instead of computing them
+    16
     """
 
     def __init__(self, model: KVModel):
         self.model = model
-        self._store: dict[tuple[int, ...], Notebook] = {}
+        self._kept: list[tuple[tuple[int, ...], Notebook]] = []
         self.computed = 0  # tokens prefilled so far (what sharing saves is the rest)
 
     def longest(self, ids: Sequence[int]) -> tuple[int, Notebook | None]:
-        """The longest stored prefix of `ids`: its length and notebook (0, None when none is)."""
-        best: tuple[int, Notebook | None] = (0, None)
-        for key, nb in self._store.items():
-            if best[0] < len(key) <= len(ids) and tuple(ids[: len(key)]) == key:
-                best = (len(key), nb)
-        return best
+        """The longest start of `ids` a kept notebook shares: its length and that notebook cut to
+        it (0 and None when none shares a token)."""
+        ids = tuple(ids)
+        best, source = 0, None
+        for key, nb in self._kept:
+            n = common_prefix([key, ids])
+            if n > best:
+                best, source = n, nb
+        if source is None:
+            return 0, None
+        return best, source if source.n_slots == best else source.truncate(best)
 
-    def prefill(self, prompt: PromptLike, *, upto: int | str | None = None, keep: bool = False) -> Notebook:
-        """`prefill(model, prompt, upto=upto)`, extending the longest stored prefix of its tokens;
-        `keep` stores the result for later prompts to extend."""
+    def prefill(self, prompt: PromptLike, *, upto: int | str | None = None, keep: bool = True) -> Notebook:
+        """`prefill(model, prompt, upto=upto)`, computing only the tokens after the longest start
+        a kept notebook shares; `keep` (default) keeps the result for later prompts."""
         ids = _ids(self.model, prompt)
         stop = _stop(prompt, upto, len(ids))
         have, base = self.longest(ids[:stop])
@@ -138,32 +144,11 @@ class Prefixes:
         if stop > have:
             nb, _ = run(self.model, nb, ids[have:stop], torch.arange(have, stop), logits_at=())
             self.computed += stop - have
-        if isinstance(prompt, Prompt):
-            nb = replace(nb, spans={k: v for k, v in prompt.spans.items() if v[1] <= stop})
-        else:
-            nb = replace(nb, spans={})
+        spans = {k: v for k, v in prompt.spans.items() if v[1] <= stop} if isinstance(prompt, Prompt) else {}
+        nb = replace(nb, spans=spans)
         if keep:
-            self._store[tuple(ids[:stop])] = nb
+            self._kept.append((tuple(ids[:stop]), nb))
         return nb
-
-    def add(self, ids: Sequence[int]) -> Notebook:
-        """Prefill the token prefix `ids` (extending what is stored) and keep it for later prompts."""
-        return self.prefill([int(t) for t in ids], keep=True)
-
-    def prefill_all(self, prompts: Sequence[PromptLike]) -> list[Notebook]:
-        """`prefill` each of `prompts`, computing the start they share once (kept only for this
-        call): the old and new prompt of a pair pay once for everything before the changed field."""
-        ids = [_ids(self.model, p)[: _stop(p, None, len(_ids(self.model, p)))] for p in prompts]
-        n = common_prefix(ids)
-        key = tuple(ids[0][:n])
-        stored = key in self._store
-        if n and not stored:
-            self.add(key)
-        try:
-            return [self.prefill(p) for p in prompts]
-        finally:
-            if n and not stored:
-                del self._store[key]
 
 
 def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple[list[int], Tensor]:
@@ -388,7 +373,7 @@ def decide_patched(
     resume = not hooks and "resume" in model.backend.capabilities
     first = [first_layer(s, dst.n_layers) if resume else 0 for s in specs]
     batches = fixed_batches(len(specs), batch_size)
-    if batches is None:
+    if batches is None and sharing_enabled():
         order = sorted(range(len(specs)), key=lambda i: first[i])
         at = patch_batches(dst, [specs[i] for i in order], len(ids), [first[i] for i in order])
         batches = [[order[k] for k in b] for b in at]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.batches import sharing_enabled
 from kvnotes.metrics import kv_deviation, spearman
 from kvnotes.ops import Patch, refresh
 from kvnotes.prompt import is_delimiter
@@ -114,7 +115,7 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
     key = ("note_map", layer_window)
     if key in t.cache:
         return t.cache[key]
-    base = _slot_sweeps(t)
+    base = _slot_sweeps(t, reuse=sharing_enabled())
     L = t.model.n_layers
     windows = [tuple(range(s, s + layer_window)) for s in range(0, L - layer_window + 1)]
     if layer_window == 1:
@@ -127,10 +128,11 @@ def single_slot_map(t: Trial, layer_window: int) -> dict:
     return out
 
 
-def _slot_sweeps(t: Trial) -> dict:
-    """The window-independent part of a pair's note map (cached on the trial): the field's slots
-    together, each slot alone, all notes per layer, and each note slot x layer."""
-    if "slot_sweeps" in t.cache:
+def _slot_sweeps(t: Trial, *, reuse: bool = True) -> dict:
+    """The window-independent part of a pair's note map (cached on the trial; `reuse=False`
+    computes it again): the field's slots together, each slot alone, all notes per layer, and
+    each note slot x layer."""
+    if reuse and "slot_sweeps" in t.cache:
         return t.cache["slot_sweeps"]
     field_pos = list(t.pair.field_span)
     down = t.pair.downstream()

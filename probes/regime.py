@@ -17,6 +17,7 @@ from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
+from kvnotes.ops import Prefixes
 from kvnotes.tasks import Task, TaskError, load_task
 from kvnotes.tasks.sampler import fit_notes
 from probes.causal import field_refresh, notes_transplant
@@ -69,10 +70,13 @@ def regime(
             "from the decision; add {filler} to its template after the gating field"
         )
     parts, distance, measured, skipped = {}, [], [], []
+    shared = Prefixes(model)  # the same pairs at every distance: their start before the filler, once
     for d in tqdm(list(distances), desc="regime", disable=not progress, unit="distance"):
         filler = filler_text(model, d)
         try:
-            trials = make_trials(model, task, n, seed=seed, filler=filler, template=template, progress=False)
+            trials = make_trials(
+                model, task, n, seed=seed, filler=filler, template=template, progress=False, prefixes=shared
+            )
         except OutOfRange as e:  # the prompt outgrows the model's context: record it, measure the rest
             skipped.append({"filler_tokens": d, "reason": str(e)})
             continue

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, option
+from kvnotes.batches import sharing_enabled
 from kvnotes.engine import Hook
 from kvnotes.errors import BadOption
 from kvnotes.metrics import Metric, answer_columns, logit_diff, recovery
 from kvnotes.models import default_task
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.ops import Patch, Prefixes, PromptLike, common_prefix, decide, decide_patched, prefill
+from kvnotes.ops import Patch, Prefixes, PromptLike, decide, decide_patched, prefill
 from kvnotes.tasks import GATE, Pair, Task, load_task, sample
 from kvnotes.types import Float, Tensor
 
@@ -155,18 +156,6 @@ def read_decision(
     return metric(decide(model, nb, prompt, hooks=hooks, vocab=vocab).last, columns)
 
 
-def template_prefixes(model: KVModel, pairs: Sequence[Pair]) -> Prefixes:
-    """`Prefixes` holding, per template among `pairs`, the token start all its prompts share."""
-    shared = Prefixes(model)
-    for tmpl in sorted({p.template for p in pairs}):
-        prompts = [q for p in pairs if p.template == tmpl for q in (p.old, p.new)]
-        ids = [q.ids[: q.spans["decision"][0] if "decision" in q.spans else len(q)] for q in prompts]
-        n = common_prefix(ids)
-        if n:
-            shared.add(ids[0][:n])
-    return shared
-
-
 def make_trials(
     model: KVModel,
     task: Task | str,
@@ -178,16 +167,18 @@ def make_trials(
     template: int | None = None,
     progress: bool = True,
     metric: Metric = logit_diff,
-    share: bool = True,
+    share: bool | None = None,
+    prefixes: Prefixes | None = None,
 ) -> list[Trial]:
     """Sample `n` aligned pairs of `task` (across its templates, or from `template` alone; see
     `kvnotes.tasks.sample`) and prefill both prompts of each; `metric` is the decision readout
     every probe reads from the trials (default: the logit difference).
 
-    `share`: prefill the start every pair of a template shares (policy, examples) once, and each
-    pair's start before its changed field once for both prompts (`kvnotes.ops.Prefixes`); the
-    slots equal separate prefills up to float rounding (invariant 2). `share=False` prefills
-    every prompt from its first token.
+    `share`: each prompt computes only what it does not share with an earlier one (the start a
+    template's prompts share, a pair's start before its changed field: `kvnotes.ops.Prefixes`,
+    or `prefixes`, kept across calls); the slots equal separate prefills up to float rounding
+    (invariant 2). `share=False` prefills every prompt from its first token; None follows
+    `kvnotes.batches.sharing`.
 
     >>> from kvnotes import load_model
     >>> trials = make_trials(load_model("tiny-llama"), "order-cancel", 2, progress=False)
@@ -202,11 +193,12 @@ def make_trials(
             stacklevel=2,
         )
     pairs = sample(task, model, n, seed=seed, kind=kind, filler=filler, template=template)
-    shared = template_prefixes(model, pairs) if share else None
+    share = sharing_enabled() if share is None else share
+    shared = (prefixes or Prefixes(model)) if share else None
     out = []
     for pair in tqdm(pairs, desc=f"prefill {task.name} ({kind})", disable=not progress, unit="pair"):
         if shared is not None:
-            old_nb, new_nb = shared.prefill_all([pair.old, pair.new])
+            old_nb, new_nb = shared.prefill(pair.old), shared.prefill(pair.new)
         else:
             old_nb, new_nb = prefill(model, pair.old), prefill(model, pair.new)
         lds = [

@@ -42,6 +42,7 @@ from kvnotes.analysis.registry import (
 )
 from kvnotes.analysis.results import ResultSchemaError, SectionReport
 from kvnotes.analysis.runner import collect, run_meta
+from kvnotes.batches import sharing_enabled
 from kvnotes.display import Displayable
 from kvnotes.errors import KVNotesError, ReportFileError
 from kvnotes.models.model import KVModel
@@ -356,7 +357,8 @@ def plan_parts(
         for sec in secs.values():
             names = [a.name for a in run_ if a.section == sec.name]
             if sec.level == TASK and names:
-                part = partial(_task_part, model, task, sec, names, cfg, progress, memo)
+                shared = memo if sharing_enabled() else {}  # unshared: each section on its own
+                part = partial(_task_part, model, task, sec, names, cfg, progress, shared)
                 out.append((f"{task.name}/{sec.name}", part))
     for a in run_:
         if secs[a.section].level == MODEL:

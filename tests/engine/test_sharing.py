@@ -45,24 +45,25 @@ def _one_at_a_time(case, specs) -> torch.Tensor:
 
 
 # --- a prefix prefilled once -------------------------------------------------------------------
-def test_a_prompt_prefilled_through_its_stored_prefix_equals_prefill(case):
+def test_a_prompt_prefilled_through_a_kept_one_equals_prefill(case):
     shared = Prefixes(case.model)
-    base = shared.add(case.ids[: case.field])
+    first = shared.prefill(case.ids[: case.field + 2])  # shares the start up to the field and 2 more
+    assert_notebooks_close(first, case.nb_old.truncate(case.field + 2), what="a start, prefilled")
     nb = shared.prefill(case.old)
-    assert_notebooks_close(nb, case.nb_old, what="stored prefix + the rest vs prefill")
+    assert_notebooks_close(nb, case.nb_old, what="kept start + the rest vs prefill")
     assert nb.spans == case.nb_old.spans
-    assert base.n_slots == case.field and shared.computed == case.stop
+    assert shared.computed == case.stop
 
 
 def test_a_pair_pays_once_for_the_start_its_prompts_share(case):
     shared = Prefixes(case.model)
-    old, new = shared.prefill_all([case.old, case.new])
-    assert_notebooks_close(old, case.nb_old, what="old prompt, shared start")
-    assert_notebooks_close(new, case.nb_new, what="new prompt, shared start")
+    old, new = shared.prefill(case.old), shared.prefill(case.new)
+    assert_notebooks_close(old, case.nb_old, what="old prompt")
+    assert_notebooks_close(new, case.nb_new, what="new prompt, cut from the old one's start")
     start = common_prefix([case.old.ids[: case.stop], case.new.ids[: case.stop]])
     assert start == case.field  # the prompts differ from the changed field on
     assert shared.computed == start + 2 * (case.stop - start)
-    assert shared.longest(case.ids)[0] == 0  # the pair's start was kept for this call only
+    assert shared.longest(case.ids[: case.field])[1].n_slots == case.field
 
 
 # --- the default batches and resumed batches ---------------------------------------------------
