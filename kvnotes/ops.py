@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -149,6 +149,16 @@ class Prefixes:
         if keep:
             self._kept.append((tuple(ids[:stop]), nb))
         return nb
+
+
+def prefiller(model: KVModel) -> Callable[[PromptLike], Notebook]:
+    """`prefill(model, prompt)` as a one-argument function that, while sharing is on
+    (`kvnotes.batches.sharing`), computes only what a prompt does not share with one it
+    prefilled before (`Prefixes`): a host context every question starts with, a transcript one
+    turn longer than the last."""
+    if not sharing_enabled():
+        return lambda prompt: prefill(model, prompt)
+    return Prefixes(model).prefill
 
 
 def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple[list[int], Tensor]:

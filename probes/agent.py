@@ -20,7 +20,7 @@ from kvnotes.errors import OutOfRange
 from kvnotes.hosts import HOST
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
-from kvnotes.ops import append, decide, precompile, prefill, splice
+from kvnotes.ops import append, decide, precompile, prefiller, splice
 from kvnotes.tasks import Task, load_task, sample
 from probes.compose import chunk_end
 from probes.edit import ERRATUM
@@ -73,13 +73,14 @@ def agent_loop(
             f"{turns} turns of errata need about {need} positions but {model.name} has "
             f"n_ctx={model.n_ctx}; use at most {(model.n_ctx - need) // longest + turns} turns"
         )
+    pf = prefiller(model)  # the host (and a transcript's earlier turns) computed once
     for pair in tqdm(pairs, desc="agent loop", disable=not progress, unit="prompt"):
         p = pair.old
         ids = list(p.ids)
         c1, d0 = chunk_end(p, field), p.span("decision").start
         query = ids[d0:]
         chunk = precompile(model, ids[1:c1])
-        nb = splice(model, prefill(model, host), chunk, seam=seam)
+        nb = splice(model, pf(host), chunk, seam=seam)
         nb, _ = run(model, nb, ids[c1:d0], logits_at=())
         text_ids = host + ids[1:d0]
         values = [v for v in task.gate.values if task.outcome(v) != task.outcome(p.values[field])]
@@ -91,7 +92,7 @@ def agent_loop(
             nb = append(model, nb, line)
             text_ids = text_ids + line
             out = decide(model, nb, query).last[0]
-            ref = decide(model, prefill(model, text_ids), query).last[0]
+            ref = decide(model, pf(text_ids), query).last[0]
             cos = float(logit_cosine(out, ref))
             worst = min(worst, cos)
             a = list(pair.answers)

@@ -23,7 +23,7 @@ from kvnotes.errors import TaskError
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.ops import decide, precompile, prefill, splice
+from kvnotes.ops import decide, precompile, prefiller, splice
 from kvnotes.tasks import Task, load_task, sample
 from probes.regime import filler_text
 
@@ -88,6 +88,7 @@ def seam_repair(
 
     pairs = sample(task, model, n, seed=seed)
     chunk_sizes = []
+    pf = prefiller(model)  # the host (and a transcript's earlier turns) computed once
     for pair in tqdm(pairs, desc="seam repair", disable=not progress, unit="prompt"):
         p = pair.old
         ids = list(p.ids)
@@ -99,8 +100,8 @@ def seam_repair(
         answers = torch.tensor(pair.answers)
         for off in offsets:
             host_ids = model.encode(filler_text(model, off))[: off + 1]  # BOS + off tokens
-            ref = decide(model, prefill(model, host_ids + chunk_ids + live), query).last[0]
-            host = prefill(model, host_ids)
+            ref = decide(model, pf(host_ids + chunk_ids + live), query).last[0]
+            host = pf(host_ids)
             for b in seams:
                 for label, rot in (("", True), ("norot_", False)):
                     nb = _place(model, host, chunk, min(b, len(chunk_ids)), rot)

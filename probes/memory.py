@@ -19,7 +19,7 @@ from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.ops import decide, precompile, prefill, splice
+from kvnotes.ops import decide, precompile, prefiller, splice
 
 NAMES = ("Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi")
 HOST = "Customer memory, written by the support system.\n"
@@ -49,6 +49,7 @@ def memory_blocks(
     answers = [model.answer_token(" cancel"), model.answer_token(" deny")]
     acc: dict[str, list[float]] = {}
     host = model.encode(HOST)
+    pf = prefiller(model)  # the host (and a transcript's earlier turns) computed once
     for i in tqdm(range(n), desc="memory blocks", disable=not progress, unit="prompt"):
         rng = random.Random(f"memory/{seed}/{i}")
         names = rng.sample(NAMES, people)
@@ -60,12 +61,12 @@ def memory_blocks(
         b = "".join(f"Order {ids[j]} is {status[j]}.\n" for j in order_b)
         target = rng.randrange(people)
         q = model.encode(QUESTION.format(name=names[target]), bos=False)
-        ref = decide(model, prefill(model, host + model.encode(a + b, bos=False)), q).last[0]
+        ref = decide(model, pf(host + model.encode(a + b, bos=False)), q).last[0]
         correct = 0 if status[target] == "pending" else 1
         acc.setdefault("reference_correct", []).append(float(int(ref[answers].argmax()) == correct))
         both, block_a, block_b = _block(model, a + b), _block(model, a), _block(model, b)
-        colocated = splice(model, prefill(model, host), both, seam=min(seam, both.n_slots))
-        separate = splice(model, prefill(model, host), block_a, seam=min(seam, block_a.n_slots))
+        colocated = splice(model, pf(host), both, seam=min(seam, both.n_slots))
+        separate = splice(model, pf(host), block_a, seam=min(seam, block_a.n_slots))
         separate = splice(model, separate, block_b, seam=min(seam, block_b.n_slots))
         for name, nb in (("colocated", colocated), ("split", separate)):
             out = decide(model, nb, q).last[0]
