@@ -165,9 +165,9 @@ def analyses_bench(
     seed: int = 0,
     progress: bool = True,
 ) -> AnalysesReport:
-    """Time `kvnotes probe all` (and with `report`, the quick report's task sections) the unshared
-    and the shared way, at each pair count in `ns` (no preamble) and each preamble in `preambles`
-    (at the largest n)."""
+    """Time `kvnotes probe all` the unshared and the shared way at each pair count in `ns` (no
+    preamble) and each preamble in `preambles` (at the largest n); with `report`, the quick
+    report's task sections too, at the largest n."""
     from kvnotes.analysis.report import ReportConfig, plan_parts
     from kvnotes.analysis.runner import run_section
 
@@ -182,7 +182,7 @@ def analyses_bench(
             return run_section("probe", model, t, ["all"], n=n, seed=seed, progress=False).to_dict()
 
         works: list[tuple[str, Callable[[], Any]]] = [("probe all", probes)]
-        if report:
+        if report and n == n_max and pre == 0:  # the report's sections once, at the largest n
 
             def sections(t=t, n=n):
                 cfg = ReportConfig.quick(n=n, seed=seed)
