@@ -354,12 +354,13 @@ def plan_parts(
     secs = sections()
     for task in tasks:
         memo: dict = {}  # the task's sections share its prompt pairs and what was computed on them
-        for sec in secs.values():
+        todo = [s for s in secs.values() if s.level == TASK and any(a.section == s.name for a in run_)]
+        for i, sec in enumerate(todo):
             names = [a.name for a in run_ if a.section == sec.name]
-            if sec.level == TASK and names:
-                shared = memo if sharing_enabled() else {}  # unshared: each section on its own
-                part = partial(_task_part, model, task, sec, names, cfg, progress, shared)
-                out.append((f"{task.name}/{sec.name}", part))
+            shared = memo if sharing_enabled() else {}  # unshared: each section on its own
+            last = i == len(todo) - 1  # the task's last section lets its pairs go after it
+            part = partial(_task_part, model, task, sec, names, cfg, progress, shared, last)
+            out.append((f"{task.name}/{sec.name}", part))
     for a in run_:
         if secs[a.section].level == MODEL:
             out.append((f"model/{a.name}", partial(_model_part, model, a, cfg, progress)))
@@ -374,19 +375,24 @@ def _task_part(
     cfg: ReportConfig,
     progress: bool,
     memo: dict,
+    last: bool = False,
 ) -> SectionReport:
     """`section`'s analyses `names` on one task, as one SectionReport (`memo`: shared by the task's
-    sections)."""
-    return collect(
-        model,
-        task,
-        names,
-        configs={n: cfg.config(n) for n in names},
-        seed=cfg.seed,
-        min_effect=cfg.min_effect,
-        progress=progress,
-        memo=memo,
-    )
+    sections; emptied after the `last` one, so a report over many tasks holds one task's pairs)."""
+    try:
+        return collect(
+            model,
+            task,
+            names,
+            configs={n: cfg.config(n) for n in names},
+            seed=cfg.seed,
+            min_effect=cfg.min_effect,
+            progress=progress,
+            memo=memo,
+        )
+    finally:
+        if last:
+            memo.clear()
 
 
 def _model_part(model: KVModel, a: Analysis, cfg: ReportConfig, progress: bool) -> Any:
