@@ -2,8 +2,8 @@
 
 The unshared way (`kvnotes.batches.sharing(False)`): every prompt prefilled from its first token,
 sweeps in fixed batches of 16 patches from block 0, nothing memoised across a report's sections.
-The shared way (the default): each template's common start and each pair's start before its
-field prefilled once, sweeps planned by cost and started at their lowest patched layer, one memo
+The shared way (the default): a prompt computes only what it does not share with one prefilled
+before, sweeps planned by cost and started at their lowest patched layer, one memo
 per task across sections. Both compute the same numbers; the bench checks it on every value
 under the results' parts and reports the largest difference. Timed: the probe set
 (`kvnotes probe all`), optionally the quick report's task sections, over a list of pair counts
@@ -38,7 +38,7 @@ WAYS = ("unshared", "shared")
 class AnalysesPoint:
     """One workload at one size: each way's median seconds, and how far their numbers differ."""
 
-    work: str  # "probe all" or "report task sections"
+    work: str  # "probe all" or "quick report sections"
     n: int  # prompt pairs
     preamble: int  # neutral tokens added before every prompt
     prompt_tokens: int  # the longest prompt's tokens (with the preamble)
@@ -167,7 +167,7 @@ def analyses_bench(
 ) -> AnalysesReport:
     """Time `kvnotes probe all` the unshared and the shared way at each pair count in `ns` (no
     preamble) and each preamble in `preambles` (at the largest n); with `report`, the quick
-    report's task sections too, at the largest n."""
+    report's task sections too (`ReportConfig.quick()`, its own sizes), once."""
     from kvnotes.analysis.report import ReportConfig, plan_parts
     from kvnotes.analysis.runner import run_section
 
@@ -181,22 +181,22 @@ def analyses_bench(
         def probes(t=t, n=n):
             return run_section("probe", model, t, ["all"], n=n, seed=seed, progress=False).to_dict()
 
-        works: list[tuple[str, Callable[[], Any]]] = [("probe all", probes)]
-        if report and n == n_max and pre == 0:  # the report's sections once, at the largest n
+        works: list[tuple[str, int, Callable[[], Any]]] = [("probe all", n, probes)]
+        if report and n == n_max and pre == 0:  # the quick report's sections once, at its own sizes
+            quick = ReportConfig.quick(seed=seed)
 
-            def sections(t=t, n=n):
-                cfg = ReportConfig.quick(n=n, seed=seed)
-                parts = plan_parts(model, [t], cfg, progress=False)
+            def sections(t=t, quick=quick):
+                parts = plan_parts(model, [t], quick, progress=False)
                 return {k: f().to_dict() for k, f in parts if not k.startswith("model/")}
 
-            works.append(("report task sections", sections))
+            works.append(("quick report sections", quick.n, sections))
         tokens = _longest_prompt(model, t, n, seed)
-        for work, run in works:
+        for work, size, run in works:
             med, (a, b) = time_ways(run, repeats)
             count, worst, where = compare(a, b)
             results.append(
                 AnalysesPoint(
-                    work, n, pre, tokens, med["unshared"], med["shared"], count, worst, repeats, where
+                    work, size, pre, tokens, med["unshared"], med["shared"], count, worst, repeats, where
                 )
             )
     probe = [r for r in results if r.work == "probe all"]
@@ -232,7 +232,7 @@ class AnalysesConfig(Options):
     preambles: tuple[int, ...] = option(
         (0,), "neutral tokens put before every prompt, at the largest n (the exponent in length)", least=0
     )
-    report: bool = option(False, "also time the quick report's task sections")
+    report: bool = option(False, "also time the quick report's task sections (at their own sizes)")
     repeats: int = option(3, "runs of each way per size (the median is reported)", least=1)
 
 
