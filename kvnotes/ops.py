@@ -343,8 +343,14 @@ def patch_batches(
     every = set(dst.positions.tolist())
     touch = [every if s.positions is None else set(s.positions) for s in specs]
 
+    grown = {"i": -1, "j": 0, "union": set()}  # plan_batches grows j one row at a time for each i
+
     def fits(i: int, j: int) -> bool:
-        return (j - i) * len(set().union(*touch[i:j])) * per_slot <= OVERLAY_BYTES
+        if grown["i"] != i or grown["j"] != j - 1:
+            grown.update(i=i, union=set().union(*touch[i : j - 1]))
+        grown["union"] |= touch[j - 1]
+        grown["j"] = j
+        return (j - i) * len(grown["union"]) * per_slot <= OVERLAY_BYTES
 
     return plan_batches(first, dst.n_layers, n_query, fits)
 
