@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -193,22 +194,39 @@ def read_sweep(
     site = read_site(t)
     source = site.z_new if path is None else path_delta(t, path)
 
+    hooks = partial(read_hooks, source=source, add=path is not None)
+    return head_rows(t, site.old, [site.token], [site.position], sets, hooks, batch_size)
+
+
+def head_rows(
+    t: Trial,
+    nb: Notebook,
+    ids: Sequence[int],
+    positions: Sequence[int],
+    sets: Sequence[Sequence[Head]],
+    hooks: Callable[[Tensor], list],
+    batch_size: int | None,
+) -> Float[Tensor, " n"]:
+    """Recovery of each head set: `ids` at `positions` after `nb`, with `hooks(masks)` for each
+    batch's `[row, layer, head]` masks (one unchanged row more where `run_rows` asks for it)."""
+    if not sets:
+        return torch.zeros(0, dtype=torch.float64)
+
     def make(rows: list[int], base: bool) -> tuple[list, None]:
-        m = masks_for(t.model, [sets[i] for i in rows] + ([[]] if base else []))
-        return read_hooks(m, source, add=path is not None), None
+        return hooks(masks_for(t.model, [sets[i] for i in rows] + ([[]] if base else []))), None
 
     logits = run_rows(
         t.model,
-        site.old,
-        [site.token],
-        torch.tensor([site.position]),
+        nb,
+        ids,
+        torch.tensor(list(positions)),
         first_layers(t.model, sets),
         make,
         vocab=t.vocab,
         batches=fixed_batches(len(sets), batch_size),
         desc="head sets",
     )
-    return t.recovery(t.score(logits).cpu()) if len(sets) else torch.zeros(0, dtype=torch.float64)
+    return t.recovery(t.score(logits).cpu())
 
 
 def first_layers(model: KVModel, sets: Sequence[Sequence[Head]]) -> list[int]:
@@ -286,22 +304,8 @@ def write_sweep(
         return torch.full((len(sets),), float("nan"), dtype=torch.float64)
     n = len(site.tokens)
 
-    def make(rows: list[int], base: bool) -> tuple[list, None]:
-        m = masks_for(t.model, [sets[i] for i in rows] + ([[]] if base else []))
-        return write_hooks(m, site.z_new, n), None
-
-    logits = run_rows(
-        t.model,
-        site.base,
-        list(site.tokens),
-        torch.tensor(site.positions),
-        first_layers(t.model, sets),
-        make,
-        vocab=t.vocab,
-        batches=fixed_batches(len(sets), batch_size),
-        desc="head sets",
-    )
-    return t.recovery(t.score(logits).cpu()) if len(sets) else torch.zeros(0, dtype=torch.float64)
+    hooks = partial(write_hooks, z_new=site.z_new, n_total=n)
+    return head_rows(t, site.base, list(site.tokens), list(site.positions), sets, hooks, batch_size)
 
 
 Sweep = Callable[[Trial, Sequence[Sequence[Head]]], Tensor]
