@@ -144,6 +144,27 @@ class Prefixes:
         if stop > have:
             nb, _ = run(self.model, nb, ids[have:stop], torch.arange(have, stop), logits_at=())
             self.computed += stop - have
+        return self._keep(prompt, ids, stop, nb, keep)
+
+    def prefill_and_decide(
+        self, prompt: PromptLike, *, vocab: Sequence[int] | None = None, keep: bool = True
+    ) -> tuple[Notebook, Float[Tensor, "1 d_vocab"]]:
+        """`prefill(prompt)` and `decide(model, nb, prompt).last` in one forward: the decision
+        tokens are computed with the prompt's unshared tokens, their logits read, and their slots
+        dropped (a decision alone pays the weights' streaming whatever its length, so this saves
+        a forward per prompt). The same numbers up to float rounding (invariant 1)."""
+        ids = _ids(self.model, prompt)
+        stop = _stop(prompt, None, len(ids))
+        if stop == len(ids):
+            raise BadArgument("prefill_and_decide needs a prompt with a decision span after its context")
+        have, base = self.longest(ids[:stop])
+        nb = base if base is not None else Notebook.empty(self.model)
+        nb, out = run(self.model, nb, ids[have:], torch.arange(have, len(ids)), vocab=vocab)
+        self.computed += stop - have
+        return self._keep(prompt, ids, stop, nb.truncate(stop), keep), out.last
+
+    def _keep(self, prompt: PromptLike, ids: list[int], stop: int, nb: Notebook, keep: bool) -> Notebook:
+        """`nb` with the prompt's spans before `stop`, kept for later prompts when `keep`."""
         spans = {k: v for k, v in prompt.spans.items() if v[1] <= stop} if isinstance(prompt, Prompt) else {}
         nb = replace(nb, spans=spans)
         if keep:
@@ -409,13 +430,50 @@ def recompute(model: KVModel, notebook: Notebook, prompt: PromptLike, positions:
     Everything else stays stale; the recomputed tokens see each other causally.
     """
     ids = _ids(model, prompt)
+    pos = _recomputed(ids, notebook, positions)
+    nb, _ = run(model, notebook, [ids[p] for p in pos], pos, logits_at=())
+    return nb
+
+
+def decide_recomputed(
+    model: KVModel,
+    notebook: Notebook,
+    prompt: Prompt,
+    positions: Iterable[int],
+    *,
+    vocab: Sequence[int] | None = None,
+) -> Readout:
+    """`decide(model, recompute(model, notebook, prompt, positions), prompt)` as one forward:
+    the recomputed tokens and the decision tokens run together, nothing written. The decision
+    reads the recomputed tokens' fresh K/V in place of their stale slots, as it reads the written
+    slots after `recompute` (a small forward costs the weights' streaming, so this saves one).
+
+    >>> from kvnotes import load_model, Template
+    >>> model = load_model("tiny-llama")
+    >>> tpl = Template("status: {s}.\\n[[decision:A:]]")
+    >>> old, new = tpl.render(model, s="shipped"), tpl.render(model, s="pending")
+    >>> nb = prefill(model, old)
+    >>> one = decide_recomputed(model, nb, new, new.span("s")).last
+    >>> two = decide(model, refresh(model, nb, new, "s"), new).last
+    >>> bool((one - two).abs().max() < 1e-4)
+    True
+    """
+    ids = _ids(model, prompt)
+    pos = _recomputed(ids, notebook, positions)
+    q_ids, q_pos = query_tokens(model, notebook, prompt)
+    tokens = [ids[p] for p in pos] + list(q_ids)
+    _, out = run(model, notebook, tokens, pos + q_pos.tolist(), write=False, vocab=vocab)
+    return out
+
+
+def _recomputed(ids: Sequence[int], notebook: Notebook, positions: Iterable[int]) -> list[int]:
+    """`positions` sorted, each checked to be a token of the prompt and a slot of the notebook."""
     pos = sorted(set(int(p) for p in positions))
     bad = [p for p in pos if not 0 <= p < len(ids)]
     if bad:
         raise OutOfRange(f"position(s) {bad} are outside the prompt's 0..{len(ids) - 1}")
     notebook.slot_index(pos)  # every recomputed position must be a slot already
-    nb, _ = run(model, notebook, [ids[p] for p in pos], pos, logits_at=())
-    return nb
+    return pos
 
 
 def refresh(model: KVModel, notebook: Notebook, prompt: Prompt, fields: str | Sequence[str]) -> Notebook:

@@ -14,7 +14,7 @@ from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.batches import sharing_enabled
 from kvnotes.metrics import kv_deviation, spearman
-from kvnotes.ops import Patch, refresh
+from kvnotes.ops import Patch, decide_recomputed, refresh
 from kvnotes.prompt import is_delimiter
 from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
 
@@ -54,8 +54,12 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
     used, excluded = split_by_effect(trials, min_effect)
     rec = []
     for t in with_progress(used, "field_refresh"):
-        nb = refresh(t.model, t.old_nb, t.pair.new, t.pair.changed)
-        rec.append(float(t.recovery(t.ld(nb))[0]))
+        if sharing_enabled():  # the field recomputed in the decision's own forward
+            field = t.pair.new.span(t.pair.changed)
+            ld = t.score(decide_recomputed(t.model, t.old_nb, t.pair.new, field, vocab=t.vocab).last)
+        else:
+            ld = t.ld(refresh(t.model, t.old_nb, t.pair.new, t.pair.changed))
+        rec.append(float(t.recovery(ld)[0]))
     dev = []
     for t in trials:
         before = t.pair.field_span.start

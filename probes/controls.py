@@ -10,6 +10,7 @@ import torch
 
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.batches import sharing_enabled
 from kvnotes.errors import BadArgument
 from kvnotes.ops import Patch
 from kvnotes.prompt import is_delimiter
@@ -167,13 +168,19 @@ def paired(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[list, 
     return a2, b2, [x - y if ok else None for x, y, ok in zip(a, b, both)]
 
 
-def _blocked_lost(t: Trial, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-    """The fraction of the decision lost with each row's slots blocked from the decision."""
-    mask = torch.zeros(len(rows), t.new_nb.n_slots, dtype=torch.bool)
-    for r, pos in enumerate(rows):
-        if pos:
-            mask[r, t.new_nb.slot_index(pos)] = True
-    return 1.0 - t.recovery(t.ld(t.new_nb.expand(len(rows)), hooks=knockout_hooks(t.model, mask)))
+def _blocked_lost(t: Trial, rows: Sequence[Sequence[int]], per_forward: int | None = None) -> torch.Tensor:
+    """The fraction of the decision lost with each row's slots blocked from the decision, the
+    rows `per_forward` at a time (default: all in one forward)."""
+    step = per_forward or max(len(rows), 1)
+    out = []
+    for a in range(0, len(rows), step):
+        chunk = rows[a : a + step]
+        mask = torch.zeros(len(chunk), t.new_nb.n_slots, dtype=torch.bool)
+        for r, pos in enumerate(chunk):
+            if pos:
+                mask[r, t.new_nb.slot_index(pos)] = True
+        out.append(t.ld(t.new_nb.expand(len(chunk)), hooks=knockout_hooks(t.model, mask)))
+    return 1.0 - t.recovery(torch.cat(out))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,16 +231,19 @@ def knockout(
     for i, t in enumerate(with_progress(used, "knockout")):
         rng = random.Random(f"knockout/{seed}/{i}")
         top = top_notes(t, k)
-        lost = _blocked_lost(t, [top] + [random_slots(t, len(top), top, rng) for _ in range(draws)])
-        top_lost.append(float(lost[0]))
-        rand_lost.append(float(lost[1:].mean()))
+        randoms = [random_slots(t, len(top), top, rng) for _ in range(draws)]
         chosen.append({"top": top, "tokens": t.token_strings(top)})
         mrng = random.Random(f"knockout-matched/{seed}/{i}")
         controls = [matched_slots(t, xfit[i], mrng) for _ in range(draws)]
-        lost = _blocked_lost(t, [xfit[i]] + controls)
-        xfit_lost.append(float(lost[0]))
+        rows = [[top], randoms, [xfit[i]], controls]  # shared: one forward blocks them all
+        per_forward = None if sharing_enabled() else draws + 1  # unshared: a forward per row set
+        flat = [r for group in rows for r in group]
+        lost = _blocked_lost(t, flat, per_forward).split([len(g) for g in rows])
+        top_lost.append(float(lost[0][0]))
+        rand_lost.append(float(lost[1].mean()))
+        xfit_lost.append(float(lost[2][0]))
         whole = all(len(c) == len(xfit[i]) for c in controls)  # else the region is too small to match
-        matched_lost.append(float(lost[1:].mean()) if whole else None)
+        matched_lost.append(float(lost[3].mean()) if whole else None)
         if whole:
             off += sum(off_class(t, xfit[i], c) for c in controls)
             drawn += sum(len(c) for c in controls)
@@ -350,14 +360,24 @@ def false_note_injection(
     rand = {k: [] for k in ks}
     follows = {k: [] for k in ks}
     follows_c = []  # the template of each pair whose choice flips (the pairs `follows` counts)
-    xfit, matched = _injected_out_of_sample(used, ks, seed)
+    xfit_slots, crossed = cross_fitted_notes(used, ks[-1])
+    xfit = {"values": {k: [] for k in ks}, "crossed": crossed, "off_class": {k: [0, 0] for k in ks}}
+    matched: dict[int, list] = {k: [] for k in ks}
     for i, t in enumerate(with_progress(used, "false_note_injection")):
         rng = random.Random(f"inject/{seed}/{i}")
         ranked = top_notes(t, ks[-1])
         down = t.pair.downstream()
         specs = [Patch(positions=tuple(ranked[:k])) for k in ks]
         specs += [Patch(positions=tuple(rng.sample(down, min(k, len(down))))) for k in ks]
-        r = t.sweep(specs)
+        mrng = random.Random(f"inject-matched/{seed}/{i}")
+        controls = [matched_slots(t, xfit_slots[i][:k], mrng) for k in ks]
+        out_of_sample = [Patch(positions=tuple(xfit_slots[i][:k])) for k in ks]
+        out_of_sample += [Patch(positions=tuple(c)) for c in controls]
+        if sharing_enabled():  # both sets of injections in one sweep
+            r, r_x = t.sweep(specs + out_of_sample).split([len(specs), len(out_of_sample)])
+        else:
+            r, r_x = t.sweep(specs), t.sweep(out_of_sample)
+        _add_out_of_sample(xfit, matched, ks, t, xfit_slots[i], controls, r_x)
         lds = t.ld_old + r * (t.ld_new - t.ld_old)
         flips = (t.ld_old > 0) != (t.ld_new > 0)
         if flips:
@@ -367,6 +387,7 @@ def false_note_injection(
             rand[k].append(float(r[len(ks) + j]))
             if flips:
                 follows[k].append(float((lds[j] > 0) == (t.ld_new > 0)))
+    xfit["off_class"] = {k: tuple(v) for k, v in xfit["off_class"].items()}
     every = clusters_of(used)  # rec, rand, xfit and matched hold one value (or None) per used trial
     parts = {f"k{k}": Estimate.of(v, clusters=every) for k, v in rec.items()}
     parts.update({f"follows_k{k}": Estimate.of(v, clusters=follows_c) for k, v in follows.items()})
@@ -393,29 +414,19 @@ def false_note_injection(
     )
 
 
-def _injected_out_of_sample(used: Sequence[Trial], ks: Sequence[int], seed: int) -> tuple[dict, dict]:
-    """False-note injection into each trial's cross-fitted top-k slots and into slots matched to
-    them: `({"values": {k: [...]}, "crossed": Crossing, "off_class": {k: (left, drawn)}},
-    {k: [matched value or None]})`, one value per trial."""
-    xfit = {k: [] for k in ks}
-    matched = {k: [] for k in ks}
-    off = {k: [0, 0] for k in ks}
-    xfit_slots, crossed = cross_fitted_notes(used, ks[-1])
-    for i, t in enumerate(with_progress(used, "false_note_injection (cross-fitted)")):
-        mrng = random.Random(f"inject-matched/{seed}/{i}")
-        controls = [matched_slots(t, xfit_slots[i][:k], mrng) for k in ks]
-        specs = [Patch(positions=tuple(xfit_slots[i][:k])) for k in ks]
-        specs += [Patch(positions=tuple(c)) for c in controls]
-        r = t.sweep(specs)
-        for j, k in enumerate(ks):
-            xfit[k].append(float(r[j]))
-            whole = len(controls[j]) == len(xfit_slots[i][:k])  # else the region is too small to match
-            matched[k].append(float(r[len(ks) + j]) if whole else None)
-            if whole:
-                off[k][0] += off_class(t, xfit_slots[i][:k], controls[j])
-                off[k][1] += len(controls[j])
-    info = {"values": xfit, "crossed": crossed, "off_class": {k: tuple(v) for k, v in off.items()}}
-    return info, matched
+def _add_out_of_sample(
+    xfit: dict, matched: dict, ks: Sequence[int], t: Trial, slots: Sequence[int], controls: list, r: torch.Tensor
+) -> None:
+    """Record one trial's injections into its cross-fitted top-k `slots` and into the slots
+    matched to them (`controls`, one per k): `r` holds their recoveries, the cross-fitted ones
+    first. A k whose region is too small to match gets None as its matched value."""
+    for j, k in enumerate(ks):
+        xfit["values"][k].append(float(r[j]))
+        whole = len(controls[j]) == len(slots[:k])  # else the region is too small to match
+        matched[k].append(float(r[len(ks) + j]) if whole else None)
+        if whole:
+            xfit["off_class"][k][0] += off_class(t, slots[:k], controls[j])
+            xfit["off_class"][k][1] += len(controls[j])
 
 
 @dataclass(frozen=True)

@@ -176,8 +176,10 @@ def make_trials(
 
     `share`: each prompt computes only what it does not share with an earlier one (the start a
     template's prompts share, a pair's start before its changed field: `kvnotes.ops.Prefixes`,
-    or `prefixes`, kept across calls); the slots equal separate prefills up to float rounding
-    (invariant 2). `share=False` prefills every prompt from its first token; None follows
+    or `prefixes`, kept across calls) and reads its decision in the same forward
+    (`Prefixes.prefill_and_decide`); the slots and decisions equal separate prefills and decides
+    up to float rounding (invariants 1 and 2). `share=False` prefills every prompt from its first
+    token and decides it apart; None follows
     `kvnotes.batches.sharing`.
 
     >>> from kvnotes import load_model
@@ -197,14 +199,18 @@ def make_trials(
     shared = (prefixes or Prefixes(model)) if share else None
     out = []
     for pair in tqdm(pairs, desc=f"prefill {task.name} ({kind})", disable=not progress, unit="pair"):
-        if shared is not None:
-            old_nb, new_nb = shared.prefill(pair.old), shared.prefill(pair.new)
+        if shared is not None:  # each prompt's decision read in the forward that prefills it
+            vocab, columns = answer_columns(metric, pair.answers)
+            (old_nb, old_logits), (new_nb, new_logits) = (
+                shared.prefill_and_decide(p, vocab=vocab) for p in (pair.old, pair.new)
+            )
+            lds = [float(metric(x, columns)[0]) for x in (old_logits, new_logits)]
         else:
             old_nb, new_nb = prefill(model, pair.old), prefill(model, pair.new)
-        lds = [
-            float(read_decision(model, nb, prompt, pair.answers, metric=metric)[0])
-            for nb, prompt in ((old_nb, pair.old), (new_nb, pair.new))
-        ]
+            lds = [
+                float(read_decision(model, nb, prompt, pair.answers, metric=metric)[0])
+                for nb, prompt in ((old_nb, pair.old), (new_nb, pair.new))
+            ]
         out.append(
             Trial(
                 model=model,

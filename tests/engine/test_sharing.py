@@ -66,6 +66,35 @@ def test_a_pair_pays_once_for_the_start_its_prompts_share(case):
     assert shared.longest(case.ids[: case.field])[1].n_slots == case.field
 
 
+def test_a_prompt_prefilled_and_decided_in_one_forward_equals_prefill_then_decide(case):
+    shared = Prefixes(case.model)
+    old, old_logits = shared.prefill_and_decide(case.old)
+    new, new_logits = shared.prefill_and_decide(case.new, vocab=(3, 5))
+    assert_notebooks_close(old, case.nb_old, what="the notebook, its decision slots dropped")
+    assert_notebooks_close(new, case.nb_new, what="the new prompt's notebook, cut from the old one's")
+    assert new.spans == case.nb_new.spans and new.n_slots == case.stop
+    assert_close(old_logits, decide(case.model, case.nb_old, case.old).last, what="decision read in the prefill")
+    want = decide(case.model, case.nb_new, case.new, vocab=(3, 5)).last
+    assert_close(new_logits, want, what="the new prompt's decision, two columns")
+    assert shared.computed == case.field + 2 * (case.stop - case.field)  # the decisions add no slots
+
+
+def test_prefill_and_decide_refuses_a_prompt_without_a_decision(case):
+    with pytest.raises(BadArgument, match="decision span"):
+        Prefixes(case.model).prefill_and_decide(case.ids[: case.stop])
+
+
+def test_a_decision_with_its_field_recomputed_in_the_same_forward_equals_refresh_then_decide(case):
+    field = case.new.span("order_status")
+    one = ops.decide_recomputed(case.model, case.nb_old, case.new, field).last
+    two = decide(case.model, ops.refresh(case.model, case.nb_old, case.new, "order_status"), case.new).last
+    assert_close(one, two, what="field recomputed in the decision's forward vs refresh then decide")
+    stale = decide(case.model, case.nb_old, case.new).last
+    assert (one - stale).abs().max() > 1e-4  # the recomputed field is read, not the stale slot
+    with pytest.raises(OutOfRange):
+        ops.decide_recomputed(case.model, case.nb_old, case.new, [len(case.ids) + 3])
+
+
 # --- the default batches and resumed batches ---------------------------------------------------
 def test_default_batches_equal_one_patch_at_a_time(case):
     specs = _sweep(case)
