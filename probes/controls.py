@@ -415,7 +415,13 @@ def false_note_injection(
 
 
 def _add_out_of_sample(
-    xfit: dict, matched: dict, ks: Sequence[int], t: Trial, slots: Sequence[int], controls: list, r: torch.Tensor
+    xfit: dict,
+    matched: dict,
+    ks: Sequence[int],
+    t: Trial,
+    slots: Sequence[int],
+    controls: list,
+    r: torch.Tensor,
 ) -> None:
     """Record one trial's injections into its cross-fitted top-k `slots` and into the slots
     matched to them (`controls`, one per k): `r` holds their recoveries, the cross-fitted ones

@@ -15,7 +15,7 @@ softcap, the same matmuls without the full mask).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import einops
@@ -159,7 +159,7 @@ def _attention(
     when a batch-1 notebook serves a batch).
     """
     attn, cfg = model.tl.blocks[layer].attn, model.cfg
-    q, k, v = attn.calculate_qkv_matrices(x, x, x)  # hook_q/k/v fire: [batch, pos, head, d_head]
+    q, k, v = _qkv(attn, cfg, x)  # hook_q/k/v fire: [batch, pos, head, d_head]
     q = attn.hook_rot_q(rope.rotate(attn, q.transpose(1, 2), pos).transpose(1, 2))
     k = attn.hook_rot_k(rope.rotate(attn, k.transpose(1, 2), pos).transpose(1, 2))
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # -> [batch, kv_head, pos, d_head] (notebook layout)
@@ -186,9 +186,55 @@ def _attention(
         result = attn.hook_result((z[..., None] * w).sum(-2))
         out = result.sum(-2) + attn.b_O
     else:
-        w = einops.rearrange(attn.W_O, "head d_head d_model -> d_model (head d_head)")
+        w = _packed(attn, "o", (attn.W_O,), _output_layout)
         out = F.linear(z.reshape(b, n, h * d), w, attn.b_O)
     return out, k, v
+
+
+def _output_layout(w: Tensor) -> Tensor:
+    return einops.rearrange(w, "head d_head d_model -> d_model (head d_head)")
+
+
+def _qkv(attn, cfg, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q, K, V `[batch, pos, head, d_head]` as TransformerLens's `calculate_qkv_matrices` gives
+    them (hook_q/k/v fire, then the QK norm), from one matmul against the three weights packed
+    once into TransformerLens's `(head d_head) d_model` layout (TransformerLens re-lays each weight
+    out on every call: a copy of the layer's attention weights per forward, a tenth of a small
+    decision's time). Configurations that project otherwise take TransformerLens's own path."""
+    if cfg.use_split_qkv_input or cfg.use_attn_in or getattr(cfg, "load_in_4bit", False):
+        return attn.calculate_qkv_matrices(x, x, x)
+    grouped = hasattr(attn, "_W_K") and not getattr(cfg, "ungroup_grouped_query_attention", False)
+    wk, bk = (attn._W_K, attn._b_K) if grouped else (attn.W_K, attn.b_K)
+    wv, bv = (attn._W_V, attn._b_V) if grouped else (attn.W_V, attn.b_V)
+    sources = (attn.W_Q, wk, wv, attn.b_Q, bk, bv)
+    if any(t.requires_grad for t in sources):  # a weight being trained: TransformerLens's path
+        return attn.calculate_qkv_matrices(x, x, x)
+    w, bias = _packed(attn, "qkv", sources, _qkv_layout)
+    heads = (attn.W_Q.shape[0], wk.shape[0], wv.shape[0])
+    d, b, n = attn.W_Q.shape[-1], x.shape[0], x.shape[1]
+    parts = F.linear(x, w, bias).split([h * d for h in heads], -1)
+    q, k, v = (t.reshape(b, n, hd, d) for t, hd in zip(parts, heads))
+    q, k, v = attn.hook_q(q), attn.hook_k(k), attn.hook_v(v)
+    if cfg.use_qk_norm:
+        q, k = attn._apply_qk_norm(q, attn.q_norm), attn._apply_qk_norm(k, attn.k_norm)
+    return q, k, v
+
+
+def _qkv_layout(wq, wk, wv, bq, bk, bv) -> tuple[Tensor, Tensor]:
+    """The Q, K and V weights as one `[(heads d_head), d_model]` matrix, and their biases."""
+    flat = [einops.rearrange(w, "head d_model d_head -> (head d_head) d_model") for w in (wq, wk, wv)]
+    return torch.cat(flat), torch.cat([bq.reshape(-1), bk.reshape(-1), bv.reshape(-1)])
+
+
+def _packed(module, name: str, sources: tuple[Tensor, ...], make: Callable):
+    """`make(*sources)`, kept on `module` until a source tensor is replaced or edited in place
+    (its storage or version counter changes: a weight edit re-packs on the next forward)."""
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in sources)
+    kept = module.__dict__.setdefault("_kvnotes_packed", {})
+    if name not in kept or kept[name][0] != key:
+        with torch.no_grad():
+            kept[name] = (key, make(*sources))
+    return kept[name][1]
 
 
 def _scores(qg: Tensor, keys: Tensor) -> Tensor:

@@ -272,3 +272,32 @@ def test_vocab_subset_equals_the_same_columns_of_full_logits(case):
     batched = decide_patched(model, case.nb_old, case.nb_new, specs, case.new, vocab=ids)
     whole = decide_patched(model, case.nb_old, case.nb_new, specs, case.new)
     assert_close(batched, whole[:, ids], what="vocab-restricted patched logits")
+
+
+def test_a_weight_edited_in_place_or_replaced_is_read_on_the_next_forward(case):
+    """The TransformerLens backend keeps each layer's Q/K/V and output weights packed between
+    forwards; an edit (in place, or a new tensor) must reach the next decision, which must still
+    equal TransformerLens's own forward. Shown failing once with the packing keyed on the tensor's
+    storage alone: the in-place edit was not seen."""
+    model, ids = case.model, case.ids
+    attn = model.tl.blocks[0].attn
+    before = decide(model, prefill(model, case.old), case.old).last[0]
+    saved_q, saved_o = attn.W_Q.detach().clone(), attn.W_O.detach().clone()
+    try:
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(0)  # noise, not a scale: a QK norm undoes a scale
+            attn.W_Q.add_(torch.randn(attn.W_Q.shape, generator=gen) * attn.W_Q.std())  # in place
+        edited = decide(model, prefill(model, case.old), case.old).last[0]
+        assert_close(edited, full_logits(model, ids)[-1], what="decision after an in-place W_Q edit")
+        assert (edited - before).abs().max() > 1e-3  # the edit moved the decision
+        with torch.no_grad():
+            noise = torch.randn(attn.W_O.shape, generator=gen) * attn.W_O.std()
+            attn.W_O.data = attn.W_O.data + noise  # a new tensor behind the same parameter
+        again = decide(model, prefill(model, case.old), case.old).last[0]
+        assert_close(again, full_logits(model, ids)[-1], what="decision after W_O was replaced")
+        assert (again - edited).abs().max() > 1e-3
+    finally:
+        with torch.no_grad():
+            attn.W_Q.copy_(saved_q)
+            attn.W_O.data = saved_o
+    assert_close(decide(model, prefill(model, case.old), case.old).last[0], before, what="weights restored")

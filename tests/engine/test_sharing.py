@@ -73,7 +73,9 @@ def test_a_prompt_prefilled_and_decided_in_one_forward_equals_prefill_then_decid
     assert_notebooks_close(old, case.nb_old, what="the notebook, its decision slots dropped")
     assert_notebooks_close(new, case.nb_new, what="the new prompt's notebook, cut from the old one's")
     assert new.spans == case.nb_new.spans and new.n_slots == case.stop
-    assert_close(old_logits, decide(case.model, case.nb_old, case.old).last, what="decision read in the prefill")
+    assert_close(
+        old_logits, decide(case.model, case.nb_old, case.old).last, what="decision read in the prefill"
+    )
     want = decide(case.model, case.nb_new, case.new, vocab=(3, 5)).last
     assert_close(new_logits, want, what="the new prompt's decision, two columns")
     assert shared.computed == case.field + 2 * (case.stop - case.field)  # the decisions add no slots

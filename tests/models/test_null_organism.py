@@ -36,7 +36,10 @@ def test_the_architecture_alone_gives_the_notes_answers(null_report):
     """Field refresh 0 and notes transplant 1 hold on untrained weights too: these two figures check
     the engine and the window, not a learned mechanism."""
     p = null_report.probes
-    assert p["field_refresh"].parts["recovery"].values == (0.0,) * p["field_refresh"].parts["recovery"].n
+    # 0 up to float32 rounding: the refreshed field and the decision are computed in one forward,
+    # the old decision in the prefill's, so the same sums come in other shapes (measured: <= 4e-6
+    # of a ~0.26-logit effect); the field itself is outside every window, so nothing else moves it
+    assert all(abs(v) < 1e-4 for v in p["field_refresh"].parts["recovery"].values)
     # 1 up to float32 rounding of the logits, divided by an effect of ~0.26 logits (measured: <= 6e-6)
     assert all(abs(v - 1.0) < 1e-4 for v in p["notes_transplant"].parts["kv"].values)
 
