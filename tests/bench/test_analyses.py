@@ -13,7 +13,13 @@ import probes.trials
 from kvnotes import ops
 from kvnotes.analysis.report import ReportConfig, plan_parts
 from kvnotes.batches import sharing
-from kvnotes.bench.analyses import AnalysesReport, analyses_bench, compare, with_preamble
+from kvnotes.bench.analyses import (
+    RANK_STATISTICS,
+    AnalysesReport,
+    analyses_bench,
+    compare,
+    with_preamble,
+)
 from kvnotes.cli import main
 from kvnotes.tasks import load_task, sample
 from tests.helpers import get_model
@@ -59,6 +65,11 @@ def test_compare_counts_every_number_and_flags_a_missing_one():
     assert compare({"a": 1.0}, {"b": 1.0})[1] == math.inf
     seconds = ({"m": {"erratum.seconds": 1.0}}, {"m": {"erratum.seconds": 2.0}})
     assert compare(*seconds) == (0, 0.0, "")  # exact: nothing compared, the difference is the initial 0
+    speedups = ({"attribution": {"speedup": [3.0]}}, {"attribution": {"speedup": [5.0]}})  # timing ratios
+    assert compare(*speedups) == (0, 0.0, "")  # exact: nothing compared
+    ranks = {"rho_spearman": [0.5], "a": [1.0]}, {"rho_spearman": [0.0], "a": [1.25]}
+    assert compare(*ranks)[2] == "/rho_spearman[0]"  # the rank statistic's step is the largest
+    assert compare(*ranks, skip=RANK_STATISTICS) == (1, 0.25, "/a[0]")  # exact: 1.25 - 1.0 in binary
 
 
 def test_a_preamble_lengthens_the_start_every_prompt_shares(tiny):
