@@ -148,7 +148,8 @@ def compare(a: Any, b: Any, *, skip: Sequence[str] = ()) -> tuple[int, float, st
     numbers whose path contains one of `skip` are left out."""
     va, vb = part_values(a), part_values(b)
     worst, where = 0.0, ""
-    for k in sorted(k for k in set(va) | set(vb) if not any(s in k for s in skip)):
+    keys = sorted(k for k in set(va) | set(vb) if not any(s in k for s in skip))
+    for k in keys:
         x, y = va.get(k), vb.get(k)
         if x is None or y is None or math.isnan(x) != math.isnan(y):
             d = math.inf
@@ -156,7 +157,7 @@ def compare(a: Any, b: Any, *, skip: Sequence[str] = ()) -> tuple[int, float, st
             d = 0.0 if math.isnan(x) else abs(x - y)
         if d > worst:
             worst, where = d, k
-    return len(va), worst, where
+    return sum(k in va for k in keys), worst, where
 
 
 def time_ways(run: Callable[[], Any], repeats: int) -> tuple[dict[str, float], list[Any]]:
