@@ -125,7 +125,7 @@ def part_values(d: Any, path: str = "") -> dict[str, float]:
     out: dict[str, float] = {}
     if isinstance(d, dict):
         for k, v in d.items():
-            if k in TIMINGS or str(k).endswith(".seconds"):
+            if k in TIMINGS or str(k).endswith("seconds"):  # edit methods' `x.seconds`, `activation_seconds`
                 continue
             out.update(part_values(v, f"{path}/{k}"))
     elif isinstance(d, (list, tuple)):

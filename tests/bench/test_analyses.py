@@ -65,7 +65,10 @@ def test_compare_counts_every_number_and_flags_a_missing_one():
     assert compare({"a": 1.0}, {"b": 1.0})[1] == math.inf
     seconds = ({"m": {"erratum.seconds": 1.0}}, {"m": {"erratum.seconds": 2.0}})
     assert compare(*seconds) == (0, 0.0, "")  # exact: nothing compared, the difference is the initial 0
-    speedups = ({"attribution": {"speedup": [3.0]}}, {"attribution": {"speedup": [5.0]}})  # timing ratios
+    speedups = (
+        {"attribution": {"speedup": [3.0], "activation_seconds": [1.0]}},
+        {"attribution": {"speedup": [5.0], "activation_seconds": [2.0]}},
+    )  # a timing ratio and a timing
     assert compare(*speedups) == (0, 0.0, "")  # exact: nothing compared
     ranks = {"rho_spearman": [0.5], "a": [1.0]}, {"rho_spearman": [0.0], "a": [1.25]}
     assert compare(*ranks)[2] == "/rho_spearman[0]"  # the rank statistic's step is the largest
