@@ -228,12 +228,14 @@ def _qkv_layout(wq, wk, wv, bq, bk, bv) -> tuple[Tensor, Tensor]:
 
 def _packed(module, name: str, sources: tuple[Tensor, ...], make: Callable):
     """`make(*sources)`, kept on `module` until a source tensor is replaced or edited in place
-    (its storage or version counter changes: a weight edit re-packs on the next forward)."""
+    (its storage or version counter changes: a weight edit re-packs on the next forward). The
+    entry holds views of the storages it was made from, so no new weight can take their address
+    while it is kept."""
     key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in sources)
     kept = module.__dict__.setdefault("_kvnotes_packed", {})
     if name not in kept or kept[name][0] != key:
         with torch.no_grad():
-            kept[name] = (key, make(*sources))
+            kept[name] = (key, make(*sources), tuple(t.detach() for t in sources))
     return kept[name][1]
 
 
