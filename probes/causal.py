@@ -55,8 +55,8 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
     rec = []
     for t in with_progress(used, "field_refresh"):
         if sharing_enabled():  # the field recomputed in the decision's own forward
-            field = t.pair.new.span(t.pair.changed)
-            ld = t.score(decide_recomputed(t.model, t.old_nb, t.pair.new, field, vocab=t.vocab).last)
+            out = decide_recomputed(t.model, t.old_nb, t.pair.new, t.pair.field_span, vocab=t.vocab)
+            ld = t.score(out.last)
         else:
             ld = t.ld(refresh(t.model, t.old_nb, t.pair.new, t.pair.changed))
         rec.append(float(t.recovery(ld)[0]))
