@@ -263,3 +263,31 @@ def load_mixed_organism(name: str) -> KVModel:
 @lru_cache(maxsize=1)
 def _tokenizer():
     return tiny_tokenizer()
+
+
+def designed_edges(share: float) -> dict[str, float]:
+    """The edges of the construction's circuit in `circuits.edges`' graph, each with the share of the
+    effect that corrupting it alone removes (recovery units): the direct read (1 - share) along
+    EMB@field -> KV1.0@field -> L1H0@decision -> LOGIT; the note writer (share) from the field into
+    L0H0 at the notes; the value route (share (1 - KEY_PART)) through KV1.1 at the notes into L1H1; and
+    the key route, one half per layer-2 head (share KEY_PART / 2 each: a pair flips the field's sign,
+    so each head's "some note says ±1" term moves half of the route's part of the effect). Every
+    other edge moves nothing."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must be in [0, 1], got {share}")
+    direct, values, key = 1 - share, share * (1 - KEY_PART), share * KEY_PART / 2
+    out = {
+        "EMB@field->KV1.0@field": direct,
+        "KV1.0@field->L1H0@decision": direct,
+        "L1H0@decision->LOGIT": direct,
+        "EMB@field->KV0.0@field": share,
+        "KV0.0@field->L0H0@notes": share,
+        "L0H0@notes->KV1.1@notes": values,
+        "KV1.1@notes->L1H1@decision": values,
+        "L1H1@decision->LOGIT": values,
+    }
+    for h in (0, 1):
+        out[f"L0H0@notes->KV2.{h}@notes"] = key
+        out[f"KV2.{h}@notes->L2H{h}@decision"] = key
+        out[f"L2H{h}@decision->LOGIT"] = key
+    return out

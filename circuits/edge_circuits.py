@@ -1,0 +1,339 @@
+"""The `edges` analysis: edge scores by EAP, EAP-IG and AtP* set against exact edge patching, and
+circuits chosen on half the pairs, evaluated on the other half as faithfulness curves beside random
+circuits matched in layers and region.
+
+Per pair (`circuits.edges.edge_site`): every edge scored by each method, timed; exact patching of every
+edge when the graph has at most `EXHAUSTIVE` edges, else of a random sample (for Spearman's rho) plus
+each method's top edges (for recall@k: then the exact top-k is the top-k of what was patched, which
+can only flatter the methods: said in `details.recall_over`). Then, cross-fitted: each pair's circuits
+of each size are the top edges by the *other* half's mean |score| (and a connected circuit grown from
+the logit, `greedy`), and each is patched on that pair: recovery toward the new decision with every
+edge outside the circuit carrying the old run's value.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from circuits.edges import ATTENTION, GROUPS, METHODS, EdgeGraph, EdgeSite, edge_site, score_edges
+from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.results import Curve, Estimate, ProbeResult
+from kvnotes.errors import BadOption
+from kvnotes.metrics import spearman
+from probes.causal import effect_estimate, split_by_effect
+from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials
+
+EXHAUSTIVE = 4096  # graphs up to this many edges are patched edge by edge in full
+FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # circuit sizes (MIB's grid)
+STEP_CHOICES = (2, 4, 8, 16, 32)
+CONVERGED = 0.01  # IG steps are enough when doubling them moves no edge's score by more than this
+_KEY = {"eap": "eap", "eap-ig": "eap_ig", "atp*": "atp"}
+
+
+def converged_steps(site: EdgeSite, *, tol: float = CONVERGED) -> tuple[int, list[dict]]:
+    """The fewest EAP-IG steps of `STEP_CHOICES` whose scores move by less than `tol` (recovery units,
+    the largest over edges) when the steps are doubled, and the table of every comparison."""
+    prev, rows, chosen = None, [], None
+    for s in STEP_CHOICES:
+        sc = score_edges(site, "eap-ig", steps=s).scores
+        if prev is not None:
+            change = float(np.abs(sc - prev[1]).max())
+            rows.append({"steps": prev[0], "doubled": s, "max_change": change})
+            if chosen is None and change < tol:
+                chosen = prev[0]
+        prev = (s, sc)
+    return (chosen if chosen is not None else STEP_CHOICES[-1]), rows
+
+
+def sizes_for(n_edges: int) -> list[int]:
+    """Circuit sizes: `FRACTIONS` of the graph's edges (at least one edge where the fraction is > 0)."""
+    out = []
+    for f in FRACTIONS:
+        k = n_edges if f == 1.0 else max(1, round(f * n_edges)) if f > 0 else 0
+        if k not in out:
+            out.append(k)
+    return out
+
+
+def top_circuit(scores: np.ndarray, k: int) -> np.ndarray:
+    """The `k` edges of largest |score|."""
+    keep = np.zeros(len(scores), dtype=bool)
+    keep[np.argsort(-np.abs(scores), kind="stable")[:k]] = True
+    return keep
+
+
+def greedy_circuit(graph: EdgeGraph, scores: np.ndarray, k: int) -> np.ndarray:
+    """A connected circuit of `k` edges grown from the logit: each step adds the edge of largest
+    |score| whose destination the circuit already reaches."""
+    keep = np.zeros(len(graph), dtype=bool)
+    logit = next(i for i, n in enumerate(graph.nodes) if n.kind == "logit")
+    reached = np.zeros(len(graph.nodes), dtype=bool)
+    reached[logit] = True
+    mag = np.abs(scores)
+    for _ in range(min(k, len(graph))):
+        cand = np.flatnonzero(reached[graph.dst] & ~keep)
+        if not len(cand):
+            break
+        e = cand[np.argmax(mag[cand])]
+        keep[e] = True
+        reached[graph.src[e]] = True
+    return keep
+
+
+def matched_random(graph: EdgeGraph, circuit: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """As many edges as `circuit`, each drawn from the edges of the same kind, source and destination
+    layer and source and destination group as one of the circuit's, outside the circuit where that bin
+    has edges to spare (then from the same destination layer, then from any edge): so the random
+    circuit of the whole graph is the whole graph."""
+    sl, dl = graph.layers()
+    sg, dg = graph.regions()
+    bins = np.stack([graph.kind, sl, dl, sg, dg], 1)
+    out = np.zeros(len(graph), dtype=bool)
+    for e in np.flatnonzero(circuit):
+        same = (bins == bins[e]).all(1)
+        for pool in (same & ~circuit, (dl == dl[e]) & ~circuit, same, dl == dl[e], np.ones(len(graph), bool)):
+            pool = np.flatnonzero(pool & ~out)
+            if len(pool):
+                out[rng.choice(pool)] = True
+                break
+    return out
+
+
+def area(sizes: Sequence[int], values: Sequence[float], n_edges: int) -> tuple[float, float]:
+    """(CPR, CMD): the area under the faithfulness curve over the fraction of edges kept, and the
+    area between it and 1 (MIB's two summaries; trapezoids)."""
+    x = np.asarray(sizes, dtype=float) / n_edges
+    f = np.asarray(values, dtype=float)
+    return float(np.trapezoid(f, x)), float(np.trapezoid(np.abs(1 - f), x))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EdgeCircuits(ProbeResult):
+    """Edge scores against exact edge patching, and cross-fitted circuits' faithfulness."""
+
+    PARTS = (
+        "faithfulness_auc",
+        "random_auc",
+        "greedy_auc",
+        "faithfulness_cmd",
+        *(f"rho_{k}" for k in _KEY.values()),
+        *(f"recall_{k}" for k in _KEY.values()),
+        *(f"{k}_seconds" for k in _KEY.values()),
+        "exact_seconds",
+        "exhaustive_seconds",
+        "speedup",
+        "effect",
+    )
+    CURVES = ("faithfulness", "random", "greedy")
+    TABLES = ("edges", "convergence", "graph")
+    n_edges: int
+    steps: int
+    method: str
+    top: int
+    recall_over: str
+    cost: dict
+    groups: tuple[str, ...]
+
+
+def analyse_edges(
+    trials: Sequence[Trial],
+    *,
+    steps: int = 0,
+    method: str = "eap-ig",
+    exact: int = 512,
+    top: int = 20,
+    draws: int = 4,
+    seed: int = 0,
+    min_effect: float = MIN_EFFECT,
+) -> EdgeCircuits:
+    """Edge scores (EAP, EAP-IG, AtP*) against exact patching, and circuits chosen by `method`'s
+    scores on half the pairs, evaluated on the other half. `steps` 0: chosen by `converged_steps`."""
+    used, excluded = split_by_effect(trials, min_effect)
+    rng = np.random.default_rng(seed)
+    sites = [edge_site(t.model, t.pair, metric=t.metric) for t in used]
+    graph = sites[0].graph if sites else None
+    convergence: list[dict] = []
+    if sites and steps == 0:
+        steps, convergence = converged_steps(sites[0])
+    steps = steps or STEP_CHOICES[-1]
+    parts: dict[str, list] = {k: [] for k in EdgeCircuits.PARTS if k not in ("effect",)}
+    scores: dict[str, list[np.ndarray]] = {m: [] for m in METHODS}
+    exact_rows: list[tuple[np.ndarray, np.ndarray]] = []
+    cost: dict[str, dict] = {}
+    exhaustive = bool(graph is not None and len(graph) <= EXHAUSTIVE)
+    for site in _progress(sites, used, "edges"):
+        for m in METHODS:
+            t0 = time.perf_counter()
+            sc = score_edges(site, m, steps=steps)
+            parts[f"{_KEY[m]}_seconds"].append(time.perf_counter() - t0)
+            scores[m].append(sc.scores)
+            cost[m] = {"forwards": sc.forwards, "backwards": sc.backwards, "steps": sc.steps}
+        E = len(site.graph)
+        if exhaustive:
+            idx = np.arange(E)
+            sample = idx
+        else:
+            sample = rng.choice(E, size=min(exact, E), replace=False)
+            tops = [np.argsort(-np.abs(scores[m][-1]))[: 2 * top] for m in METHODS]
+            idx = np.unique(np.concatenate([sample, *tops]))
+        f0 = site.forwards
+        t0 = time.perf_counter()
+        ex = site.exact(idx)
+        t_exact = time.perf_counter() - t0
+        cost["exact"] = {"forwards": site.forwards - f0, "edges": int(len(idx))}
+        parts["exact_seconds"].append(t_exact)
+        full = t_exact / len(idx) * E
+        parts["exhaustive_seconds"].append(full)
+        parts["speedup"].append(full / parts["eap_ig_seconds"][-1])
+        exact_rows.append((idx, ex))
+        in_sample = np.isin(idx, sample)
+        k = min(top, len(idx))
+        best = set(idx[np.argsort(-np.abs(ex), kind="stable")[:k]])
+        for m in METHODS:
+            s = scores[m][-1]
+            parts[f"rho_{_KEY[m]}"].append(spearman(s[idx[in_sample]].tolist(), ex[in_sample].tolist()))
+            mine = set(np.argsort(-np.abs(s), kind="stable")[:k])
+            parts[f"recall_{_KEY[m]}"].append(len(mine & best) / k)
+    # cross-fitted circuits: chosen on the other half of the pairs, patched on this one
+    curves: dict[str, list[list[float]]] = {}
+    sizes = sizes_for(len(graph)) if graph is not None else []
+    if sites:
+        chosen = np.array(scores[method])
+        halves = np.arange(len(sites)) % 2
+        for name in ("faithfulness", "random", "greedy"):
+            curves[name] = [[] for _ in sizes]
+        for i, site in enumerate(_progress(sites, used, "edge circuits")):
+            other = halves != halves[i] if len(sites) > 1 else np.ones(len(sites), dtype=bool)
+            mean = chosen[other].mean(0)
+            rows, tags = [], []
+            for j, k in enumerate(sizes):
+                c = top_circuit(mean, k)
+                rows += [c, greedy_circuit(graph, mean, k)]
+                tags += [("faithfulness", j), ("greedy", j)]
+                for _ in range(draws):
+                    rows.append(matched_random(graph, c, rng))
+                    tags.append(("random", j))
+            rec = site.patch(np.stack(rows))
+            got: dict[tuple[str, int], list[float]] = {}
+            for (name, j), r in zip(tags, rec):
+                got.setdefault((name, j), []).append(float(r))
+            for (name, j), v in got.items():
+                curves[name][j].append(float(np.mean(v)))
+            for name, part in (("faithfulness", "faithfulness_auc"), ("random", "random_auc"), ("greedy", "greedy_auc")):
+                cpr, cmd = area(sizes, [curves[name][j][-1] for j in range(len(sizes))], len(graph))
+                parts[part].append(cpr)
+                if name == "faithfulness":
+                    parts["faithfulness_cmd"].append(cmd)
+    clusters = clusters_of(used)
+    est = {
+        k: Estimate.of(v, seed=seed, clusters=clusters if len(v) == len(clusters) else None)
+        for k, v in parts.items()
+    }
+    est["effect"] = effect_estimate(used)
+    x = [k / len(graph) for k in sizes] if graph is not None else []
+    made = {n: Curve.of("fraction of edges", x, v, seed=seed, clusters=clusters) for n, v in curves.items()}
+    if not made:
+        made = {n: Curve.of("fraction of edges", [], []) for n in EdgeCircuits.CURVES}
+    table, graph_rows = _tables(graph, scores[method], exact_rows) if graph is not None else ([], [])
+    return EdgeCircuits.of(
+        name="edges",
+        headline="faithfulness_auc",
+        parts=est,
+        curves=made,
+        tables={"edges": table, "convergence": convergence, "graph": graph_rows},
+        excluded=excluded,
+        n_edges=len(graph) if graph is not None else 0,
+        steps=steps,
+        method=method,
+        top=top,
+        recall_over="every edge" if exhaustive else f"a random {exact} per pair and each method's top {2 * top}",
+        cost=cost,
+        groups=GROUPS,
+        description="edge-level circuits over the notebook: EAP, EAP-IG and AtP* against exact edge "
+        "patching; cross-fitted circuits' faithfulness against matched random circuits",
+    )
+
+
+def _progress(sites: list, trials: Sequence[Trial], desc: str):
+    """`sites` with a progress bar unless the trials were made quiet."""
+    from tqdm.auto import tqdm
+
+    return tqdm(sites, desc=desc, unit="pair", disable=not (trials and trials[0].progress))
+
+
+def _tables(graph: EdgeGraph, scores: list[np.ndarray], exact_rows) -> tuple[list, list]:
+    """The top edges by mean |score| with their CIs and exact means, and the graph's edges for
+    drawing (the top 200)."""
+    if not scores:
+        return [], []
+    s = np.array(scores)
+    mean = s.mean(0)
+    order = np.argsort(-np.abs(mean), kind="stable")
+    exact_sum = np.zeros(len(graph))
+    exact_n = np.zeros(len(graph))
+    for idx, ex in exact_rows:
+        exact_sum[idx] += ex
+        exact_n[idx] += 1
+    labels = graph.labels
+    nodes = graph.nodes
+    table, rows = [], []
+    for e in order[:200]:
+        est = Estimate.of(s[:, e].tolist())
+        src, dst = nodes[graph.src[e]], nodes[graph.dst[e]]
+        row = {
+            "edge": labels[e],
+            "kind": "attention" if graph.kind[e] == ATTENTION else "residual",
+            "score": float(mean[e]),
+            "ci": list(est.ci) if est.ci else None,
+            "exact": float(exact_sum[e] / exact_n[e]) if exact_n[e] else None,
+            "src": src.label,
+            "dst": dst.label,
+            "src_layer": src.layer,
+            "dst_layer": dst.layer,
+            "src_group": GROUPS[src.group],
+            "dst_group": GROUPS[dst.group],
+        }
+        rows.append(row)
+        if len(table) < 50:
+            table.append(row)
+    return table, rows
+
+
+@dataclass(frozen=True)
+class EdgesConfig(Pairs):
+    ig_steps: int = option(0, "EAP-IG steps (0: the fewest of 2-32 whose scores doubling moves < 0.01)", least=0)
+    edge_method: str = option("eap-ig", "the edge scores circuits are chosen by", choices=METHODS)
+    exact_edges: int = option(512, "edges patched exactly per pair when the graph is too large for all", least=1)
+    recall_k: int = option(20, "k of recall@k against exact edge patching", least=1)
+    circuit_draws: int = option(4, "matched random circuits per circuit size", least=1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.edge_method not in METHODS:
+            raise BadOption(f"edge_method must be one of {', '.join(METHODS)}, got {self.edge_method!r}")
+
+
+@analysis(
+    "edges",
+    "circuits",
+    EdgesConfig,
+    EdgeCircuits,
+    quick={"n": 4, "ig_steps": 4, "exact_edges": 128},
+    order=6,
+)
+def _run_edges(ctx: Context, cfg: EdgesConfig) -> EdgeCircuits:
+    """Edge-level circuits over the notebook: EAP-IG and AtP* against exact edge patching, faithfulness."""
+    return analyse_edges(
+        shared_trials(ctx, cfg.n, template=cfg.template),
+        steps=cfg.ig_steps,
+        method=cfg.edge_method,
+        exact=cfg.exact_edges,
+        top=cfg.recall_k,
+        draws=cfg.circuit_draws,
+        seed=ctx.seed,
+        min_effect=ctx.min_effect,
+    )

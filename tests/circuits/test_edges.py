@@ -1,0 +1,218 @@
+"""Edge-level circuits: edge patching is exact (every edge in = the new run, none = the old run, a
+node's out-edges = patching the node, a KV slot's out-edges = patching its keys and values) on every
+tiny variant and on Gemma; the scores find the mixed organisms' designed circuit with its designed
+weights, and planted faults (no QK fix, a flipped sign, values left unpatched) fail that check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import circuits.edges as E
+from circuits.edge_circuits import EdgeCircuits, analyse_edges, greedy_circuit, matched_random, sizes_for
+from kvnotes.cli import main
+from kvnotes.engine import run
+from kvnotes.models import load_model
+from kvnotes.models.mixed import designed_edges
+from kvnotes.tasks import load_task
+from kvnotes.tasks.sampler import sample
+from probes import make_trials
+
+# Patched and plain forwards differ in batch shape, so float32 matmuls round differently: measured
+# ≤ 2e-6 logits on decisions of magnitude ≤ 10; 1e-4 logits is far below any edge's effect tested.
+LOGITS = 1e-4
+
+
+def _site(model, task="order-cancel", i=0, seed=0):
+    pairs = sample(load_task(task), model, i + 1, seed=seed)
+    return E.edge_site(model, pairs[i])
+
+
+def _ld(site, hooks):
+    _, out = run(
+        site.model,
+        site.prefix,
+        site.ids_new,
+        site.pos,
+        write=False,
+        hooks=hooks,
+        logits_at=(int(site.pos[-1]),),
+        vocab=site.pair.answers,
+    )
+    return float(out.last[0, 0] - out.last[0, 1])
+
+
+def _check_exact(site):
+    gr, n = site.graph, len(site.graph)
+    eff = site.effect
+    every, none = site.patch(np.stack([np.ones(n, bool), np.zeros(n, bool)]))
+    assert abs((every - 1) * eff) < LOGITS and abs(none * eff) < LOGITS
+    H = site.model.n_heads
+    g = H // site.model.n_kv_heads
+    for l in sorted({0, site.model.n_layers - 1}):
+        # every out-edge of head (l, 0) corrupted = that head's output taken from the old run
+        w = 1 + l * (H + 1)
+        keep = np.ones(n, bool)
+        keep[(gr.kind == E.RESIDUAL) & (gr.a == w)] = False
+
+        def z(t, hook, l=l):
+            t = t.clone()
+            t[:, :, 0] = site.old.z[l][:, :, 0]
+            return t
+
+        ref = _ld(site, [(f"blocks.{l}.attn.hook_z", z)])
+        assert abs(site.patch(keep[None])[0] * eff + site.ld_old - ref) < LOGITS
+        # every out-edge of the KV slot (l, 0) at the field = its keys and values from the old run
+        at = site.groups == E.FIELD
+        keep = np.ones(n, bool)
+        keep[(gr.kind == E.ATTENTION) & (gr.a == l) & (gr.b // g == 0) & (gr.c == E.FIELD)] = False
+
+        def kv(name, l=l):
+            def f(t, hook):
+                t = t.clone()
+                t[:, at, 0] = getattr(site.old, name)[l][:, at, 0]
+                return t
+
+            return f
+
+        hooks = [(f"blocks.{l}.attn.hook_k", kv("k_raw")), (f"blocks.{l}.attn.hook_v", kv("v"))]
+        ref = _ld(site, hooks)
+        assert abs(site.patch(keep[None])[0] * eff + site.ld_old - ref) < LOGITS
+
+
+def test_edge_patching_is_exact_on_every_variant(model):
+    _check_exact(_site(model))
+
+
+def test_edge_patching_is_exact_on_gemma(gemma):
+    _check_exact(_site(gemma))
+
+
+def test_a_patch_that_forgets_the_values_is_caught(model, monkeypatch):
+    """Planted fault: attention edges swap only the keys. The KV-slot check must fail."""
+    monkeypatch.setattr(E, "_patch_values", lambda site, mode, st, l, z: z)
+    with pytest.raises(AssertionError):
+        _check_exact(_site(model))
+
+
+# --- the mixed organisms: the designed circuit, its weights ---------------------------------------
+def designed_failures(graph, scores: np.ndarray, share: float, tol: float = 0.05) -> list[str]:
+    """What a score vector gets wrong about the designed circuit: the top edges at the designed size
+    must be exactly the designed ones, each within `tol` of its designed weight (signed)."""
+    want = designed_edges(share)
+    labels = graph.labels
+    top = {labels[i] for i in np.argsort(-np.abs(scores), kind="stable")[: len(want)]}
+    out = [f"{e} not in the top {len(want)}" for e in sorted(set(want) - top)]
+    for e, w in want.items():
+        got = scores[graph.index_of(e)]
+        if abs(got - w) > tol:
+            out.append(f"{e}: {got:+.3f}, designed {w:+.3f}")
+    return out
+
+
+@pytest.fixture(scope="module", params=["mixed-organism-25", "mixed-organism-75"])
+def mixed_sites(request):
+    m = load_model(request.param)
+    share = 0.25 if request.param.endswith("25") else 0.75
+    return share, [E.edge_site(m, p) for p in sample(load_task("mixed-organism"), m, 4, seed=1)]
+
+
+def test_exact_patching_and_eap_ig_find_the_designed_circuit(mixed_sites):
+    share, sites = mixed_sites
+    for site in sites:
+        assert designed_failures(site.graph, site.exact(), share) == []
+        assert designed_failures(site.graph, E.score_edges(site, "eap-ig", steps=16).scores, share) == []
+
+
+def test_atp_star_finds_the_circuit_and_underweights_only_what_feeds_a_key_through_a_head(mixed_sites):
+    """AtP* recomputes the softmax where a patched key enters it, but linearises from a head's output on:
+    the field's two edges into the note writer L0H0 feed the layer-2 keys through L0H0's output, where
+    the saturated softmax has no gradient, so they get only the value route's share(1 - k)."""
+    share, sites = mixed_sites
+    k = 0.6
+    for site in sites:
+        got = designed_failures(site.graph, E.score_edges(site, "atp*").scores, share)
+        assert got == [
+            f"EMB@field->KV0.0@field: {share * (1 - k):+.3f}, designed {share:+.3f}",
+            f"KV0.0@field->L0H0@notes: {share * (1 - k):+.3f}, designed {share:+.3f}",
+        ]
+
+
+def test_planted_faults_fail_the_designed_check(mixed_sites, monkeypatch):
+    share, sites = mixed_sites
+    site = sites[0]
+    # without the QK fix AtP* is plain EAP: the key route scores nothing, so it drops out of the top
+    monkeypatch.setattr(E._Accumulator, "_exact_keys", lambda self, grads, st: None)
+    no_fix = E.score_edges(site, "atp*").scores
+    assert any("not in the top" in f for f in designed_failures(site.graph, no_fix, share))
+    monkeypatch.undo()
+    # scored with the wrong sign: the same edges, every weight negative
+    flipped = -E.score_edges(site, "eap-ig", steps=16).scores
+    fails = designed_failures(site.graph, flipped, share)
+    assert len(fails) == len(designed_edges(share)) and not any("not in the top" in f for f in fails)
+
+
+def test_plain_eap_misses_the_key_route(mixed_sites):
+    share, sites = mixed_sites
+    s = E.score_edges(sites[0], "eap").scores
+    gr = sites[0].graph
+    assert abs(s[gr.index_of("KV2.0@notes->L2H0@decision")]) < 1e-3  # saturated softmax: no gradient
+
+
+# --- circuits and the analysis --------------------------------------------------------------------
+def test_circuit_helpers():
+    gr = E.edge_graph(load_model("mixed-organism-25"))
+    n = len(gr)
+    assert sizes_for(n)[0] == 0 and sizes_for(n)[-1] == n
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=n)
+    g = greedy_circuit(gr, scores, 10)
+    assert g.sum() == 10
+    reached = {int(i) for i, nd in enumerate(gr.nodes) if nd.kind == "logit"}
+    for e in np.flatnonzero(g):  # grown from the logit: each edge's destination already reached
+        assert int(gr.dst[e]) in reached or int(gr.dst[e]) in {int(gr.src[x]) for x in np.flatnonzero(g)}
+        reached.add(int(gr.src[e]))
+    c = np.zeros(n, bool)
+    c[np.argsort(-scores)[:15]] = True
+    r = matched_random(gr, c, rng)
+    assert r.sum() == 15 and not (r & c).any()
+    src, dst = gr.layers()
+    assert sorted(dst[r]) == sorted(dst[c])  # matched in destination layer
+    assert matched_random(gr, np.ones(n, bool), rng).all()  # the whole graph's match is the whole graph
+
+
+def test_the_analysis_on_the_mixed_organism():
+    m = load_model("mixed-organism-25")
+    trials = make_trials(m, "mixed-organism", n=4, progress=False)
+    r = analyse_edges(trials, steps=8, draws=2)
+    assert isinstance(r, EdgeCircuits) and r.n_edges == len(E.edge_graph(m))
+    f = r.curves["faithfulness"]
+    assert f.points[0].mean == pytest.approx(0, abs=1e-6) and f.points[-1].mean == pytest.approx(1, abs=1e-6)
+    assert r.curves["random"].points[-1].mean == pytest.approx(1, abs=1e-6)
+    # out of sample, the designed circuit (14 edges, 5% of the graph) keeps all; matched random
+    # circuits keep nothing until they are the whole graph (the last step of the size grid, from half
+    # the edges to all, alone gives an area of 0.25)
+    assert r.parts["faithfulness_auc"].mean > 0.9
+    assert r.parts["random_auc"].mean == pytest.approx(0.25, abs=0.02)
+    assert r.parts["rho_eap_ig"].mean > r.parts["rho_eap"].mean
+    top = {row["edge"] for row in r.tables["edges"][:14]}
+    assert top == set(designed_edges(0.25))
+    assert EdgeCircuits.from_dict("edges", r.to_dict()).to_dict() == r.to_dict()
+
+
+def test_circuits_edges_command(tmp_path, capsys):
+    out = tmp_path / "edges.json"
+    rc = main(["circuits", "edges", "--model", "mixed-organism-75", "--n", "2", "--ig-steps", "4", "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())["probes"]["edges"]
+    assert {"faithfulness", "random", "greedy", "graph"} <= set(d)
+    assert "edges.faithfulness_auc" in capsys.readouterr().out
+
+
+def test_a_bad_edge_method_is_refused_before_the_model_loads(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["circuits", "edges", "--model", "no-such-model", "--edge-method", "eap2"])
+    assert e.value.code == 2
+    assert "eap-ig" in capsys.readouterr().err
