@@ -589,6 +589,8 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
 
         def mid_hook(x, hook, l=l):
             st.mid[l] = x.detach()
+            if grad:
+                st.__dict__.setdefault("mid_live", {})[l] = x
             return x
 
         def mlp_in(x, hook, l=l):
@@ -597,10 +599,10 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             corr = mode.corrections(site, st, l, slice(l * B + H + KVH, l * B + H + KVH + 1), True)
             return x if corr is None else x + corr[:, 0]
 
-        def mlp_out(x, hook, l=l):
-            st.mlp[l] = x if grad else x.detach()
-            if grad and mode.drop is not None and l == mode.drop:
-                return x.detach()
+        def resid_post(x, hook, l=l):
+            # the MLP's output: TransformerLens fires hook_mlp_out inside some MLPs and not others
+            out = x - st.mid[l] if not grad else x - st.mid_live[l]
+            st.mlp[l] = out if grad else out.detach()
             return x
 
         p = f"blocks.{l}"
@@ -617,7 +619,7 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             (f"{p}.hook_attn_out", attn_out),
             (f"{p}.hook_resid_mid", mid_hook),
             (f"{p}.hook_mlp_in", mlp_in),
-            (f"{p}.hook_mlp_out", mlp_out),
+            (f"{p}.hook_resid_post", resid_post),
         ]
 
     def final(x, hook):

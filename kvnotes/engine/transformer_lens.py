@@ -136,7 +136,7 @@ def _forward(
         # 3) the MLP, as TransformerLens's block runs it
         resid_mid = block.hook_resid_mid(resid + attn_out)
         mlp_in = block.hook_mlp_in(resid_mid.clone()) if cfg.use_hook_mlp_in else resid_mid
-        resid = block.hook_resid_post(resid_mid + block.hook_mlp_out(block.apply_mlp(block.ln2(mlp_in))))
+        resid = block.hook_resid_post(resid_mid + block.apply_mlp(block.ln2(mlp_in)))
         fresh_k.append(k)
         fresh_v.append(v)
     return fresh_k, fresh_v, resid
