@@ -223,7 +223,11 @@ def analyse_edges(
                 got.setdefault((name, j), []).append(float(r))
             for (name, j), v in got.items():
                 curves[name][j].append(float(np.mean(v)))
-            for name, part in (("faithfulness", "faithfulness_auc"), ("random", "random_auc"), ("greedy", "greedy_auc")):
+            for name, part in (
+                ("faithfulness", "faithfulness_auc"),
+                ("random", "random_auc"),
+                ("greedy", "greedy_auc"),
+            ):
                 cpr, cmd = area(sizes, [curves[name][j][-1] for j in range(len(sizes))], len(graph))
                 parts[part].append(cpr)
                 if name == "faithfulness":
@@ -250,7 +254,9 @@ def analyse_edges(
         steps=steps,
         method=method,
         top=top,
-        recall_over="every edge" if exhaustive else f"a random {exact} per pair and each method's top {2 * top}",
+        recall_over="every edge"
+        if exhaustive
+        else f"a random {exact} per pair and each method's top {2 * top}",
         cost=cost,
         groups=GROUPS,
         description="edge-level circuits over the notebook: EAP, EAP-IG and AtP* against exact edge "
@@ -305,9 +311,13 @@ def _tables(graph: EdgeGraph, scores: list[np.ndarray], exact_rows) -> tuple[lis
 
 @dataclass(frozen=True)
 class EdgesConfig(Pairs):
-    ig_steps: int = option(0, "EAP-IG steps (0: the fewest of 2-32 whose scores doubling moves < 0.01)", least=0)
+    ig_steps: int = option(
+        0, "EAP-IG steps (0: the fewest of 2-32 whose scores doubling moves < 0.01)", least=0
+    )
     edge_method: str = option("eap-ig", "the edge scores circuits are chosen by", choices=METHODS)
-    exact_edges: int = option(512, "edges patched exactly per pair when the graph is too large for all", least=1)
+    exact_edges: int = option(
+        512, "edges patched exactly per pair when the graph is too large for all", least=1
+    )
     recall_k: int = option(20, "k of recall@k against exact edge patching", least=1)
     circuit_draws: int = option(4, "matched random circuits per circuit size", least=1)
 

@@ -56,7 +56,7 @@ from kvnotes.notebook import Notebook
 from kvnotes.ops import prefill
 from kvnotes.prompt import is_delimiter
 from kvnotes.tasks.sampler import Pair
-from kvnotes.types import Float, Tensor
+from kvnotes.types import Tensor
 
 GROUPS = ("field", "notes", "decision", "other")
 FIELD, NOTES, DECISION, OTHER = range(4)
@@ -129,9 +129,6 @@ class EdgeGraph:
     def block(self) -> int:  # readers per layer
         return self.n_heads + self.n_kv_heads + 1
 
-    def writer(self, w: int) -> Node:
-        return self._writer_nodes[w]
-
     @property
     def labels(self) -> list[str]:
         return [f"{self.nodes[s].label}->{self.nodes[t].label}" for s, t in zip(self.src, self.dst)]
@@ -141,7 +138,9 @@ class EdgeGraph:
         try:
             return self._by_label[label]
         except KeyError:
-            raise BadArgument(f"no edge {label!r} in this graph (labels look like 'L0H1@notes->KV1.0@notes')") from None
+            raise BadArgument(
+                f"no edge {label!r} in this graph (labels look like 'L0H1@notes->KV1.0@notes')"
+            ) from None
 
     @property
     def _by_label(self) -> dict[str, int]:
@@ -149,20 +148,8 @@ class EdgeGraph:
             object.__setattr__(self, "_labels", {s: i for i, s in enumerate(self.labels)})
         return self.__dict__["_labels"]
 
-    @property
-    def _writer_nodes(self) -> list[Node]:
-        if "_wn" not in self.__dict__:
-            out = [Node("emb", -1, 0, FIELD)]
-            for l in range(self.n_layers):
-                out += [Node("head", l, h, 0) for h in range(self.n_heads)] + [Node("mlp", l, 0, 0)]
-            object.__setattr__(self, "_wn", out)
-        return self.__dict__["_wn"]
-
     def writer_layer(self, w: int) -> int:
         return -1 if w == 0 else (w - 1) // (self.n_heads + 1)
-
-    def reader_layer(self, r: int) -> int:
-        return r // self.block
 
     def layers(self) -> tuple[np.ndarray, np.ndarray]:
         """Each edge's (source layer, destination layer): what a matched random circuit matches."""
@@ -277,7 +264,7 @@ class _Run:
     scores: dict = field(default_factory=dict)  # [b, H, T, slots + T]
     pattern: dict = field(default_factory=dict)
     z: dict = field(default_factory=dict)  # [b, T, H, d_head]
-    final: Tensor | None = None  # the last block's resid_post [b, T, d]
+    mid_live: dict = field(default_factory=dict)  # resid_mid kept in the graph (gradient runs)
 
 
 @dataclass(eq=False)
@@ -322,8 +309,7 @@ class EdgeSite:
             raise BadArgument(f"circuits must be [rows, {len(self.graph)}] booleans, got {tuple(keep.shape)}")
         out = []
         for a in range(0, keep.shape[0], batch):
-            ld = self._forward(_Patch(*self._masks(keep[a : a + batch])))
-            out.append(ld)
+            out.append(self._forward(_Patch(*self._masks(keep[a : a + batch])))[0])
         lds = torch.cat(out).numpy() if out else np.zeros(0)
         return (lds - self.ld_old) / self.effect
 
@@ -349,16 +335,15 @@ class EdgeSite:
         return res, att
 
     # -- the forward ------------------------------------------------------------------------------
-    def _forward(self, mode: _Mode, ids: Sequence[int] | None = None) -> Tensor:
-        """One forward of the computed tokens (the new prompt's unless `ids`) under `mode`'s hooks;
-        the decision's metric per row (float64)."""
+    def _forward(self, mode: _Mode, ids: Sequence[int] | None = None) -> tuple[Tensor, _Run]:
+        """One forward of the computed tokens (the new prompt's unless `ids`) under `mode`'s hooks:
+        the decision's metric per row (float64; kept in the autograd graph under `_Grad`), and what
+        the forward left behind."""
         model = self.model
-        rows = mode.rows
         ids = self.ids_new if ids is None else ids
-        tok = torch.as_tensor(list(ids))[None].expand(rows, -1)
+        tok = torch.as_tensor(list(ids))[None].expand(mode.rows, -1)
         vocab, columns = answer_columns(self.metric, self.pair.answers)
         st = _Run()
-        hooks = _hooks(self, mode, st)
         with _mlp_in_hook(model):
             _, out = run(
                 model,
@@ -366,17 +351,13 @@ class EdgeSite:
                 tok,
                 self.pos,
                 write=False,
-                hooks=hooks,
+                hooks=_hooks(self, mode, st),
                 logits_at=(int(self.pos[-1]),),
                 vocab=vocab,
             )
         self.forwards += 1
-        mode.after(st)
         score = self.metric(out.last, columns)
-        if mode.keep_graph:
-            mode.score = score
-            return score.detach()
-        return score.detach().double()
+        return (score if isinstance(mode, _Grad) else score.detach()), st
 
 
 @contextlib.contextmanager
@@ -395,22 +376,11 @@ class _Mode:
     """How a forward's hooks act: capture only (the old and new runs)."""
 
     rows = 1
-    keep_graph = False
     interpolate: Tensor | None = None  # [rows] alphas of the field's embeddings
     old_emb: Tensor | None = None
 
     def corrections(self, site, st, l: int, readers: slice, include_layer: bool) -> Tensor | None:
         return None
-
-    def attention_patch(self) -> bool:
-        return False
-
-    def after(self, st: _Run) -> None:
-        pass
-
-
-class _Capture(_Mode):
-    pass
 
 
 class _Patch(_Mode):
@@ -419,9 +389,6 @@ class _Patch(_Mode):
     def __init__(self, res: Tensor, att: Tensor):
         self.res, self.att = res, att
         self.rows = res.shape[0]
-
-    def attention_patch(self) -> bool:
-        return True
 
     def corrections(self, site, st, l, readers, include_layer):
         """The change of each reader's input [b, readers, T, d] that its corrupted edges make."""
@@ -444,14 +411,11 @@ class _Grad(_Mode):
     """Rows: runs whose field embeddings are interpolated (alpha per row); zero leaves at every
     reader's input, the scores and the head outputs, for their gradients."""
 
-    keep_graph = True
-
-    def __init__(self, alphas: Tensor, old_emb: Tensor, drop: int | None = None):
+    def __init__(self, alphas: Tensor, old_emb: Tensor):
         self.interpolate = alphas
         self.old_emb = old_emb
         self.rows = len(alphas)
         self.leaves: dict = {}
-        self.drop = drop
 
     def leaf(self, name, like: Tensor) -> Tensor:
         t = torch.zeros_like(like).requires_grad_(True)
@@ -489,6 +453,15 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
     patch = isinstance(mode, _Patch)
     hooks = []
     pend: dict = {}
+
+    def keep(store: dict, l: int):
+        """A hook that keeps its activation in `store[l]` (detached unless gradients are wanted)."""
+
+        def f(x, hook):
+            store[l] = x if grad else x.detach()
+            return x
+
+        return f
 
     def embed(x, hook):
         if mode.interpolate is not None:
@@ -543,14 +516,6 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             st.v[l] = v if grad else v.detach()
             return v
 
-        def rot_q(q, hook, l=l):
-            st.q_rot[l] = q if grad else q.detach()
-            return q
-
-        def rot_k(k, hook, l=l):
-            st.k_rot[l] = k if grad else k.detach()
-            return k
-
         def scores_hook(s, hook, l=l, attn=attn):
             if patch:
                 off = ~mode.att[:, l][:, :, site.groups][..., site.groups]  # [b, H, gk->T, gq->T]: key, query
@@ -567,10 +532,6 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             st.scores[l] = s if grad else s.detach()
             return s
 
-        def pattern_hook(p, hook, l=l):
-            st.pattern[l] = p if grad else p.detach()
-            return p
-
         def z_hook(z, hook, l=l, attn=attn):
             if patch:
                 z = _patch_values(site, mode, st, l, z)
@@ -582,15 +543,10 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             st.attn_sum[l] = (heads.sum(2) + attn.b_O).detach()
             return z
 
-        def attn_out(a, hook):
-            if grad and mode.drop is not None and hook.layer() == mode.drop:
-                return a.detach()
-            return a
-
         def mid_hook(x, hook, l=l):
             st.mid[l] = x.detach()
             if grad:
-                st.__dict__.setdefault("mid_live", {})[l] = x
+                st.mid_live[l] = x
             return x
 
         def mlp_in(x, hook, l=l):
@@ -611,12 +567,11 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             (f"{p}.attn.hook_q", q_hook),
             (f"{p}.attn.hook_k", k_hook),
             (f"{p}.attn.hook_v", v_hook),
-            (f"{p}.attn.hook_rot_q", rot_q),
-            (f"{p}.attn.hook_rot_k", rot_k),
+            (f"{p}.attn.hook_rot_q", keep(st.q_rot, l)),
+            (f"{p}.attn.hook_rot_k", keep(st.k_rot, l)),
             (f"{p}.attn.hook_attn_scores", scores_hook),
-            (f"{p}.attn.hook_pattern", pattern_hook),
+            (f"{p}.attn.hook_pattern", keep(st.pattern, l)),
             (f"{p}.attn.hook_z", z_hook),
-            (f"{p}.hook_attn_out", attn_out),
             (f"{p}.hook_resid_mid", mid_hook),
             (f"{p}.hook_mlp_in", mlp_in),
             (f"{p}.hook_resid_post", resid_post),
@@ -630,7 +585,6 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             corr = mode.corrections(site, st, L, slice(L * B, L * B + 1), True)
             if corr is not None:
                 x = torch.cat([x[:, :-1], x[:, -1:] + corr[:, 0, -1:]], dim=1)
-        st.final = x if grad else x.detach()
         return x
 
     hooks.append((f"blocks.{L - 1}.hook_resid_post", final))
@@ -705,17 +659,11 @@ def edge_site(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> Edg
     )
     with torch.no_grad():
         for name, ids in (("old", site.ids_old), ("new", site.ids_new)):
-            mode = _CaptureInto()
-            ld = site._forward(mode, ids)
-            setattr(site, name, mode.st)
+            ld, st = site._forward(_Mode(), ids)
+            setattr(site, name, st)
             setattr(site, f"ld_{name}", float(ld[0]))
     site.forwards = 0
     return site
-
-
-class _CaptureInto(_Capture):
-    def after(self, st: _Run) -> None:
-        self.st = st
 
 
 # --- scores --------------------------------------------------------------------------------------
@@ -747,10 +695,8 @@ def score_edges(site: EdgeSite, method: str = "eap-ig", *, steps: int = 16, chun
         part = alphas[a : a + chunk]
         mode = _Grad(part, site.old.emb)
         with torch.enable_grad():
-            st = _Run()
-            mode.after = lambda s, st=st: st.__dict__.update(s.__dict__)  # keep what the forward saw
-            site._forward(mode)
-            total = mode.score.sum()
+            score, st = site._forward(mode)
+            total = score.sum()
             names = list(mode.leaves)
             grads = torch.autograd.grad(total, [mode.leaves[n] for n in names], allow_unused=True)
         site.backwards += 1
@@ -825,7 +771,6 @@ class _Accumulator:
         L, H, KVH = gr.n_layers, gr.n_heads, gr.n_kv_heads
         B, g = gr.block, H // KVH
         ns = site.prefix.n_slots
-        T = site.n_tokens
         onehot = torch.nn.functional.one_hot(site.groups, len(GROUPS)).to(torch.float64)
         D = self._deltas
         for l in range(L):
@@ -838,22 +783,9 @@ class _Accumulator:
             gz = grads[("z", l)][0].double()  # [T, H, d]
             z = site.new.z[l][0].double()  # [T, H, d]
             q = site.new.q_rot[l][0].double()  # [T, H, d]
-            finite = torch.isfinite(s_all)
 
-            def delta_ld(s_new_keys, v_new_keys, at):
-                """The linearised change when the computed keys at positions `at` ([T] bool) take
-                scores `s_new_keys` [n, H, T(query), T(key)] and values `v_new_keys` [n, T, KVH, d]."""
-                s = s_all[None].clone().expand(s_new_keys.shape[0], -1, -1, -1).clone()
-                tail = s[..., ns:]
-                sel = at[None, None, None, :] & finite[None, ..., ns:]
-                s[..., ns:] = torch.where(sel, s_new_keys, tail)
-                p = torch.softmax(s, dim=-1)
-                p = torch.where(torch.isnan(p), torch.zeros_like(p), p)
-                vv = v_all[None].expand(s.shape[0], -1, -1, -1).clone()
-                vv[:, ns:][:, at] = v_new_keys[:, at]
-                vh = vv.repeat_interleave(g, dim=2)  # [n, K, H, d]
-                z2 = torch.einsum("nhqk,nkhe->nqhe", p, vh)
-                return torch.einsum("nqhe,qhe->nhq", z2 - z[None], gz)  # [n, H, query]
+            def delta_ld(s_new_keys, v_new_keys, at, base=(s_all, v_all, z, gz)):
+                return _exact_change(*base, s_new_keys, v_new_keys, at, ns, g)
 
             # attention edges: the old keys and values at gk's positions
             k_old = site.old.k_rot[l][0].double().repeat_interleave(g, 1)
@@ -879,7 +811,8 @@ class _Accumulator:
             k2 = _finish_keys(model, l, k_raw[None] + dk, site.pos)  # [n, T, KVH, d]
             k2h = k2.double().repeat_interleave(g, 2)
             s2 = _softcap(
-                torch.einsum("qhe,nphe->nhqp", q, k2h) / float(attn.attn_scale), model.cfg.attn_scores_soft_cap
+                torch.einsum("qhe,nphe->nhqp", q, k2h) / float(attn.attn_scale),
+                model.cfg.attn_scores_soft_cap,
             )
             v2 = site.new.v[l][0].double()[None] + dv.double()
             for gk in range(len(GROUPS)):
@@ -902,6 +835,22 @@ class _Accumulator:
         out[r] = res[gr.b[r], gr.a[r], gr.c[r]].numpy()
         out[t] = att[gr.a[t], gr.b[t], gr.c[t], gr.d[t]].numpy()
         return out
+
+
+def _exact_change(s_all, v_all, z, gz, s_new, v_new, at, ns: int, g: int) -> Tensor:
+    """The linearised change of the metric, `gz . (z' - z)` per patch, head and query [n, H, T], when
+    the computed keys at positions `at` ([T] bool) take scores `s_new` [n, H, T(query), T(key)] and
+    values `v_new` [n, T, KVH, d]: the softmax recomputed over every key (the notebook's first), as
+    attention computes it. `s_all` [H, T, K] and `v_all` [K, KVH, d] are the new run's."""
+    s = s_all[None].expand(s_new.shape[0], -1, -1, -1).clone()
+    sel = at[None, None, None, :] & torch.isfinite(s_all)[None, ..., ns:]
+    s[..., ns:] = torch.where(sel, s_new, s[..., ns:])
+    p = torch.softmax(s, dim=-1)
+    p = torch.where(torch.isnan(p), torch.zeros_like(p), p)
+    vv = v_all[None].expand(s.shape[0], -1, -1, -1).clone()
+    vv[:, ns:][:, at] = v_new[:, at]
+    z2 = torch.einsum("nhqk,nkhe->nqhe", p, vv.repeat_interleave(g, dim=2))
+    return torch.einsum("nqhe,qhe->nhq", z2 - z[None], gz)
 
 
 def _finish_keys(model: KVModel, l: int, k: Tensor, pos: Tensor) -> Tensor:

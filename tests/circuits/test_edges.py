@@ -51,6 +51,7 @@ def _check_exact(site):
     assert abs((every - 1) * eff) < LOGITS and abs(none * eff) < LOGITS
     H = site.model.n_heads
     g = H // site.model.n_kv_heads
+    at = site.groups == E.FIELD
     for l in sorted({0, site.model.n_layers - 1}):
         # every out-edge of head (l, 0) corrupted = that head's output taken from the old run
         w = 1 + l * (H + 1)
@@ -65,7 +66,6 @@ def _check_exact(site):
         ref = _ld(site, [(f"blocks.{l}.attn.hook_z", z)])
         assert abs(site.patch(keep[None])[0] * eff + site.ld_old - ref) < LOGITS
         # every out-edge of the KV slot (l, 0) at the field = its keys and values from the old run
-        at = site.groups == E.FIELD
         keep = np.ones(n, bool)
         keep[(gr.kind == E.ATTENTION) & (gr.a == l) & (gr.b // g == 0) & (gr.c == E.FIELD)] = False
 
@@ -204,7 +204,20 @@ def test_the_analysis_on_the_mixed_organism():
 
 def test_circuits_edges_command(tmp_path, capsys):
     out = tmp_path / "edges.json"
-    rc = main(["circuits", "edges", "--model", "mixed-organism-75", "--n", "2", "--ig-steps", "4", "--json", str(out)])
+    rc = main(
+        [
+            "circuits",
+            "edges",
+            "--model",
+            "mixed-organism-75",
+            "--n",
+            "2",
+            "--ig-steps",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     d = json.loads(out.read_text())["probes"]["edges"]
     assert {"faithfulness", "random", "greedy", "graph"} <= set(d)
