@@ -13,6 +13,7 @@ edge outside the circuit carrying the old run's value.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,21 +67,39 @@ def top_circuit(scores: np.ndarray, k: int) -> np.ndarray:
     return keep
 
 
-def greedy_circuit(graph: EdgeGraph, scores: np.ndarray, k: int) -> np.ndarray:
-    """A connected circuit of `k` edges grown from the logit: each step adds the edge of largest
-    |score| whose destination the circuit already reaches."""
-    keep = np.zeros(len(graph), dtype=bool)
+def greedy_order(graph: EdgeGraph, scores: np.ndarray) -> np.ndarray:
+    """The edges in the order a circuit grown from the logit adds them: each step the edge of largest
+    |score| (the lowest index among ties) whose destination the circuit already reaches. Every
+    greedy circuit is a prefix of it (a heap of the reachable edges: O(E log E), not O(E^2))."""
+    mag = np.abs(scores)
+    into = np.argsort(graph.dst, kind="stable")
+    starts = np.searchsorted(graph.dst[into], np.arange(len(graph.nodes) + 1))
     logit = next(i for i, n in enumerate(graph.nodes) if n.kind == "logit")
     reached = np.zeros(len(graph.nodes), dtype=bool)
-    reached[logit] = True
-    mag = np.abs(scores)
-    for _ in range(min(k, len(graph))):
-        cand = np.flatnonzero(reached[graph.dst] & ~keep)
-        if not len(cand):
-            break
-        e = cand[np.argmax(mag[cand])]
-        keep[e] = True
-        reached[graph.src[e]] = True
+    heap: list[tuple[float, int]] = []
+
+    def reach(node: int) -> None:
+        reached[node] = True
+        for e in into[starts[node] : starts[node + 1]]:
+            heapq.heappush(heap, (-float(mag[e]), int(e)))
+
+    reach(logit)
+    order = []
+    while heap:
+        _, e = heapq.heappop(heap)
+        order.append(e)
+        if not reached[graph.src[e]]:
+            reach(int(graph.src[e]))
+    return np.asarray(order, dtype=np.int64)
+
+
+def greedy_circuit(
+    graph: EdgeGraph, scores: np.ndarray, k: int, order: np.ndarray | None = None
+) -> np.ndarray:
+    """A connected circuit of `k` edges grown from the logit (the first `k` of `greedy_order`)."""
+    order = greedy_order(graph, scores) if order is None else order
+    keep = np.zeros(len(graph), dtype=bool)
+    keep[order[:k]] = True
     return keep
 
 
@@ -88,19 +107,45 @@ def matched_random(graph: EdgeGraph, circuit: np.ndarray, rng: np.random.Generat
     """As many edges as `circuit`, each drawn from the edges of the same kind, source and destination
     layer and source and destination group as one of the circuit's, outside the circuit where that bin
     has edges to spare (then from the same destination layer, then from any edge): so the random
-    circuit of the whole graph is the whole graph."""
+    circuit of the whole graph is the whole graph. Drawn bin by bin (without replacement), not edge by
+    edge."""
     sl, dl = graph.layers()
     sg, dg = graph.regions()
     bins = np.stack([graph.kind, sl, dl, sg, dg], 1)
+    _, bin_id = np.unique(bins, axis=0, return_inverse=True)
+    bin_id = bin_id.reshape(-1)
+    every = np.zeros(len(graph), dtype=np.int64)
+    # each level: what a drawn edge must share with the circuit's edge, and whether it may be in the circuit
+    levels = ((bin_id, False), (dl, False), (bin_id, True), (dl, True), (every, True))
     out = np.zeros(len(graph), dtype=bool)
-    for e in np.flatnonzero(circuit):
-        same = (bins == bins[e]).all(1)
-        for pool in (same & ~circuit, (dl == dl[e]) & ~circuit, same, dl == dl[e], np.ones(len(graph), bool)):
-            pool = np.flatnonzero(pool & ~out)
-            if len(pool):
-                out[rng.choice(pool)] = True
-                break
+    pending = np.flatnonzero(circuit)
+    for key, inside in levels:
+        if not len(pending):
+            break
+        order = np.argsort(key, kind="stable")
+        sorted_keys = key[order]
+        left = []
+        groups, need = np.unique(key[pending], return_counts=True)
+        for k, n in zip(groups, need):
+            lo, hi = np.searchsorted(sorted_keys, [k, k + 1])
+            pool = order[lo:hi]
+            pool = pool[~out[pool] & (inside | ~circuit[pool])]
+            take = min(int(n), len(pool))
+            if take:
+                out[rng.choice(pool, size=take, replace=False)] = True
+            left += [k] * (int(n) - take)
+        pending = _owners(key, pending, left)
     return out
+
+
+def _owners(key: np.ndarray, pending: np.ndarray, left: list) -> np.ndarray:
+    """Circuit edges still unmatched: for each key in `left` (with repeats), one pending edge with it."""
+    out, used = [], np.zeros(len(pending), dtype=bool)
+    for k in left:
+        i = np.flatnonzero((key[pending] == k) & ~used)[0]
+        used[i] = True
+        out.append(pending[i])
+    return np.asarray(out, dtype=np.int64)
 
 
 def area(sizes: Sequence[int], values: Sequence[float], n_edges: int) -> tuple[float, float]:
@@ -209,10 +254,11 @@ def analyse_edges(
         for i, site in enumerate(_progress(sites, used, "edge circuits")):
             other = halves != halves[i] if len(sites) > 1 else np.ones(len(sites), dtype=bool)
             mean = chosen[other].mean(0)
+            grown = greedy_order(graph, mean)
             rows, tags = [], []
             for j, k in enumerate(sizes):
                 c = top_circuit(mean, k)
-                rows += [c, greedy_circuit(graph, mean, k)]
+                rows += [c, greedy_circuit(graph, mean, k, grown)]
                 tags += [("faithfulness", j), ("greedy", j)]
                 for _ in range(draws):
                     rows.append(matched_random(graph, c, rng))

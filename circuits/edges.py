@@ -425,13 +425,11 @@ class _Grad(_Mode):
 
 def _post_delta(model: KVModel, l: int, s: Tensor, D: Tensor) -> Tensor:
     """post(s + D) - post(s), with post the attention output's norm where the model has one (else D):
-    zero where D is zero."""
+    zero where D is zero. `s` [b, T, d], `D` [b, R, T, d]."""
     if not model.cfg.use_normalization_before_and_after:
         return D
     post = model.tl.blocks[l].ln1_post
-    s = s[:, None].expand_as(D)
-    both = post(torch.stack([s + D, s]))
-    return both[0] - both[1]
+    return post(s[:, None] + D) - post(s)[:, None]
 
 
 def _weights(model: KVModel, l: int):

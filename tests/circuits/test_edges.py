@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 import circuits.edges as E
-from circuits.edge_circuits import EdgeCircuits, analyse_edges, greedy_circuit, matched_random, sizes_for
+from circuits.edge_circuits import (
+    EdgeCircuits,
+    analyse_edges,
+    greedy_circuit,
+    greedy_order,
+    matched_random,
+    sizes_for,
+)
 from kvnotes.cli import main
 from kvnotes.engine import run
 from kvnotes.models import load_model
@@ -174,6 +181,17 @@ def test_circuit_helpers():
     for e in np.flatnonzero(g):  # grown from the logit: each edge's destination already reached
         assert int(gr.dst[e]) in reached or int(gr.dst[e]) in {int(gr.src[x]) for x in np.flatnonzero(g)}
         reached.add(int(gr.src[e]))
+    # the heap's order equals the plain definition: each step the reachable edge of largest |score|
+    # (lowest index among ties; a third of the scores tied at 0)
+    tied = np.where(rng.random(n) < 0.3, 0.0, scores)
+    reach, order = np.zeros(len(gr.nodes), bool), []
+    reach[[i for i, nd in enumerate(gr.nodes) if nd.kind == "logit"]] = True
+    taken = np.zeros(n, bool)
+    while (cand := np.flatnonzero(reach[gr.dst] & ~taken)).size:
+        e = cand[np.argmax(np.abs(tied[cand]))]
+        taken[e], reach[gr.src[e]] = True, True
+        order.append(e)
+    assert greedy_order(gr, tied).tolist() == order
     c = np.zeros(n, bool)
     c[np.argsort(-scores)[:15]] = True
     r = matched_random(gr, c, rng)
