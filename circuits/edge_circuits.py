@@ -380,7 +380,7 @@ class EdgesConfig(Pairs):
     EdgeCircuits,
     quick={"n": 4, "ig_steps": 4, "exact_edges": 128},
     order=6,
-    default=False,  # run when named: its circuits' patching costs ~95 s a pair on Gemma (docs/circuits.md)
+    default=False,  # run when named: ~45 s a pair on Gemma (docs/circuits.md)
     in_report=False,
 )
 def _run_edges(ctx: Context, cfg: EdgesConfig) -> EdgeCircuits:
