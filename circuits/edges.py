@@ -500,19 +500,19 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
                 return q
             return q + torch.einsum("bhtd,hde->bthe", n[:, :H], W_Q)
 
-        def k_hook(k, hook, W=W_K, attn_readers=attn_readers, l=l):
-            n = attn_readers()
-            if n is not None:
-                k = k + torch.einsum("bjtd,jde->btje", n[:, H:], W)
-            st.k_raw[l] = k if grad else k.detach()
-            return k
+        def kv_hook(store: dict, W, attn_readers=attn_readers, l=l):
+            """Keys or values with the KV readers' input changes added, kept in `store[l]`."""
 
-        def v_hook(v, hook, W=W_V, attn_readers=attn_readers, l=l):
-            n = attn_readers()
-            if n is not None:
-                v = v + torch.einsum("bjtd,jde->btje", n[:, H:], W)
-            st.v[l] = v if grad else v.detach()
-            return v
+            def f(x, hook):
+                n = attn_readers()
+                if n is not None:
+                    x = x + torch.einsum("bjtd,jde->btje", n[:, H:], W)
+                store[l] = x if grad else x.detach()
+                return x
+
+            return f
+
+        k_hook, v_hook = kv_hook(st.k_raw, W_K), kv_hook(st.v, W_V)
 
         def scores_hook(s, hook, l=l, attn=attn):
             if patch:
