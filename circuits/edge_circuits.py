@@ -2,13 +2,13 @@
 circuits chosen on half the pairs, evaluated on the other half as faithfulness curves beside random
 circuits matched in layers and region.
 
-Per pair (`circuits.edges.edge_site`): every edge scored by each method, timed; exact patching of every
-edge when the graph has at most `EXHAUSTIVE` edges, else of a random sample (for Spearman's rho) plus
-each method's top edges (for recall@k: then the exact top-k is the top-k of what was patched, which
-can only flatter the methods: said in `details.recall_over`). Then, cross-fitted: each pair's circuits
-of each size are the top edges by the *other* half's mean |score| (and a connected circuit grown from
-the logit, `greedy`), and each is patched on that pair: recovery toward the new decision with every
-edge outside the circuit carrying the old run's value.
+Per pair (`circuits.edges.edge_site`): every edge scored by each method, timed; exact patching of
+every edge when the graph has at most `exhaustive` edges (default `EXHAUSTIVE`), else of a random
+sample (for Spearman's rho) plus each method's top edges (for recall@k: then the exact top-k is the
+top-k of what was patched, which can only flatter the methods: said in `details.recall_over`).
+Then, cross-fitted: each pair's circuits of each size are the top edges by the *other* half's mean
+|score| (and a connected circuit grown from the logit, `greedy`), and each is patched on that pair:
+recovery toward the new decision with every edge outside the circuit carrying the old run's value.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,8 @@ FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # 
 STEP_CHOICES = (2, 4, 8, 16, 32)
 CONVERGED = 0.01  # IG steps are enough when doubling them moves no edge's score by more than this
 _KEY = {"eap": "eap", "eap-ig": "eap_ig", "atp*": "atp"}
+GRAPH_EDGES = 200  # edges the graph table keeps for drawing (the strongest by mean |score|)
+GROUP_TOKENS = 48  # tokens of each position group the result keeps for reading the graph
 
 
 def converged_steps(site: EdgeSite, *, tol: float = CONVERGED) -> tuple[int, list[dict]]:
@@ -174,7 +176,7 @@ class EdgeCircuits(ProbeResult):
         "effect",
     )
     CURVES = ("faithfulness", "random", "greedy")
-    TABLES = ("edges", "convergence", "graph")
+    TABLES = ("edges", "convergence", "graph", "nodes")
     n_edges: int
     steps: int
     method: str
@@ -182,6 +184,8 @@ class EdgeCircuits(ProbeResult):
     recall_over: str
     cost: dict
     groups: tuple[str, ...]
+    # the first pair's tokens in each group (new prompt; at most `GROUP_TOKENS` each), for reading the graph
+    group_tokens: dict[str, list[str]] = field(default_factory=dict)
 
 
 def analyse_edges(
@@ -190,6 +194,7 @@ def analyse_edges(
     steps: int = 0,
     method: str = "eap-ig",
     exact: int = 512,
+    exhaustive: int = EXHAUSTIVE,
     top: int = 20,
     draws: int = 4,
     seed: int = 0,
@@ -209,7 +214,7 @@ def analyse_edges(
     scores: dict[str, list[np.ndarray]] = {m: [] for m in METHODS}
     exact_rows: list[tuple[np.ndarray, np.ndarray]] = []
     cost: dict[str, dict] = {}
-    exhaustive = bool(graph is not None and len(graph) <= EXHAUSTIVE)
+    exhaustive = bool(graph is not None and len(graph) <= exhaustive)
     for site in _progress(sites, used, "edges"):
         for m in METHODS:
             t0 = time.perf_counter()
@@ -289,12 +294,13 @@ def analyse_edges(
     if not made:
         made = {n: Curve.of("fraction of edges", [], []) for n in EdgeCircuits.CURVES}
     table, graph_rows = _tables(graph, scores[method], exact_rows) if graph is not None else ([], [])
+    node_rows = _node_table(graph, scores[method], graph_rows) if graph is not None else []
     return EdgeCircuits.of(
         name="edges",
         headline="faithfulness_auc",
         parts=est,
         curves=made,
-        tables={"edges": table, "convergence": convergence, "graph": graph_rows},
+        tables={"edges": table, "convergence": convergence, "graph": graph_rows, "nodes": node_rows},
         excluded=excluded,
         n_edges=len(graph) if graph is not None else 0,
         steps=steps,
@@ -305,6 +311,7 @@ def analyse_edges(
         else f"a random {exact} per pair and each method's top {2 * top}",
         cost=cost,
         groups=GROUPS,
+        group_tokens=_group_tokens(sites[0]) if sites else {},
         description="edge-level circuits over the notebook: EAP, EAP-IG and AtP* against exact edge "
         "patching; cross-fitted circuits' faithfulness against matched random circuits",
     )
@@ -319,7 +326,7 @@ def _progress(sites: list, trials: Sequence[Trial], desc: str):
 
 def _tables(graph: EdgeGraph, scores: list[np.ndarray], exact_rows) -> tuple[list, list]:
     """The top edges by mean |score| with their CIs and exact means, and the graph's edges for
-    drawing (the top 200)."""
+    drawing (the top `GRAPH_EDGES`)."""
     if not scores:
         return [], []
     s = np.array(scores)
@@ -333,7 +340,7 @@ def _tables(graph: EdgeGraph, scores: list[np.ndarray], exact_rows) -> tuple[lis
     labels = graph.labels
     nodes = graph.nodes
     table, rows = [], []
-    for e in order[:200]:
+    for e in order[:GRAPH_EDGES]:
         est = Estimate.of(s[:, e].tolist())
         src, dst = nodes[graph.src[e]], nodes[graph.dst[e]]
         row = {
@@ -355,6 +362,49 @@ def _tables(graph: EdgeGraph, scores: list[np.ndarray], exact_rows) -> tuple[lis
     return table, rows
 
 
+def _node_table(graph: EdgeGraph, scores: list[np.ndarray], graph_rows: list[dict]) -> list[dict]:
+    """Every node an edge of the graph table touches, with its score per pair summed over its
+    outgoing edges (the logit: over its incoming ones), as a mean with a CI over pairs."""
+    if not scores:
+        return []
+    s = np.array(scores)  # [pairs, edges]
+    n = len(graph.nodes)
+    out = np.zeros((len(s), n))
+    for i in range(len(s)):
+        np.add.at(out[i], graph.src, s[i])
+    logit = next(i for i, nd in enumerate(graph.nodes) if nd.kind == "logit")
+    out[:, logit] = s[:, graph.dst == logit].sum(1)
+    shown = {r["src"] for r in graph_rows} | {r["dst"] for r in graph_rows}
+    rows = []
+    for i, nd in enumerate(graph.nodes):
+        if nd.label not in shown:
+            continue
+        est = Estimate.of(out[:, i].tolist())
+        rows.append(
+            {
+                "node": nd.label,
+                "kind": nd.kind,
+                "layer": nd.layer,
+                "index": nd.index,
+                "group": GROUPS[nd.group],
+                "score": float(out[:, i].mean()),
+                "ci": list(est.ci) if est.ci else None,
+            }
+        )
+    return sorted(rows, key=lambda r: -abs(r["score"]))
+
+
+def _group_tokens(site: EdgeSite) -> dict[str, list[str]]:
+    """The new prompt's tokens in each position group of `site` (the first `GROUP_TOKENS`)."""
+    strings = site.model.token_strings(site.ids_new)
+    out: dict[str, list[str]] = {}
+    for t, g in zip(strings, site.groups.tolist()):
+        got = out.setdefault(GROUPS[g], [])
+        if len(got) < GROUP_TOKENS:
+            got.append(t)
+    return out
+
+
 @dataclass(frozen=True)
 class EdgesConfig(Pairs):
     ig_steps: int = option(
@@ -363,6 +413,9 @@ class EdgesConfig(Pairs):
     edge_method: str = option("eap-ig", "the edge scores circuits are chosen by", choices=METHODS)
     exact_edges: int = option(
         512, "edges patched exactly per pair when the graph is too large for all", least=1
+    )
+    exhaustive_edges: int = option(
+        EXHAUSTIVE, "graphs with at most this many edges are patched edge by edge in full", least=0
     )
     recall_k: int = option(20, "k of recall@k against exact edge patching", least=1)
     circuit_draws: int = option(4, "matched random circuits per circuit size", least=1)
@@ -378,10 +431,9 @@ class EdgesConfig(Pairs):
     "circuits",
     EdgesConfig,
     EdgeCircuits,
-    quick={"n": 4, "ig_steps": 4, "exact_edges": 128},
+    quick={"n": 4, "ig_steps": 4, "exact_edges": 64, "exhaustive_edges": 0, "recall_k": 10},
     order=6,
-    default=False,  # run when named: ~45 s a pair on Gemma (docs/circuits.md)
-    in_report=False,
+    default=False,  # `kvnotes circuits` runs it when named (~45 s a pair on Gemma); reports run it
 )
 def _run_edges(ctx: Context, cfg: EdgesConfig) -> EdgeCircuits:
     """Edge-level circuits over the notebook: EAP-IG and AtP* against exact edge patching, faithfulness."""
@@ -390,6 +442,7 @@ def _run_edges(ctx: Context, cfg: EdgesConfig) -> EdgeCircuits:
         steps=cfg.ig_steps,
         method=cfg.edge_method,
         exact=cfg.exact_edges,
+        exhaustive=cfg.exhaustive_edges,
         top=cfg.recall_k,
         draws=cfg.circuit_draws,
         seed=ctx.seed,

@@ -4,19 +4,31 @@ result objects."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
 from circuits.attribution import AttributionPatching
+from circuits.edge_circuits import EdgeCircuits
 from circuits.features import SAEFeatures
 from circuits.read_write import HeadCircuit
 from circuits.scrubbing import Scrubbing
 from dashboards.figures import (
+    BLUE,
+    GREEN,
     GREY,
+    ORANGE,
+    PALETTE,
+    RED,
     Panel,
     ci_bars,
     ci_curves,
     est,
     fmt,
+    fmt_ci,
     heatmap,
     n_note,
+    plotly_text,
     say,
     scatter,
     slot_label,
@@ -386,3 +398,310 @@ def _crossing(r: Scrubbing) -> str:
     if r.cross_fitted_pairs is None:
         return "with one pair nothing could be cross-fitted, all in-sample"
     return crossing_summary(r.cross_fitted_pairs)
+
+
+# --- edge-level circuits ---------------------------------------------------------------------------
+
+_KIND_COLOR = {"emb": GREY, "kv": ORANGE, "head": BLUE, "mlp": GREEN, "logit": RED}
+_KIND_DX = {"emb": 0.0, "kv": -0.28, "head": 0.0, "mlp": 0.28, "logit": 0.0}  # offsets in a layer column
+_SPREAD = ("head", "kv")  # kinds with several nodes per layer and band, spread down the band
+_METHOD_NAMES = (("eap", "EAP"), ("eap_ig", "EAP-IG"), ("atp", "AtP*"))
+
+
+@panel("edges")
+def edge_panels(r: EdgeCircuits, key: str) -> list[Panel]:
+    """Edge-level circuits: the graph with a circuit-size slider beside the faithfulness curve, and
+    the edge scores of each method against exact patching."""
+    key = f"{key}/edges"
+    if not r.tables.get("graph"):
+        return [Panel(title="Edge circuits", key=key, reading="Not measured: no usable pairs.")]
+    return [_edge_graph_panel(r, key), _edge_methods_panel(r, key)]
+
+
+def _node_xy(row: dict, groups: Sequence[str], n_layers: int, spread: dict[str, int]) -> tuple[float, float]:
+    """Where a node sits: its layer's column (the embeddings left of layer 0, the logit right of the
+    last) and its group's band (field at the top), heads and KV heads spread down the band by index."""
+    kind, layer, index = row["kind"], row["layer"], row["index"]
+    x = {"emb": -1.0, "logit": float(n_layers)}.get(kind, layer + _KIND_DX[kind])
+    band = groups.index(row["group"])
+    n = spread.get(kind, 1)
+    return x, -band - (0.15 + 0.7 * index / (n - 1) if n > 1 else 0.5)
+
+
+def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
+    """Nodes in layer columns and group bands sized by score, edges by weight; a slider over the
+    faithfulness curve's circuit sizes lights the circuit's edges and moves the point on the curve."""
+    from plotly.subplots import make_subplots
+
+    rows, node_rows = r.tables["graph"], r.tables.get("nodes", [])
+    groups = list(r.groups)
+    n_layers = max(n["layer"] for n in node_rows if n["kind"] == "logit") if node_rows else 0
+    spread = {k: 1 + max((n["index"] for n in node_rows if n["kind"] == k), default=0) for k in _SPREAD}
+    where = {n["node"]: _node_xy(n, groups, n_layers, spread) for n in node_rows}
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.7, 0.3],
+        horizontal_spacing=0.08,
+        subplot_titles=(
+            f"The {len(rows)} strongest of {r.n_edges} edges ({plotly_text(r.method)} scores)",
+            "Faithfulness over circuit size",
+        ),
+    )
+    titles = [a.to_plotly_json() for a in fig.layout.annotations]  # kept beside the slider's note
+    top = max(abs(e["score"]) for e in rows) or 1.0
+    edge_traces = []
+    drawn = [e for e in rows if e["src"] in where and e["dst"] in where]
+    for rank, e in reversed(list(enumerate(drawn, 1))):  # the strongest drawn last, on top
+        (x0, y0), (x1, y1) = where[e["src"]], where[e["dst"]]
+        fig.add_trace(
+            go.Scatter(
+                x=[x0, x1],
+                y=[y0, y1],
+                name=f"edge #{rank}",
+                mode="lines",
+                line={"width": 0.6 + 7 * abs(e["score"]) / top, "color": RED if e["score"] > 0 else BLUE},
+                hoverinfo="skip",
+                showlegend=False,
+            ),
+            row=1,
+            col=1,
+        )
+        edge_traces.append(len(fig.data) - 1)
+    edge_traces.reverse()  # edge_traces[i]: the trace of drawn[i] (strongest first)
+    fig.add_trace(
+        go.Scatter(
+            x=[(where[e["src"]][0] + where[e["dst"]][0]) / 2 for e in drawn],
+            y=[(where[e["src"]][1] + where[e["dst"]][1]) / 2 for e in drawn],
+            mode="markers",
+            marker={"size": 7, "color": "rgba(0,0,0,0.01)"},
+            hovertext=[_edge_hover(i, e) for i, e in enumerate(drawn, 1)],
+            hoverinfo="text",
+            name="edges (hover the midpoint)",
+            showlegend=False,
+        ),
+        row=1,
+        col=1,
+    )
+    biggest = max((abs(n["score"]) for n in node_rows), default=1.0) or 1.0
+    for kind in ("emb", "kv", "head", "mlp", "logit"):
+        ns = [n for n in node_rows if n["kind"] == kind]
+        if not ns:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=[where[n["node"]][0] for n in ns],
+                y=[where[n["node"]][1] for n in ns],
+                mode="markers",
+                marker={
+                    "size": [8 + 22 * abs(n["score"]) / biggest for n in ns],
+                    "color": _KIND_COLOR[kind],
+                    "line": {"width": 1, "color": "#333"},
+                },
+                hovertext=[_node_hover(n, r.group_tokens) for n in ns],
+                hoverinfo="text",
+                name={"emb": "embeddings", "kv": "KV slots", "head": "heads", "mlp": "MLPs"}.get(
+                    kind, "answer logit difference"
+                ),
+            ),
+            row=1,
+            col=1,
+        )
+    sizes, curve = _faithfulness_points(r)
+    for name, label, color, dash in (
+        ("faithfulness", "top edges (chosen on the other half)", BLUE, "solid"),
+        ("greedy", "greedy from the logit", GREEN, "dot"),
+        ("random", "matched random", GREY, "dash"),
+    ):
+        c = r.curve(name)
+        if c is None or not c.points:
+            continue
+        pts = list(zip(range(len(c.points)), c.points))
+        fig.add_trace(
+            go.Scatter(
+                x=[j for j, _ in pts],
+                y=[p.mean for _, p in pts],
+                mode="lines+markers",
+                name=label,
+                line={"color": color, "dash": dash},
+                error_y=_error_bars([p for _, p in pts]),
+                hovertext=[f"{label}<br>{sizes[j]} edges<br>{fmt_ci(p.mean, p.ci, 3)}" for j, p in pts],
+                hoverinfo="text",
+            ),
+            row=1,
+            col=2,
+        )
+    bands = [
+        {
+            "type": "rect",
+            "xref": "x",
+            "yref": "y",
+            "x0": -1.5,
+            "x1": n_layers + 0.5,
+            "y0": -g,
+            "y1": -g - 1,
+            "fillcolor": PALETTE[g % len(PALETTE)],
+            "opacity": 0.06,
+            "line": {"width": 0},
+            "layer": "below",
+        }
+        for g in range(len(groups))
+    ]
+    active = _active_size(curve)
+    steps = []
+    for j, k in enumerate(sizes):
+        opacity = [1.0 if i < k else 0.12 for i in range(len(edge_traces))]
+        notes = titles + _size_notes(sizes, curve, j)
+        steps.append(
+            {
+                "method": "update",
+                "label": str(k),
+                "args": [{"opacity": opacity}, {"annotations": notes}, edge_traces],
+            }
+        )
+    fig.update_layout(
+        template="plotly_white",
+        title={"text": "Edge-level circuit graph", "x": 0.01, "font": {"size": 15}},
+        height=560,
+        margin={"l": 70, "r": 20, "t": 70, "b": 110},
+        legend={"orientation": "h", "y": -0.32},
+        hoverlabel={"namelength": -1},
+        shapes=bands,
+        annotations=titles + _size_notes(sizes, curve, active),
+        sliders=[
+            {
+                "active": active,
+                "currentvalue": {"prefix": "circuit size (edges): "},
+                "pad": {"t": 40},
+                "steps": steps,
+            }
+        ],
+    )
+    if steps:  # the page opens on the active size, lit
+        for t, o in zip(edge_traces, steps[active]["args"][0]["opacity"]):
+            fig.data[t].opacity = o
+    fig.update_xaxes(
+        tickvals=list(range(-1, n_layers + 1)),
+        ticktext=["emb", *[f"L{l}" for l in range(n_layers)], "logit"],
+        title_text="layer",
+        row=1,
+        col=1,
+    )
+    fig.update_yaxes(
+        tickvals=[-g - 0.5 for g in range(len(groups))],
+        ticktext=groups,
+        range=[-len(groups), 0],
+        zeroline=False,
+        row=1,
+        col=1,
+    )
+    fig.update_xaxes(
+        tickvals=list(range(len(sizes))),
+        ticktext=[str(k) for k in sizes],
+        title_text="edges kept",
+        row=1,
+        col=2,
+    )
+    fig.update_yaxes(title_text="recovery of the new decision", row=1, col=2)
+    k = sizes[active] if sizes else 0
+    reading = (
+        f"Circuits chosen on the other half of the pairs keep {say(r.part('faithfulness_auc'))} of the "
+        f"decision's change (area under the curve over the fraction of edges, CPR); matched random "
+        f"circuits {say(r.part('random_auc'))}, greedy circuits grown from the logit "
+        f"{say(r.part('greedy_auc'))}. At {k} edges the circuit recovers "
+        f"{fmt_ci(*curve[active]) if curve else 'n/a'}."
+    )
+    return Panel(
+        title="Edge circuit graph",
+        reading=reading,
+        figure=fig,
+        note=n_note(r) + f"; {r.n_edges} edges, {r.method} with {r.steps} steps; node size: its score "
+        "summed over its outgoing edges; red edges push toward the new decision, blue away; the slider "
+        "lights the top edges by mean |score| over all pairs (each pair's curve point uses a circuit "
+        "chosen on the other half)",
+        key=f"{key}/graph",
+    )
+
+
+def _edge_hover(rank: int, e: dict) -> str:
+    exact = f"<br>exact patch: {fmt(e['exact'], 3)}" if e.get("exact") is not None else ""
+    return (
+        f"#{rank} {plotly_text(e['src'])} → {plotly_text(e['dst'])} ({e['kind']})"
+        f"<br>score {fmt_ci(e['score'], e['ci'], 3)}{exact}"
+    )
+
+
+def _node_hover(n: dict, group_tokens: dict[str, list[str]]) -> str:
+    toks = group_tokens.get(n["group"], [])
+    shown = " ".join(f"[{plotly_text(visible(t))}]" for t in toks[:24]) + (" …" if len(toks) > 24 else "")
+    return f"{plotly_text(n['node'])}<br>score {fmt_ci(n['score'], n['ci'], 3)}" + (
+        f"<br>{plotly_text(n['group'])} tokens (pair 1): {shown}" if shown and n["kind"] != "logit" else ""
+    )
+
+
+def _error_bars(points) -> dict:
+    hi = [(p.ci[1] - p.mean) if p.ci and p.mean is not None else 0.0 for p in points]
+    lo = [(p.mean - p.ci[0]) if p.ci and p.mean is not None else 0.0 for p in points]
+    return {"type": "data", "array": hi, "arrayminus": lo, "visible": True, "thickness": 1}
+
+
+def _faithfulness_points(r: EdgeCircuits) -> tuple[list[int], list[tuple]]:
+    """The circuit sizes in edges and the faithfulness curve's (mean, CI) at each."""
+    c = r.curve("faithfulness")
+    if c is None:
+        return [], []
+    return [round(x * r.n_edges) for x in c.x], [(p.mean, p.ci) for p in c.points]
+
+
+def _active_size(curve: list) -> int:
+    """The size the slider opens on: the smallest whose faithfulness reaches 0.8, else the largest."""
+    for j, (m, _) in enumerate(curve):
+        if m is not None and m >= 0.8:
+            return j
+    return max(len(curve) - 1, 0)
+
+
+def _size_notes(sizes: list[int], curve: list, j: int) -> list[dict]:
+    """The annotation that marks size `j` on the faithfulness curve (the slider replaces it)."""
+    if not curve:
+        return []
+    m, ci = curve[j]
+    return [
+        {
+            "xref": "x2",
+            "yref": "y2",
+            "x": j,
+            "y": m if m is not None else 0,
+            "text": f"{sizes[j]} edges: {fmt_ci(m, ci, 3)}",
+            "showarrow": True,
+            "arrowhead": 2,
+            "ax": -40,
+            "ay": -40,
+            "bgcolor": "rgba(255,255,255,0.85)",
+            "bordercolor": BLUE,
+        }
+    ]
+
+
+def _edge_methods_panel(r: EdgeCircuits, key: str) -> Panel:
+    """Each method's Spearman rho and recall@k against exact edge patching, and its time a pair."""
+    items = [
+        est(r.part(f"{what}_{m}"), name, group=label)
+        for what, label in (("rho", "Spearman rho vs exact"), ("recall", f"recall@{r.top} vs exact"))
+        for m, name in _METHOD_NAMES
+    ]
+    fig = ci_bars(items, title="Edge scores against exact edge patching", y_title="agreement", reference=1.0)
+    times = ", ".join(f"{name} {fmt(r.part(f'{m}_seconds').mean, 2)} s" for m, name in _METHOD_NAMES)
+    reading = (
+        f"Against exact patching of {r.recall_over}: Spearman rho EAP {say(r.part('rho_eap'))}, EAP-IG "
+        f"{say(r.part('rho_eap_ig'))}, AtP* {say(r.part('rho_atp'))}. Time a pair: {times}; every edge "
+        f"patched exactly would take {say(r.part('exhaustive_seconds'), 1)} s, "
+        f"{say(r.part('speedup'), 0)}× EAP-IG."
+    )
+    return Panel(
+        title="Edge scores vs exact",
+        reading=reading,
+        figure=fig,
+        note=n_note(r) + f"; recall@{r.top}: the share of the exact top {r.top} among a method's top {r.top}",
+        key=f"{key}/methods",
+    )

@@ -10,6 +10,7 @@ package; without them the tests skip, unless KVNOTES_REQUIRE_BROWSER=1 (CI), whe
 from __future__ import annotations
 
 import html
+import re
 import struct
 import threading
 import zlib
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from dashboards.figures import fmt_ci, visible
 from dashboards.server import create_app, report_id
+from kvnotes.analysis.report import Report
 from tests.dashboards.browser import Watched
 from tests.dashboards.sample_reports import XSS_AMP, XSS_IMG, XSS_SCRIPT, report_dirs, root
 
@@ -247,3 +250,95 @@ def test_hover_shows_hostile_token_text_as_text(watched, base_url, dirs, which):
         assert page.locator(f"#{cell['id']} .hoverlayer img").count() == 0
     assert page.evaluate("typeof window.__pwned") == "undefined"
     assert_clean(watched, f"{which} page hover")
+
+
+# The edge-circuit graph (the figure with a slider): where a trace's points are on the page.
+EDGE_GRAPH = """() => {
+  const gd = [...document.querySelectorAll('div.kv-fig')].find(g => ((g.layout || {}).sliders || []).length);
+  if (!gd) return null;
+  gd.scrollIntoView({block: 'center'});
+  const fl = gd._fullLayout, box = gd.getBoundingClientRect();
+  const at = (t, i) => ({x: box.left + fl[t.xaxis === 'x2' ? 'xaxis2' : 'xaxis']._offset
+                             + fl[t.xaxis === 'x2' ? 'xaxis2' : 'xaxis'].l2p(t.x[i]),
+                         y: box.top + fl.yaxis._offset + fl.yaxis.l2p(t.y[i])});
+  const points = [];
+  gd.data.forEach(t => (t.hovertext || []).forEach((h, i) => {
+    if (t.xaxis !== 'x2') points.push({trace: t.name, text: h, ...at(t, i)});
+  }));
+  const rail = gd.querySelector('.slider-rail-rect').getBoundingClientRect();
+  const labels = [...gd.querySelectorAll('.slider-labels text, .slider-label')]
+    .map(e => [e.textContent, e.getBoundingClientRect()])
+    .map(([text, r]) => ({text, x: r.left + r.width / 2}));
+  return {id: gd.id, points, rail: rail.top + rail.height / 2, labels};
+}"""
+EDGE_STATE = """(id) => {
+  const gd = document.getElementById(id);
+  return {active: gd.layout.sliders[0].active, notes: (gd.layout.annotations || []).map(a => a.text),
+          lit: gd.data.filter(t => /^edge #/.test(t.name || ''))
+                      .map(t => [Number(t.name.slice(6)), t.opacity === undefined ? 1 : t.opacity])};
+}"""
+
+
+def _hover(w: Watched, fig_id: str, point: dict, meant: str, what: str) -> None:
+    w.page.mouse.move(point["x"], point["y"])
+    try:
+        w.page.wait_for_function(HOVER_SHOWS, arg=[fig_id, meant], timeout=10_000)
+    except Exception as e:
+        shown = w.page.locator(f"#{fig_id} .hoverlayer").text_content()
+        raise AssertionError(f"{what}: hovering shows {shown!r}, not {meant!r}") from e
+    assert w.page.locator(f"#{fig_id} .hoverlayer img").count() == 0
+
+
+def test_edge_graph_hover_and_size_slider(watched, base_url, dirs):
+    """The circuit graph of the hostile report: hovering the strongest edge shows its score and CI
+    from report.json; hovering a node of a group that holds hostile tokens shows them as text; moving
+    the slider to another circuit size moves the faithfulness note to that size's value from
+    report.json and lights exactly that many of the strongest edges."""
+    report = Report.load(dirs["xss"])
+    edges = report.part(report.tasks[0], "circuits").results["edges"]
+    page = watched.page
+    page.goto(f"{base_url}/report/{report_id(dirs['xss'])}/")
+    wait_drawn(watched, "xss report page")
+    graph = page.evaluate(EDGE_GRAPH)
+    assert graph is not None, "no figure with a circuit-size slider on the report page"
+    fig = graph["id"]
+    # the strongest edge, at its midpoint
+    first = edges.tables["graph"][0]
+    mid = next(p for p in graph["points"] if html.unescape(p["text"]).startswith("#1 "))
+    _hover(watched, fig, mid, f"score {fmt_ci(first['score'], first['ci'], 3)}", "the strongest edge")
+    _hover(watched, fig, mid, f"#1 {first['src']} → {first['dst']}", "the strongest edge")
+    # a node whose group holds a hostile token: its hover lists the token's own characters
+    hostile = {
+        g: next(t for t in toks[:24] if set(t) & set('<>&"'))
+        for g, toks in edges.group_tokens.items()
+        if any(set(t) & set('<>&"') for t in toks[:24])
+    }
+    assert hostile, f"the xss task's groups should hold hostile tokens: {edges.group_tokens}"
+    nodes = {n["node"]: n for n in edges.tables["nodes"]}
+    shown = [
+        p
+        for p in graph["points"]
+        if p["trace"] in ("heads", "KV slots", "MLPs")
+        and html.unescape(p["text"]).split("<br>")[0] in nodes
+        and nodes[html.unescape(p["text"]).split("<br>")[0]]["group"] in hostile
+    ]
+    assert shown, "no node of a group with hostile tokens is drawn"
+    node = nodes[html.unescape(shown[0]["text"]).split("<br>")[0]]
+    raw = shown[0]["text"].replace("<br>", "")  # as the figure holds it: plotly's markup is live there
+    assert not re.search(r"[<>]|&(?!(lt|gt|amp);)", raw), f"unescaped token text in a node's hover: {raw!r}"
+    _hover(watched, fig, shown[0], f"[{visible(hostile[node['group']])}]", f"node {node['node']}")
+    _hover(watched, fig, shown[0], f"score {fmt_ci(node['score'], node['ci'], 3)}", f"node {node['node']}")
+    # the slider: another size, its faithfulness point and its lit edges
+    before = page.evaluate(EDGE_STATE, fig)
+    curve = edges.curve("faithfulness")
+    sizes = [round(x * edges.n_edges) for x in curve.x]
+    j = next(j for j in range(1, len(sizes)) if j != before["active"] and sizes[j] < len(before["lit"]))
+    label = next(lab for lab in graph["labels"] if lab["text"] == str(sizes[j]))
+    page.mouse.click(label["x"], graph["rail"])
+    page.wait_for_function(f"(id) => document.getElementById(id).layout.sliders[0].active === {j}", arg=fig)
+    after = page.evaluate(EDGE_STATE, fig)
+    p = curve.points[j]
+    assert f"{sizes[j]} edges: {fmt_ci(p.mean, p.ci, 3)}" in after["notes"], after["notes"]
+    assert sorted(rank for rank, o in after["lit"] if o == 1) == list(range(1, sizes[j] + 1))
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert_clean(watched, "edge graph")
