@@ -76,7 +76,7 @@ def greedy_order(graph: EdgeGraph, scores: np.ndarray) -> np.ndarray:
     mag = np.abs(scores)
     into = np.argsort(graph.dst, kind="stable")
     starts = np.searchsorted(graph.dst[into], np.arange(len(graph.nodes) + 1))
-    logit = next(i for i, n in enumerate(graph.nodes) if n.kind == "logit")
+    logit = graph.logit
     reached = np.zeros(len(graph.nodes), dtype=bool)
     heap: list[tuple[float, int]] = []
 
@@ -214,7 +214,7 @@ def analyse_edges(
     scores: dict[str, list[np.ndarray]] = {m: [] for m in METHODS}
     exact_rows: list[tuple[np.ndarray, np.ndarray]] = []
     cost: dict[str, dict] = {}
-    exhaustive = bool(graph is not None and len(graph) <= exhaustive)
+    patch_all = bool(graph is not None and len(graph) <= exhaustive)
     for site in _progress(sites, used, "edges"):
         for m in METHODS:
             t0 = time.perf_counter()
@@ -223,7 +223,7 @@ def analyse_edges(
             scores[m].append(sc.scores)
             cost[m] = {"forwards": sc.forwards, "backwards": sc.backwards, "steps": sc.steps}
         E = len(site.graph)
-        if exhaustive:
+        if patch_all:
             idx = np.arange(E)
             sample = idx
         else:
@@ -307,7 +307,7 @@ def analyse_edges(
         method=method,
         top=top,
         recall_over="every edge"
-        if exhaustive
+        if patch_all
         else f"a random {exact} per pair and each method's top {2 * top}",
         cost=cost,
         groups=GROUPS,
@@ -372,8 +372,7 @@ def _node_table(graph: EdgeGraph, scores: list[np.ndarray], graph_rows: list[dic
     out = np.zeros((len(s), n))
     for i in range(len(s)):
         np.add.at(out[i], graph.src, s[i])
-    logit = next(i for i, nd in enumerate(graph.nodes) if nd.kind == "logit")
-    out[:, logit] = s[:, graph.dst == logit].sum(1)
+    out[:, graph.logit] = s[:, graph.dst == graph.logit].sum(1)
     shown = {r["src"] for r in graph_rows} | {r["dst"] for r in graph_rows}
     rows = []
     for i, nd in enumerate(graph.nodes):

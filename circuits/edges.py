@@ -143,6 +143,11 @@ class EdgeGraph:
             ) from None
 
     @property
+    def logit(self) -> int:
+        """The node index of `LOGIT`."""
+        return next(i for i, n in enumerate(self.nodes) if n.kind == "logit")
+
+    @property
     def _by_label(self) -> dict[str, int]:
         if "_labels" not in self.__dict__:
             object.__setattr__(self, "_labels", {s: i for i, s in enumerate(self.labels)})

@@ -23,6 +23,7 @@ from dashboards.figures import (
     Panel,
     ci_bars,
     ci_curves,
+    error_bars,
     est,
     fmt,
     fmt_ci,
@@ -524,7 +525,7 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
                 mode="lines+markers",
                 name=label,
                 line={"color": color, "dash": dash},
-                error_y=_error_bars([p for _, p in pts]),
+                error_y={**error_bars([(p.mean, p.ci) for _, p in pts]), "thickness": 1},
                 hovertext=[f"{label}<br>{sizes[j]} edges<br>{fmt_ci(p.mean, p.ci, 3)}" for j, p in pts],
                 hoverinfo="text",
             ),
@@ -637,12 +638,6 @@ def _node_hover(n: dict, group_tokens: dict[str, list[str]]) -> str:
     return f"{plotly_text(n['node'])}<br>score {fmt_ci(n['score'], n['ci'], 3)}" + (
         f"<br>{plotly_text(n['group'])} tokens (pair 1): {shown}" if shown and n["kind"] != "logit" else ""
     )
-
-
-def _error_bars(points) -> dict:
-    hi = [(p.ci[1] - p.mean) if p.ci and p.mean is not None else 0.0 for p in points]
-    lo = [(p.mean - p.ci[0]) if p.ci and p.mean is not None else 0.0 for p in points]
-    return {"type": "data", "array": hi, "arrayminus": lo, "visible": True, "thickness": 1}
 
 
 def _faithfulness_points(r: EdgeCircuits) -> tuple[list[int], list[tuple]]:

@@ -144,8 +144,6 @@ def ci_bars(
     for gi, (group, its) in enumerate(groups.items()):
         names = [plotly_text(it["name"]) for it in its]
         means = [it["mean"] if it["mean"] is not None else 0.0 for it in its]
-        hi = [(it["ci"][1] - it["mean"]) if it["mean"] is not None and it["ci"] else 0.0 for it in its]
-        lo = [(it["mean"] - it["ci"][0]) if it["mean"] is not None and it["ci"] else 0.0 for it in its]
         text = [fmt(it["mean"]) for it in its]
         hover = [
             f"{plotly_text(it['name'])}<br>{fmt_ci(it['mean'], it['ci'], 3)}"
@@ -163,7 +161,7 @@ def ci_bars(
                 text=text,
                 textposition="outside",
                 cliponaxis=False,
-                error_y={"type": "data", "array": hi, "arrayminus": lo, "visible": True, "color": "#333"},
+                error_y={**error_bars([(it["mean"], it["ci"]) for it in its]), "color": "#333"},
                 hovertext=hover,
                 hoverinfo="text",
             )
@@ -172,6 +170,14 @@ def ci_bars(
         fig.add_hline(y=reference, line_dash="dot", line_color=GREY)
     fig.update_layout(barmode="group")
     return style(fig, title, "", y_title, height=height)
+
+
+def error_bars(points: Sequence[tuple[float | None, Sequence[float] | None]]) -> dict:
+    """Plotly's `error_y` for (mean, 95% CI) points: the CI's distance above and below each mean (0
+    where the mean or its CI is undefined)."""
+    hi = [(ci[1] - m) if m is not None and ci else 0.0 for m, ci in points]
+    lo = [(m - ci[0]) if m is not None and ci else 0.0 for m, ci in points]
+    return {"type": "data", "array": hi, "arrayminus": lo, "visible": True}
 
 
 def heatmap(
