@@ -35,7 +35,12 @@ Scores, in recovery units (the share of ld_new - ld_old that corrupting the edge
 - `atp*`: attribution patching with the QK fix (Kramár et al. 2024) for every edge that reaches the
   model through a key: an attention edge, or a residual edge into a KV slot, has its patched keys and
   values recomputed exactly and the softmax of every query that reads them recomputed, and only the
-  head outputs' change is linearised; other edges as EAP at the new run.
+  head outputs' change is linearised; other edges as EAP at the new run;
+- `atp*-gd`: AtP* with GradDrop (Kramár et al. 2024), against cancellation between an edge's direct
+  and indirect paths: layer m's attention and MLP outputs let no gradient through (their values
+  unchanged), one row per m of one batched forward, and an edge's score is the mean over m of
+  |AtP*_m| (m other than the reader's own layer, where the drop cuts the reader off: L - 1 terms;
+  the logit's edges, which no layer's drop reaches, L). Unsigned: a magnitude for ranking.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ from kvnotes.types import Tensor
 GROUPS = ("field", "notes", "decision", "other")
 FIELD, NOTES, DECISION, OTHER = range(4)
 RESIDUAL, ATTENTION = 0, 1
-METHODS = ("eap", "eap-ig", "atp*")
+METHODS = ("eap", "eap-ig", "atp*")  # what the `edges` analysis runs on every pair
+GRADDROP = "atp*-gd"  # AtP* with GradDrop: one backward per layer, so asked for by name (the bench)
 
 # attention edges run from a key group to a query group that can follow it
 _READS = {
@@ -383,6 +389,7 @@ class _Mode:
     rows = 1
     interpolate: Tensor | None = None  # [rows] alphas of the field's embeddings
     old_emb: Tensor | None = None
+    drop: Tensor | None = None  # [rows] the layer whose outputs pass no gradient (GradDrop), or -1
 
     def corrections(self, site, st, l: int, readers: slice, include_layer: bool) -> Tensor | None:
         return None
@@ -416,10 +423,11 @@ class _Grad(_Mode):
     """Rows: runs whose field embeddings are interpolated (alpha per row); zero leaves at every
     reader's input, the scores and the head outputs, for their gradients."""
 
-    def __init__(self, alphas: Tensor, old_emb: Tensor):
+    def __init__(self, alphas: Tensor, old_emb: Tensor, drop: Tensor | None = None):
         self.interpolate = alphas
         self.old_emb = old_emb
         self.rows = len(alphas)
+        self.drop = drop
         self.leaves: dict = {}
 
     def leaf(self, name, like: Tensor) -> Tensor:
@@ -546,9 +554,18 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             st.attn_sum[l] = (heads.sum(2) + attn.b_O).detach()
             return z
 
+        def dropped(base: Tensor, x: Tensor, l: int) -> Tensor:
+            """`x` with its change from `base` passing no gradient in the rows that drop layer l."""
+            if mode.drop is None:
+                return x
+            cut = (mode.drop == l)[:, None, None]
+            d = x - base
+            return base + torch.where(cut, d.detach(), d)
+
         def mid_hook(x, hook, l=l):
             st.mid[l] = x.detach()
             if grad:
+                x = dropped(st.x[l], x, l)
                 st.mid_live[l] = x
             return x
 
@@ -562,7 +579,7 @@ def _hooks(site: EdgeSite, mode: _Mode, st: _Run):
             # the MLP's output: TransformerLens fires hook_mlp_out inside some MLPs and not others
             out = x - st.mid[l] if not grad else x - st.mid_live[l]
             st.mlp[l] = out if grad else out.detach()
-            return x
+            return dropped(st.mid_live[l], x, l) if grad else x
 
         p = f"blocks.{l}"
         hooks += [
@@ -682,35 +699,80 @@ class EdgeScores:
 
 
 def score_edges(site: EdgeSite, method: str = "eap-ig", *, steps: int = 16, chunk: int = 4) -> EdgeScores:
-    """Every edge's score by `method` ("eap", "eap-ig", "atp*"); see the module docstring."""
-    if method not in METHODS:
-        raise BadArgument(f"unknown edge-scoring method {method!r}; choose one of {', '.join(METHODS)}")
+    """Every edge's score by `method` ("eap", "eap-ig", "atp*", "atp*-gd"); see the module docstring."""
+    if method not in (*METHODS, GRADDROP):
+        raise BadArgument(
+            f"unknown edge-scoring method {method!r}; choose one of {', '.join((*METHODS, GRADDROP))}"
+        )
     if steps < 1:
         raise BadArgument(f"steps must be at least 1, got {steps}")
     f0, b0 = site.forwards, site.backwards
-    if method == "eap-ig":
-        alphas = (torch.arange(steps, dtype=torch.float64) + 0.5) / steps
-    else:
-        alphas = torch.ones(1, dtype=torch.float64)
+    if method == GRADDROP:
+        scores = _graddrop(site)
         steps = 1
-    acc = _Accumulator(site)
-    for a in range(0, len(alphas), chunk):
-        part = alphas[a : a + chunk]
-        mode = _Grad(part, site.old.emb)
-        with torch.enable_grad():
-            score, st = site._forward(mode)
-            total = score.sum()
-            names = list(mode.leaves)
-            grads = torch.autograd.grad(total, [mode.leaves[n] for n in names], allow_unused=True)
-        site.backwards += 1
-        acc.add(dict(zip(names, grads)), st, len(part), exact_keys=(method == "atp*"))
-    scores = acc.result(len(alphas)) / site.effect * -1.0
+    else:
+        if method == "eap-ig":
+            alphas = (torch.arange(steps, dtype=torch.float64) + 0.5) / steps
+        else:
+            alphas = torch.ones(1, dtype=torch.float64)
+            steps = 1
+        acc = _Accumulator(site)
+        for a in range(0, len(alphas), chunk):
+            part = alphas[a : a + chunk]
+            grads, st = _gradients(site, _Grad(part, site.old.emb))
+            acc.add(grads, st, len(part), exact_keys=(method == "atp*"))
+        scores = acc.result(len(alphas)) / site.effect * -1.0
     return EdgeScores(
         method=method,
         scores=scores,
         forwards=site.forwards - f0,
         backwards=site.backwards - b0,
         steps=steps,
+    )
+
+
+def _gradients(site: EdgeSite, mode: _Grad) -> tuple[dict, _Run]:
+    """One gradient run: the metric summed over rows, differentiated at every leaf."""
+    with torch.enable_grad():
+        score, st = site._forward(mode)
+        names = list(mode.leaves)
+        grads = torch.autograd.grad(score.sum(), [mode.leaves[n] for n in names], allow_unused=True)
+    site.backwards += 1
+    return dict(zip(names, grads)), st
+
+
+def _graddrop(site: EdgeSite) -> np.ndarray:
+    """AtP* with GradDrop: row m of one forward at the new run drops layer m's outputs from the
+    backward; each row's AtP* scores, their magnitudes averaged over the layers that do not cut the
+    edge's reader off (module docstring)."""
+    L = site.graph.n_layers
+    drop = torch.arange(L)
+    grads, st = _gradients(site, _Grad(torch.ones(L, dtype=torch.float64), site.old.emb, drop))
+    dst_layer = _reader_layers(site.graph)
+    total = np.zeros(len(site.graph))
+    for m in range(L):
+        acc = _Accumulator(site)
+        acc.add({k: None if v is None else v[m : m + 1] for k, v in grads.items()}, _row(st, m), 1, True)
+        total += np.where(dst_layer == m, 0.0, np.abs(acc.result(1)))
+    terms = np.where(dst_layer < L, L - 1, L)
+    return total / terms / abs(site.effect)
+
+
+def _reader_layers(graph: EdgeGraph) -> np.ndarray:
+    """Each edge's reader's layer (the logit's: the number of layers)."""
+    _, dl = graph.layers()
+    return np.asarray(dl)
+
+
+def _row(st: _Run, m: int) -> _Run:
+    """Row `m` of what a batched forward left behind."""
+
+    def cut(d: dict) -> dict:
+        return {k: v[m : m + 1] for k, v in d.items()}
+
+    return _Run(
+        emb=None if st.emb is None else st.emb[m : m + 1],
+        **{f: cut(getattr(st, f)) for f in _Run.__dataclass_fields__ if f != "emb"},
     )
 
 
