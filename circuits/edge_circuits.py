@@ -158,6 +158,44 @@ def area(sizes: Sequence[int], values: Sequence[float], n_edges: int) -> tuple[f
     return float(np.trapezoid(f, x)), float(np.trapezoid(np.abs(1 - f), x))
 
 
+@dataclass(frozen=True)
+class BlockBound:
+    """AtP*'s diagnostic for the edges a method left unverified: the unverified edges cut into 2, 4,
+    ..., 2**levels random blocks (a fresh random partition per level), each block corrupted jointly
+    and exactly. If effects within a block do not cancel, no edge's |effect| exceeds its block's, so
+    an edge's `bound` is the least |joint effect| of its blocks (recovery units)."""
+
+    verified: np.ndarray  # edge indices patched one by one (the method's top edges)
+    unverified: np.ndarray  # the others
+    bound: np.ndarray  # per unverified edge
+    rows: int  # joint patches it cost
+
+    def ruled_out(self, theta: float) -> float:
+        """The share of unverified edges whose bound is below `theta`: ruled out of effect `theta`."""
+        return float(np.mean(self.bound < theta)) if len(self.bound) else 1.0
+
+
+def block_bound(
+    site: EdgeSite, scores: np.ndarray, verified: int, rng: np.random.Generator, *, levels: int = 5
+) -> BlockBound:
+    """`BlockBound` of the edges outside the `verified` largest |scores|."""
+    order = np.argsort(-np.abs(scores), kind="stable")
+    top, rest = order[:verified], order[verified:]
+    keep, members = [], []
+    for j in range(1, levels + 1):
+        for block in np.array_split(rng.permutation(rest), min(2**j, max(1, len(rest)))):
+            row = np.ones(len(scores), dtype=bool)
+            row[block] = False
+            keep.append(row)
+            members.append(block)
+    bound = np.full(len(scores), np.inf)
+    if keep:
+        joint = np.abs(1.0 - site.patch(np.stack(keep)))
+        for block, e in zip(members, joint):
+            bound[block] = np.minimum(bound[block], e)
+    return BlockBound(verified=top, unverified=rest, bound=bound[rest], rows=len(keep))
+
+
 @dataclass(frozen=True, kw_only=True)
 class EdgeCircuits(ProbeResult):
     """Edge scores against exact edge patching, and cross-fitted circuits' faithfulness."""

@@ -50,11 +50,23 @@ def panels(obj, key: str = "") -> list[Panel]:
     for name, a in analyses().items():
         if type(obj) is a.result and name in PANELS:
             return PANELS[name](obj, key or name)
+        if type(obj) is a.result and callable(getattr(obj, "table", None)):
+            return [table_panel(obj, a.title or name, key or name)]
     if kind in TYPES:
         return TYPES[kind](obj, key or kind)
     raise TypeError(
         f"dashboards cannot render a {kind}; it renders kvnotes result objects "
         "(Report, SectionReport, an analysis's result, VerifyReport, PromptAttribution)"
+    )
+
+
+def table_panel(obj, title: str, key: str) -> Panel:
+    """A model-level result with no panel of its own: its text table, as the CLI prints it."""
+    return Panel(
+        title=title,
+        reading="The table the command prints.",
+        html=f"<pre class='table'>{esc(obj.table())}</pre>",
+        key=f"{key}/table",
     )
 
 

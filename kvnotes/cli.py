@@ -154,7 +154,7 @@ def add_analysis_commands(sub) -> None:
             b = sub.add_parser(command, help=entry.get("help") or f"{command} analyses")
             bsub = b.add_subparsers(dest="bench", required=True)
             for a in group:
-                sp = bsub.add_parser(a["name"].replace("_", "-"), help=a["help"])
+                sp = bsub.add_parser(a.get("command") or a["name"].replace("_", "-"), help=a["help"])
                 sp.add_argument("--model", default="gemma-3-270m")
                 dests = _add_options(sp, [a])
                 sp.add_argument(
@@ -239,9 +239,8 @@ def cmd_model_analysis(args) -> int:
     model = _load(args) if a.needs_model else None
     result = a.run(Context(model=model, model_name=args.model, backend=args.backend), cfg)
     if result is None:
-        raise KVNotesError(
-            f"{a.name} was sized to nothing; give it a size (kvnotes bench {a.name.replace('_', '-')} --help)"
-        )
+        sub = a.command or a.name.replace("_", "-")
+        raise KVNotesError(f"{a.name} was sized to nothing; give it a size (kvnotes bench {sub} --help)")
     code = _emit(result, args.json)
     if args.html:
         from dashboards.render import write_page

@@ -78,6 +78,7 @@ class Analysis:
     title: str = ""  # a model-level analysis's heading in a report (default: its name)
     order: int = 100  # place within its section (runs, pages and JSON follow it)
     needs_model: bool = True  # False: run gets ctx.model None and ctx.model_name (a server does the work)
+    command: str = ""  # a model-level analysis's `kvnotes bench` subcommand (default: its name, - for _)
 
     def __post_init__(self):
         if not dataclasses.is_dataclass(self.config):
@@ -221,6 +222,7 @@ def cli_spec() -> dict:
             entry["analyses"].append(
                 {
                     "name": a.name,
+                    "command": a.command or a.name.replace("_", "-"),
                     "help": a.help,
                     "default": a.default,
                     "flag": a.flag,

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import circuits.edges as E
 from circuits.edge_circuits import (
@@ -166,6 +167,83 @@ def test_plain_eap_misses_the_key_route(mixed_sites):
     s = E.score_edges(sites[0], "eap").scores
     gr = sites[0].graph
     assert abs(s[gr.index_of("KV2.0@notes->L2H0@decision")]) < 1e-3  # saturated softmax: no gradient
+
+
+# --- GradDrop and AtP*'s false-negative bound -----------------------------------------------------
+def _graddrop_failures(site) -> list[str]:
+    """Where AtP* with GradDrop is not what its definition gives: a reader at layer l gets gradient
+    only through layers >= l, so dropping an earlier layer leaves its AtP* score as it is, dropping
+    its own cuts it off; the mean of |AtP*_m| over the other layers, each AtP*_m from a run of its own."""
+    L = site.graph.n_layers
+    gd = E.score_edges(site, "atp*-gd").scores
+    plain = np.abs(E.score_edges(site, "atp*").scores)
+    dl = E.edge_graph(site.model).layers()[1]
+    per = []
+    for m in range(L):  # one forward and backward each, dropping layer m: independent of the batch
+        grads, st = E._gradients(
+            site, E._Grad(torch.ones(1, dtype=torch.float64), site.old.emb, torch.tensor([m]))
+        )
+        acc = E._Accumulator(site)
+        acc.add(grads, st, 1, True)
+        per.append(np.abs(acc.result(1)) / abs(site.effect))
+    per = np.stack(per)  # [L, edges]
+    want = np.array(
+        [sum(per[m, e] for m in range(L) if m != dl[e]) / (L - 1 if dl[e] < L else L) for e in range(len(gd))]
+    )
+    fails = []
+    late = dl >= L - 1
+    if not np.allclose(gd[late], plain[late], atol=GRAD_TOL):
+        fails.append("last-layer and logit edges differ from |AtP*|")
+    if not np.allclose(gd, want, atol=GRAD_TOL):
+        fails.append(f"GradDrop off its definition by {np.abs(gd - want).max():.2e}")
+    if np.allclose(gd[~late], plain[~late], atol=GRAD_TOL):
+        fails.append("dropping layers changed nothing")
+    return fails
+
+
+def _strongest(model, n=6):
+    """The pair of the first `n` whose change moves the decision most (scores divide by it)."""
+    pairs = sample(load_task("order-cancel"), model, n, seed=0)
+    site = max((E.edge_site(model, p) for p in pairs), key=lambda s: abs(s.effect))
+    assert abs(site.effect) > 1e-3, "no pair moves the decision: nothing to score"
+    return site
+
+
+# the batched rows and single runs differ by float32 rounding (~1e-7 recovery units measured)
+GRAD_TOL = 1e-5
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-gqa"])
+def test_graddrop_is_its_definition(model):
+    m = load_model(model)
+    site = _strongest(m)
+    assert _graddrop_failures(site) == []
+
+
+def test_graddrop_check_fails_on_a_layer_off_by_one(monkeypatch):
+    site = _strongest(load_model("tiny-llama"))
+    real = E._reader_layers
+    monkeypatch.setattr(E, "_reader_layers", lambda gr: real(gr) - 1)  # drops the wrong layer's term
+    assert any("differ from |AtP*|" in f for f in _graddrop_failures(site))
+
+
+def test_block_bound_of_a_lone_edge_is_its_exact_effect_and_the_blocks_cover_the_rest():
+    from circuits.edge_circuits import block_bound
+
+    site = _strongest(load_model("tiny-llama"))
+    ex = site.exact()
+    rng = np.random.default_rng(0)
+    order = np.argsort(-np.abs(ex))
+    scores = np.zeros(len(ex))
+    scores[order[:-1]] = 1.0  # every edge verified but the weakest-scored one: its blocks are itself
+    lone = block_bound(site, scores, len(ex) - 1, rng, levels=3)
+    assert lone.unverified.tolist() == [int(np.argsort(-np.abs(scores), kind="stable")[-1])]
+    assert abs(lone.bound[0] - abs(ex[lone.unverified[0]])) < 1e-4  # float32 patches, as LOGITS
+    bb = block_bound(site, ex, 20, rng, levels=4)
+    assert bb.rows == 2 + 4 + 8 + 16 and len(bb.unverified) == len(ex) - 20
+    assert np.isfinite(bb.bound).all() and (bb.bound >= 0).all()
+    assert set(bb.verified.tolist()) == set(np.argsort(-np.abs(ex), kind="stable")[:20].tolist())
+    assert bb.ruled_out(np.inf) == 1.0 and bb.ruled_out(0.0) == 0.0
 
 
 # --- circuits and the analysis --------------------------------------------------------------------

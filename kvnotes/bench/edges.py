@@ -1,0 +1,301 @@
+"""Edge scores against exhaustive edge patching, side by side in one process (`kvnotes bench edges`).
+
+Per pair of the task: each method (EAP, EAP-IG, AtP*, AtP* with GradDrop) scores every edge of the
+notebook graph (`circuits.edges`), timed `repeats` times in turn (the median kept); then the exact
+way patches edges one by one (each a row of a batched forward): every edge where the graph has at
+most `exhaustive`, else a random `exact` of them plus each method's top 2k, and the exhaustive
+sweep's time is that sweep's time per edge times the graph's edges (said in the report: projected).
+Against it: each method's Spearman ρ on the random sample (GradDrop's unsigned scores against
+|exact|), recall@k (the exact top k among the edges patched) and the exhaustive sweep's time over
+the method's.
+
+AtP*'s false-negative diagnostic (`circuits.edge_circuits.block_bound`), measured: AtP*'s top 2k are
+verified one by one, the rest bounded by the joint effects of random blocks, and the bound is set
+against the exact effects of the sampled unverified edges: how many of them reach the threshold θ
+(the k-th largest exact effect verified: what it takes to be in the circuit), how many the bound
+failed to cover (no-cancellation broken), and what share of all unverified edges it rules out of θ.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.bench.common import BenchReport, header, machine
+from kvnotes.models.model import KVModel
+
+BENCH_METHODS = ("eap", "eap-ig", "atp*", "atp*-gd")
+BOUND_TOL = 1e-4  # recovery units: float32 patches of one edge and of a block round apart by ~1e-6
+
+
+@dataclass(frozen=True)
+class EdgeMethodPoint:
+    """One method over the pairs: median seconds a pair, passes, and agreement with exact patching."""
+
+    method: str
+    seconds: float  # median over pairs of each pair's median over repeats
+    forwards: int  # a pair's
+    backwards: int
+    rho: float | None  # mean over pairs (GradDrop: against |exact|)
+    rho_ci: tuple[float, float] | None
+    recall: float | None  # recall@k, mean over pairs
+    recall_ci: tuple[float, float] | None
+    speedup: float  # the exhaustive sweep's seconds over this method's
+
+
+@dataclass(frozen=True)
+class EdgeBenchReport(BenchReport):
+    POINT: ClassVar[type] = EdgeMethodPoint
+    model: str
+    task: str
+    machine: str
+    results: list[EdgeMethodPoint]
+    pairs: int
+    n_edges: int
+    prompt_tokens: int  # the longest computed span (from the field on) of the pairs
+    repeats: int
+    top: int
+    exact_edges: int  # patched one by one per pair
+    exhaustive_s: float  # median over pairs of the exhaustive sweep's seconds
+    projected: bool  # True: from the sample's seconds an edge; False: every edge patched
+    steps: int  # EAP-IG's
+    bound: dict  # AtP*'s false-negative diagnostic, measured (see the module docstring)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        pts = [EdgeMethodPoint(**{**r, **_tuples(r)}) for r in d["results"]]
+        return cls(**{**d, "results": pts})
+
+    def table(self) -> str:
+        way = "projected from the exact sample" if self.projected else "every edge patched"
+        lines = [
+            header(
+                "edge scores vs exhaustive edge patching",
+                self.model,
+                self.task,
+                self.machine,
+                f"median of {self.repeats}",
+            ),
+            f"{self.pairs} pairs, {self.n_edges:,} edges, up to {self.prompt_tokens} tokens from the "
+            f"field on; exact: {self.exact_edges} edges a pair; exhaustive sweep "
+            f"{self.exhaustive_s:.1f} s a pair ({way})",
+            f"{'method':<10}{'s/pair':>9}{'fwd':>5}{'bwd':>5}{'rho':>7}{'rho 95% CI':>16}"
+            f"{f'recall@{self.top}':>11}{'recall 95% CI':>16}{'exhaustive/method':>19}",
+        ]
+        for r in self.results:
+            lines.append(
+                f"{r.method:<10}{r.seconds:>9.3f}{r.forwards:>5}{r.backwards:>5}{_f(r.rho):>7}"
+                f"{_ci(r.rho_ci):>16}{_f(r.recall):>11}{_ci(r.recall_ci):>16}{r.speedup:>18.0f}x"
+            )
+        b = self.bound
+        if b:
+            lines.append(
+                f"AtP* false-negative bound ({b['verified']} verified a pair, {b['rows']} block patches): "
+                f"theta {b['theta']:.3f}; rules out {b['ruled_out']:.1%} of the unverified edges; of "
+                f"{b['sampled']} sampled unverified, {b['missed']} reach theta "
+                f"(rate {b['missed_rate']:.4f}, 95% upper {b['missed_upper']:.4f}), "
+                f"{b['violations']} exceed their bound; largest missed |effect| {b['largest_missed']:.3f}"
+            )
+        return "\n".join(lines)
+
+
+def _tuples(r: dict) -> dict:
+    return {k: tuple(r[k]) if r.get(k) is not None else None for k in ("rho_ci", "recall_ci")}
+
+
+def _f(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def _ci(c: tuple[float, float] | None) -> str:
+    return "—" if c is None else f"[{c[0]:.3f}, {c[1]:.3f}]"
+
+
+def _upper(k: int, n: int, level: float = 0.95) -> float:
+    """The one-sided upper bound of a rate seen k times in n (Clopper-Pearson)."""
+    from scipy.stats import beta
+
+    return 1.0 if n == 0 else (1.0 if k == n else float(beta.ppf(level, k + 1, n - k)))
+
+
+def edge_bench(
+    model: KVModel,
+    task: str = "order-cancel",
+    n: int = 4,
+    *,
+    steps: int = 8,
+    exact: int = 256,
+    exhaustive: int = 4096,
+    top: int = 20,
+    repeats: int = 3,
+    levels: int = 5,
+    seed: int = 0,
+    progress: bool = True,
+) -> EdgeBenchReport:
+    """Time and check every method against exact edge patching on `n` pairs of `task`."""
+    from circuits.edge_circuits import block_bound
+    from circuits.edges import edge_site, score_edges
+    from kvnotes.analysis.results import Estimate
+    from kvnotes.metrics import spearman
+    from probes.causal import split_by_effect
+    from probes.trials import MIN_EFFECT, make_trials
+
+    used, _ = split_by_effect(make_trials(model, task, n, seed=seed, progress=False), MIN_EFFECT)
+    rng = np.random.default_rng(seed)
+    secs: dict[str, list[float]] = {m: [] for m in BENCH_METHODS}
+    passes: dict[str, tuple[int, int]] = {}
+    rho: dict[str, list] = {m: [] for m in BENCH_METHODS}
+    recall: dict[str, list] = {m: [] for m in BENCH_METHODS}
+    full_s, tokens, exact_n = [], 0, 0
+    fn = {"verified": 2 * top, "rows": 0, "sampled": 0, "missed": 0, "violations": 0}
+    ruled, theta_all, largest = [], [], 0.0
+    projected = False
+    n_edges = 0
+    for t in tqdm(used, desc="edge bench", unit="pair", disable=not progress):
+        site = edge_site(t.model, t.pair, metric=t.metric)
+        E = n_edges = len(site.graph)
+        tokens = max(tokens, site.n_tokens)
+        score_edges(site, "eap")  # warm-up: the first gradient run pays one-off costs
+        times: dict[str, list[float]] = {m: [] for m in BENCH_METHODS}
+        got = {}
+        for _ in range(repeats):
+            for m in BENCH_METHODS:  # side by side, in turn, each repeat
+                t0 = time.perf_counter()
+                got[m] = score_edges(site, m, steps=steps)
+                times[m].append(time.perf_counter() - t0)
+        for m in BENCH_METHODS:
+            secs[m].append(statistics.median(times[m]))
+            passes[m] = (got[m].forwards, got[m].backwards)
+        projected = E > exhaustive
+        if projected:
+            sample = rng.choice(E, size=min(exact, E), replace=False)
+            tops = [np.argsort(-np.abs(got[m].scores), kind="stable")[: 2 * top] for m in BENCH_METHODS]
+            idx = np.unique(np.concatenate([sample, *tops]))
+        else:
+            idx = sample = np.arange(E)
+        t0 = time.perf_counter()
+        ex = site.exact(idx)
+        full_s.append((time.perf_counter() - t0) / len(idx) * E)
+        exact_n = len(idx)
+        in_sample = np.isin(idx, sample)
+        k = min(top, len(idx))
+        best = set(idx[np.argsort(-np.abs(ex), kind="stable")[:k]].tolist())
+        for m in BENCH_METHODS:
+            s = got[m].scores
+            target = np.abs(ex) if m == "atp*-gd" else ex
+            rho[m].append(spearman(s[idx[in_sample]].tolist(), target[in_sample].tolist()))
+            recall[m].append(len(set(np.argsort(-np.abs(s), kind="stable")[:k].tolist()) & best) / k)
+        # AtP*'s false-negative diagnostic, against the exact effects of the sampled unverified edges
+        bb = block_bound(site, got["atp*"].scores, 2 * top, rng, levels=levels)
+        exact_of = dict(zip(idx.tolist(), np.abs(ex).tolist()))
+        verified = [exact_of[e] for e in bb.verified.tolist() if e in exact_of]
+        theta = sorted(verified, reverse=True)[min(k, len(verified)) - 1] if verified else float("inf")
+        theta_all.append(theta)
+        ruled.append(bb.ruled_out(theta))
+        where = {e: i for i, e in enumerate(bb.unverified.tolist())}
+        for e in sample.tolist():
+            if e in where:
+                fn["sampled"] += 1
+                x = exact_of[e]
+                fn["missed"] += int(x >= theta)
+                fn["violations"] += int(x > bb.bound[where[e]] + BOUND_TOL)
+                largest = max(largest, x)
+        fn["rows"] = bb.rows
+    ex_med = statistics.median(full_s) if full_s else 0.0
+    points = []
+    for m in BENCH_METHODS:
+        r, c = Estimate.of(rho[m], seed=seed), Estimate.of(recall[m], seed=seed)
+        sec = statistics.median(secs[m]) if secs[m] else 0.0
+        points.append(
+            EdgeMethodPoint(
+                method=m,
+                seconds=sec,
+                forwards=passes.get(m, (0, 0))[0],
+                backwards=passes.get(m, (0, 0))[1],
+                rho=r.mean,
+                rho_ci=r.ci,
+                recall=c.mean,
+                recall_ci=c.ci,
+                speedup=ex_med / sec if sec else 0.0,
+            )
+        )
+    bound = {}
+    if used:
+        bound = {
+            **fn,
+            "theta": float(statistics.median(theta_all)),
+            "ruled_out": float(np.mean(ruled)),
+            "missed_rate": fn["missed"] / fn["sampled"] if fn["sampled"] else 0.0,
+            "missed_upper": _upper(fn["missed"], fn["sampled"]),
+            "largest_missed": largest,
+        }
+    return EdgeBenchReport(
+        model=model.name,
+        task=str(task),
+        machine=machine(),
+        results=points,
+        pairs=len(used),
+        n_edges=n_edges,
+        prompt_tokens=tokens,
+        repeats=repeats,
+        top=top,
+        exact_edges=exact_n,
+        exhaustive_s=ex_med,
+        projected=projected,
+        steps=steps,
+        bound=bound,
+    )
+
+
+@dataclass(frozen=True)
+class EdgeBenchConfig(Options):
+    task: str = option("order-cancel", "the task whose pairs are scored (a name or task file)")
+    n: int = option(4, "prompt pairs (0: skip the bench)", least=0)
+    ig_steps: int = option(8, "EAP-IG steps", least=1)
+    exact_edges: int = option(
+        256, "edges patched exactly per pair when the graph is too large for all", least=1
+    )
+    exhaustive_edges: int = option(4096, "graphs with at most this many edges are patched in full", least=0)
+    recall_k: int = option(20, "k of recall@k; AtP* verifies its top 2k", least=1)
+    repeats: int = option(3, "timings of each method per pair (the median is kept)", least=1)
+    bound_levels: int = option(
+        5, "the false-negative bound's partitions: 2, 4, ... 2**levels blocks", least=1
+    )
+
+
+@analysis(
+    "edge_bench",
+    "bench",
+    EdgeBenchConfig,
+    EdgeBenchReport,
+    in_report=False,
+    order=40,
+    command="edges",
+    title="Edge scores vs exhaustive patching",
+)
+def _run_edge_bench(ctx: Context, cfg: EdgeBenchConfig) -> EdgeBenchReport | None:
+    """EAP, EAP-IG, AtP* and AtP*+GradDrop against exhaustive edge patching: time, rho, recall, bound."""
+    if not cfg.n:
+        return None
+    return edge_bench(
+        ctx.model,
+        cfg.task,
+        cfg.n,
+        steps=cfg.ig_steps,
+        exact=cfg.exact_edges,
+        exhaustive=cfg.exhaustive_edges,
+        top=cfg.recall_k,
+        repeats=cfg.repeats,
+        levels=cfg.bound_levels,
+        seed=ctx.seed,
+        progress=ctx.progress,
+    )
+
+
+__all__ = ["BENCH_METHODS", "EdgeBenchReport", "EdgeMethodPoint", "edge_bench"]
