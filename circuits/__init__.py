@@ -49,6 +49,7 @@ register_section(
 )
 
 from circuits.attribution import Attribution, attribute, attribution  # noqa: E402  (registers on import)
+from circuits.edge_bench import EdgeBenchReport, edge_bench  # noqa: E402  (`kvnotes bench edges`)
 from circuits.edge_circuits import EdgeCircuits, analyse_edges  # noqa: E402
 from circuits.features import sae_analysis  # noqa: E402
 from circuits.heads import Head, all_heads, read_sweep, write_sweep  # noqa: E402
@@ -112,6 +113,8 @@ __all__ = [
     "attribute_prompt",
     "analyse_edges",
     "EdgeCircuits",
+    "EdgeBenchReport",
+    "edge_bench",
     "PromptAttribution",
     "Head",
     "all_heads",

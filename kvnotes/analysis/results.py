@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import math
+import os
+import platform
 import re
 import types
 from collections.abc import Mapping, Sequence
@@ -628,3 +630,33 @@ class SectionReport(Displayable):
 
 
 ProbeReport = SectionReport  # the probes' and every task section's report, under its older name
+
+
+# --- bench reports: a timing's machine and the JSON of its points ---------------------------------
+def machine() -> str:
+    """The machine a benchmark computed on, as its report's header shows it: architecture, cores,
+    the torch version and its thread count (what a CPU timing depends on)."""
+    import torch
+
+    return (
+        f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads)"
+    )
+
+
+def header(*parts: str) -> str:
+    """A bench report's first line: its title, the model, the machine and any more, dash-separated."""
+    return " — ".join(parts)
+
+
+class BenchReport(Displayable):
+    """JSON for a benchmark report dataclass whose `results` are `POINT` dataclasses."""
+
+    POINT: ClassVar[type]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})

@@ -4,28 +4,14 @@ the models to run on both backends."""
 
 from __future__ import annotations
 
-import os
-import platform
 from collections.abc import Sequence
-from dataclasses import asdict
-from typing import ClassVar
 
 import numpy as np
-import torch
 
-from kvnotes.display import Displayable
+from kvnotes.analysis.results import BenchReport, header, machine  # noqa: F401  (the benches' own names)
 from kvnotes.errors import BadArgument
 from kvnotes.fixtures import FILLER
 from kvnotes.models.model import KVModel
-
-
-def machine() -> str:
-    """The machine a benchmark computed on, as its report's header shows it: architecture, cores,
-    the torch version and its thread count (what a CPU timing depends on)."""
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads)"
-    )
 
 
 def both_backends(model: KVModel) -> tuple[KVModel, KVModel | None]:
@@ -37,24 +23,6 @@ def both_backends(model: KVModel) -> tuple[KVModel, KVModel | None]:
 
         return load_model(model.name), model
     return model, None
-
-
-def header(*parts: str) -> str:
-    """A bench report's first line: its title, the model, the machine and any more, dash-separated."""
-    return " — ".join(parts)
-
-
-class BenchReport(Displayable):
-    """JSON for a benchmark report dataclass whose `results` are `POINT` dataclasses."""
-
-    POINT: ClassVar[type]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})
 
 
 def growth_exponent(xs: Sequence[int | float], ys: Sequence[int | float | None]) -> float | None:

@@ -243,6 +243,7 @@ def test_block_bound_of_a_lone_edge_is_its_exact_effect_and_the_blocks_cover_the
     assert bb.rows == 2 + 4 + 8 + 16 and len(bb.unverified) == len(ex) - 20
     assert np.isfinite(bb.bound).all() and (bb.bound >= 0).all()
     assert set(bb.verified.tolist()) == set(np.argsort(-np.abs(ex), kind="stable")[:20].tolist())
+    # exact: shares of a count (every bound is below inf, none below 0)
     assert bb.ruled_out(np.inf) == 1.0 and bb.ruled_out(0.0) == 0.0
 
 

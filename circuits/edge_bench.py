@@ -14,6 +14,10 @@ verified one by one, the rest bounded by the joint effects of random blocks, and
 against the exact effects of the sampled unverified edges: how many of them reach the threshold θ
 (the k-th largest exact effect verified: what it takes to be in the circuit), how many the bound
 failed to cover (no-cancellation broken), and what share of all unverified edges it rules out of θ.
+
+It is a bench of the circuits layer, so it lives here rather than in `kvnotes.bench` (the engine's
+benches, which import nothing above kvnotes/); it shares their report base and machine line, both in
+`kvnotes.analysis.results`.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ from typing import ClassVar
 import numpy as np
 from tqdm.auto import tqdm
 
+from circuits.edge_circuits import block_bound
+from circuits.edges import edge_site, score_edges
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.bench.common import BenchReport, header, machine
+from kvnotes.analysis.results import BenchReport, Estimate, header, machine
+from kvnotes.metrics import spearman
 from kvnotes.models.model import KVModel
+from probes.causal import split_by_effect
+from probes.trials import MIN_EFFECT, make_trials
 
 BENCH_METHODS = ("eap", "eap-ig", "atp*", "atp*-gd")
 BOUND_TOL = 1e-4  # recovery units: float32 patches of one edge and of a block round apart by ~1e-6
@@ -139,13 +148,6 @@ def edge_bench(
     progress: bool = True,
 ) -> EdgeBenchReport:
     """Time and check every method against exact edge patching on `n` pairs of `task`."""
-    from circuits.edge_circuits import block_bound
-    from circuits.edges import edge_site, score_edges
-    from kvnotes.analysis.results import Estimate
-    from kvnotes.metrics import spearman
-    from probes.causal import split_by_effect
-    from probes.trials import MIN_EFFECT, make_trials
-
     used, _ = split_by_effect(make_trials(model, task, n, seed=seed, progress=False), MIN_EFFECT)
     rng = np.random.default_rng(seed)
     secs: dict[str, list[float]] = {m: [] for m in BENCH_METHODS}

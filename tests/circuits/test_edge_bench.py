@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvnotes.bench.edges import BENCH_METHODS, EdgeBenchReport, edge_bench
+from circuits.edge_bench import BENCH_METHODS, EdgeBenchReport, edge_bench
 from kvnotes.cli import main
 from tests.helpers import get_model
 
