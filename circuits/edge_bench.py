@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from circuits.auto_circuit_peer import check_peer, compare
 from circuits.edge_circuits import block_bound
 from circuits.edges import edge_site, score_edges
 from kvnotes.analysis.registry import Context, Options, analysis, option
@@ -75,6 +76,7 @@ class EdgeBenchReport(BenchReport):
     projected: bool  # True: from the sample's seconds an edge; False: every edge patched
     steps: int  # EAP-IG's
     bound: dict  # AtP*'s false-negative diagnostic, measured (see the module docstring)
+    peer: dict = field(default_factory=dict)  # auto-circuit on the same pairs (`circuits.auto_circuit_peer`)
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -111,7 +113,30 @@ class EdgeBenchReport(BenchReport):
                 f"(rate {b['missed_rate']:.4f}, 95% upper {b['missed_upper']:.4f}), "
                 f"{b['violations']} exceed their bound; largest missed |effect| {b['largest_missed']:.3f}"
             )
+        if self.peer:
+            lines += _peer_lines(self.peer)
         return "\n".join(lines)
+
+
+def _peer_lines(p: dict) -> list[str]:
+    s = p["seconds"]
+    out = [
+        f"auto-circuit 1.0.1 (TransformerLens {p['transformer_lens']}; logits within {p['parity']:.1e} of "
+        f"kvnotes') on the same {p['pairs']} pairs, {p['edges']} edges of its graph (kvnotes' residual "
+        "edges summed over positions, K+V joined):",
+        f"  EAP: rho {p['eap_rho']:.4f}, largest difference {p['eap_max_rel_diff']:.1e} of the largest "
+        f"score; IG (theirs over edge masks, ours over the input): rho {p['ig_rho']:.3f}",
+    ]
+    for m in ("eap", "ig"):
+        ours = s.get(f"ours-{m}")
+        for way in ("plain", "cached"):
+            theirs = s.get(f"theirs-{m}-{way}")
+            if ours and theirs:
+                out.append(
+                    f"  {m:<4}{way:<8}kvnotes {ours:.3f} s/pair, auto-circuit {theirs:.3f} s/pair: "
+                    f"{theirs / ours:.2f}x"
+                )
+    return out
 
 
 def _tuples(r: dict) -> dict:
@@ -144,11 +169,20 @@ def edge_bench(
     top: int = 20,
     repeats: int = 3,
     levels: int = 5,
+    peer_python: str | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> EdgeBenchReport:
-    """Time and check every method against exact edge patching on `n` pairs of `task`."""
+    """Time and check every method against exact edge patching on `n` pairs of `task`; with
+    `peer_python`, auto-circuit's EAP and IG on the same pairs too (run first: its checks fail fast)."""
+    if peer_python:
+        check_peer(model, peer_python)
     used, _ = split_by_effect(make_trials(model, task, n, seed=seed, progress=False), MIN_EFFECT)
+    peer = (
+        compare(model, [t.pair for t in used], peer_python, steps=steps, repeats=repeats)
+        if peer_python
+        else {}
+    )
     rng = np.random.default_rng(seed)
     secs: dict[str, list[float]] = {m: [] for m in BENCH_METHODS}
     passes: dict[str, tuple[int, int]] = {}
@@ -252,6 +286,7 @@ def edge_bench(
         projected=projected,
         steps=steps,
         bound=bound,
+        peer=peer,
     )
 
 
@@ -268,6 +303,9 @@ class EdgeBenchConfig(Options):
     repeats: int = option(3, "timings of each method per pair (the median is kept)", least=1)
     bound_levels: int = option(
         5, "the false-negative bound's partitions: 2, 4, ... 2**levels blocks", least=1
+    )
+    auto_circuit_python: str = option(
+        "", "a Python with auto-circuit (`kvnotes auto-circuit-env DIR`): its EAP and IG beside ours"
     )
 
 
@@ -295,6 +333,7 @@ def _run_edge_bench(ctx: Context, cfg: EdgeBenchConfig) -> EdgeBenchReport | Non
         top=cfg.recall_k,
         repeats=cfg.repeats,
         levels=cfg.bound_levels,
+        peer_python=cfg.auto_circuit_python or None,
         seed=ctx.seed,
         progress=ctx.progress,
     )

