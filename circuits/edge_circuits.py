@@ -111,11 +111,7 @@ def matched_random(graph: EdgeGraph, circuit: np.ndarray, rng: np.random.Generat
     has edges to spare (then from the same destination layer, then from any edge): so the random
     circuit of the whole graph is the whole graph. Drawn bin by bin (without replacement), not edge by
     edge."""
-    sl, dl = graph.layers()
-    sg, dg = graph.regions()
-    bins = np.stack([graph.kind, sl, dl, sg, dg], 1)
-    _, bin_id = np.unique(bins, axis=0, return_inverse=True)
-    bin_id = bin_id.reshape(-1)
+    bin_id, dl = _match_bins(graph)
     every = np.zeros(len(graph), dtype=np.int64)
     # each level: what a drawn edge must share with the circuit's edge, and whether it may be in the circuit
     levels = ((bin_id, False), (dl, False), (bin_id, True), (dl, True), (every, True))
@@ -140,14 +136,27 @@ def matched_random(graph: EdgeGraph, circuit: np.ndarray, rng: np.random.Generat
     return out
 
 
+def _match_bins(graph: EdgeGraph) -> tuple[np.ndarray, np.ndarray]:
+    """Each edge's bin (kind, source and destination layer and group) and destination layer, kept
+    on the graph: a report draws a matched circuit per size, draw and pair from the same graph."""
+    if "_match_bins" not in graph.__dict__:
+        sl, dl = graph.layers()
+        sg, dg = graph.regions()
+        _, bin_id = np.unique(np.stack([graph.kind, sl, dl, sg, dg], 1), axis=0, return_inverse=True)
+        object.__setattr__(graph, "_match_bins", (bin_id.reshape(-1), dl))
+    return graph.__dict__["_match_bins"]
+
+
 def _owners(key: np.ndarray, pending: np.ndarray, left: list) -> np.ndarray:
-    """Circuit edges still unmatched: for each key in `left` (with repeats), one pending edge with it."""
-    out, used = [], np.zeros(len(pending), dtype=bool)
-    for k in left:
-        i = np.flatnonzero((key[pending] == k) & ~used)[0]
-        used[i] = True
-        out.append(pending[i])
-    return np.asarray(out, dtype=np.int64)
+    """Circuit edges still unmatched: for each key in `left` (ascending, with repeats), the next
+    pending edge with it, in pending order (the first `count` pending edges of each key)."""
+    if not left:
+        return np.zeros(0, dtype=np.int64)
+    keys, count = np.unique(np.asarray(left), return_counts=True)
+    kp = key[pending]
+    order = np.argsort(kp, kind="stable")  # pending grouped by key, each group in pending order
+    starts = np.searchsorted(kp[order], keys)
+    return pending[np.concatenate([order[a : a + c] for a, c in zip(starts, count)])].astype(np.int64)
 
 
 def area(sizes: Sequence[int], values: Sequence[float], n_edges: int) -> tuple[float, float]:

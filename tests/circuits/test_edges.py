@@ -280,6 +280,30 @@ def test_circuit_helpers():
     assert matched_random(gr, np.ones(n, bool), rng).all()  # the whole graph's match is the whole graph
 
 
+def test_unmatched_owners_are_the_first_pending_edges_of_each_key():
+    """`_owners` (vectorised) picks what the edge-by-edge loop it replaced picks, repeats and
+    unsorted pending edges included: the matched random circuits, and so the report's random
+    curve, draw the same edges."""
+    from circuits.edge_circuits import _owners
+
+    def by_loop(key, pending, left):
+        out, used = [], np.zeros(len(pending), dtype=bool)
+        for k in left:
+            i = np.flatnonzero((key[pending] == k) & ~used)[0]
+            used[i] = True
+            out.append(pending[i])
+        return out
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        key = rng.integers(0, 6, size=80)
+        pending = rng.permutation(80)[: rng.integers(1, 40)]
+        groups, have = np.unique(key[pending], return_counts=True)
+        left = [int(k) for k, h in zip(groups, have) for _ in range(int(rng.integers(0, h + 1)))]
+        assert _owners(key, pending, left).tolist() == by_loop(key, pending, left)
+    assert _owners(key, pending, []).tolist() == []
+
+
 def test_the_analysis_on_the_mixed_organism():
     m = load_model("mixed-organism-25")
     trials = make_trials(m, "mixed-organism", n=4, progress=False)
