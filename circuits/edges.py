@@ -906,15 +906,34 @@ def _exact_change(s_all, v_all, z, gz, s_new, v_new, at, ns: int, g: int) -> Ten
     """The linearised change of the metric, `gz . (z' - z)` per patch, head and query [n, H, T], when
     the computed keys at positions `at` ([T] bool) take scores `s_new` [n, H, T(query), T(key)] and
     values `v_new` [n, T, KVH, d]: the softmax recomputed over every key (the notebook's first), as
-    attention computes it. `s_all` [H, T, K] and `v_all` [K, KVH, d] are the new run's."""
-    s = s_all[None].expand(s_new.shape[0], -1, -1, -1).clone()
-    sel = at[None, None, None, :] & torch.isfinite(s_all)[None, ..., ns:]
-    s[..., ns:] = torch.where(sel, s_new, s[..., ns:])
-    p = torch.softmax(s, dim=-1)
-    p = torch.where(torch.isnan(p), torch.zeros_like(p), p)
-    vv = v_all[None].expand(s.shape[0], -1, -1, -1).clone()
-    vv[:, ns:][:, at] = v_new[:, at]
-    z2 = torch.einsum("nhqk,nkhe->nqhe", p, vv.repeat_interleave(g, dim=2))
+    attention computes it. `s_all` [H, T, K] and `v_all` [K, KVH, d] are the new run's.
+
+    Only the keys at `at` change, so each patch's softmax is the new run's (recomputed once, in
+    float64) with those keys' terms swapped: `z' = (Z z + sum_at (e' v' - e v)) / Z'`, with `e` the
+    exponentiated scores and `Z` their sum. A patch costs its changed keys, not every key."""
+    n, H, T = s_new.shape[0], s_all.shape[0], s_all.shape[1]
+    kvh, d = v_all.shape[1], v_all.shape[2]
+    cols = ns + torch.nonzero(at).flatten()  # the changed keys' columns in s_all
+    m = s_all.amax(-1, keepdim=True)  # [H, T, 1]
+    e = torch.exp(s_all - m)  # [H, T, K]; masked keys (-inf) give 0
+    Z = e.sum(-1)  # [H, T]
+    e_g = e.reshape(kvh, g, T, -1)  # head h = kv head * g + j
+    num = torch.einsum("jgqk,kje->qjge", e_g, v_all)  # [T, KVH, g, d]
+    e_old = e[..., cols]  # [H, T, A]
+    s_at = s_new[..., at]  # [n, H, T, A]
+    live = torch.isfinite(s_all[..., cols])[None]
+    m2 = torch.maximum(m[None], torch.where(live, s_at, -torch.inf).amax(-1, keepdim=True))  # [n, H, T, 1]
+    scale = torch.exp(m[None] - m2)  # rescale the new run's sums to the patch's maximum
+    e_new = torch.where(live, torch.exp(s_at - m2), 0.0)  # [n, H, T, A]
+    Z2 = (Z[None] - e_old.sum(-1)[None]) * scale[..., 0] + e_new.sum(-1)  # [n, H, T]
+    v_old_at, v_new_at = v_all[cols], v_new[:, at]  # [A, KVH, d], [n, A, KVH, d]
+    swap = torch.einsum("njgqa,najd->nqjgd", e_new.reshape(n, kvh, g, T, -1), v_new_at)
+    swap = swap - torch.einsum("jgqa,ajd->qjgd", e_old.reshape(kvh, g, T, -1), v_old_at)[None] * (
+        scale.reshape(n, kvh, g, T, 1).permute(0, 3, 1, 2, 4)
+    )
+    num2 = num[None] * scale.reshape(n, kvh, g, T, 1).permute(0, 3, 1, 2, 4) + swap  # [n, T, KVH, g, d]
+    z2 = num2 / Z2.reshape(n, kvh, g, T).permute(0, 3, 1, 2)[..., None]
+    z2 = torch.where(torch.isnan(z2), torch.zeros_like(z2), z2).reshape(n, T, H, d)
     return torch.einsum("nqhe,qhe->nhq", z2 - z[None], gz)
 
 

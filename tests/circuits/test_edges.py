@@ -280,6 +280,38 @@ def test_circuit_helpers():
     assert matched_random(gr, np.ones(n, bool), rng).all()  # the whole graph's match is the whole graph
 
 
+def test_exact_key_change_equals_the_whole_softmax_recomputed():
+    """AtP*'s exact-key change swaps only the changed keys' terms into the new run's softmax; it
+    must equal the softmax recomputed over every key (float64: within 1e-12 of a change of order 1),
+    with masked keys, grouped KV heads and scores above the run's maximum."""
+
+    def whole(s_all, v_all, z, gz, s_new, v_new, at, ns, g):
+        s = s_all[None].expand(s_new.shape[0], -1, -1, -1).clone()
+        sel = at[None, None, None, :] & torch.isfinite(s_all)[None, ..., ns:]
+        s[..., ns:] = torch.where(sel, s_new, s[..., ns:])
+        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+        vv = v_all[None].expand(s.shape[0], -1, -1, -1).clone()
+        vv[:, ns:][:, at] = v_new[:, at]
+        z2 = torch.einsum("nhqk,nkhe->nqhe", p, vv.repeat_interleave(g, dim=2))
+        return torch.einsum("nqhe,qhe->nhq", z2 - z[None], gz)
+
+    gen = torch.Generator().manual_seed(0)
+    for H, kvh, ns, T, n in ((4, 1, 7, 9, 5), (4, 2, 0, 6, 3), (2, 2, 3, 5, 1)):
+        g, d = H // kvh, 8
+        s_all = torch.randn(H, T, ns + T, generator=gen, dtype=torch.float64) * 3
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        s_all[..., ns:] = s_all[..., ns:].masked_fill(~causal, -torch.inf)
+        v_all = torch.randn(ns + T, kvh, d, generator=gen, dtype=torch.float64)
+        z = torch.randn(T, H, d, generator=gen, dtype=torch.float64)
+        gz = torch.randn(T, H, d, generator=gen, dtype=torch.float64)
+        s_new = torch.randn(n, H, T, T, generator=gen, dtype=torch.float64) * 3 + 6  # above the max
+        v_new = torch.randn(n, T, kvh, d, generator=gen, dtype=torch.float64)
+        for at in (torch.arange(T) % 3 == 1, torch.arange(T) == T - 1, torch.ones(T, dtype=torch.bool)):
+            got = E._exact_change(s_all, v_all, z, gz, s_new, v_new, at, ns, g)
+            want = whole(s_all, v_all, z, gz, s_new, v_new, at, ns, g)
+            assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
 def test_unmatched_owners_are_the_first_pending_edges_of_each_key():
     """`_owners` (vectorised) picks what the edge-by-edge loop it replaced picks, repeats and
     unsorted pending edges included: the matched random circuits, and so the report's random
