@@ -21,11 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+import torch
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.batches import sharing
 from kvnotes.bench.common import BenchReport, growth_exponent, header, machine
+from kvnotes.engine.profile import profile
 from kvnotes.models.model import KVModel
 from kvnotes.prompt import Template
 from kvnotes.tasks import Task, load_task
@@ -51,10 +53,24 @@ class AnalysesPoint:
     # the same outside rank statistics (RANK_STATISTICS), whose values step under rounding
     max_diff_smooth: float | None = None
     worst_smooth: str = ""
+    unshared_gflop: float | None = None  # each way's matmul work (the last repeat's), 1e9 flops
+    shared_gflop: float | None = None
 
     @property
     def speedup(self) -> float:
         return self.unshared_s / self.shared_s
+
+    @property
+    def work_ratio(self) -> float | None:
+        """The unshared way's matmul work over the shared way's: what sharing removed."""
+        if not self.unshared_gflop or not self.shared_gflop:
+            return None
+        return self.unshared_gflop / self.shared_gflop
+
+    @property
+    def shared_rate(self) -> float | None:
+        """GFLOP/s the shared way ran its matmul work at."""
+        return self.shared_gflop / self.shared_s if self.shared_gflop else None
 
 
 @dataclass(frozen=True)
@@ -66,18 +82,32 @@ class AnalysesReport(BenchReport):
     results: list[AnalysesPoint]
     n_exponent: dict[str, float | None]  # per way: seconds ~ pairs^e (probe all, no preamble)
     length_exponent: dict[str, float | None]  # per way: seconds ~ prompt tokens^e (probe all, largest n)
+    matmul_gflops: float | None = None  # the machine's matmul rate (`matmul_rate`), GFLOP/s
 
     def table(self) -> str:
         reps = self.results[0].repeats if self.results else 1
         lines = [
             header("analyses: unshared vs shared", self.model, self.task, self.machine, f"median of {reps}"),
             f"{'work':<22}{'n':>4}{'preamble':>10}{'tokens':>8}{'unshared s':>12}{'shared s':>10}"
-            f"{'speedup':>9}{'values':>8}{'max diff':>10}",
+            f"{'speedup':>9}{'values':>8}{'max diff':>10}{'work x':>8}{'GFLOP/s':>9}{'at peak s':>10}",
         ]
         for r in self.results:
+            work = "—" if r.work_ratio is None else f"{r.work_ratio:.2f}x"
+            rate = "—" if r.shared_rate is None else f"{r.shared_rate:.0f}"
+            peak = (
+                "—"
+                if not (r.shared_gflop and self.matmul_gflops)
+                else f"{r.shared_gflop / self.matmul_gflops:.3g}"
+            )
             lines.append(
                 f"{r.work:<22}{r.n:>4}{r.preamble:>10}{r.prompt_tokens:>8}{r.unshared_s:>12.2f}"
                 f"{r.shared_s:>10.2f}{r.speedup:>8.2f}x{r.values:>8}{r.max_diff:>10.1e}"
+                f"{work:>8}{rate:>9}{peak:>10}"
+            )
+        if self.matmul_gflops:
+            lines.append(
+                f"matmul rate of this machine: {self.matmul_gflops:.0f} GFLOP/s (work x: the unshared way's "
+                "matmul work over the shared way's; at peak s: the shared way's work at that rate)"
             )
 
         def fmt(e: float | None) -> str:
@@ -160,18 +190,36 @@ def compare(a: Any, b: Any, *, skip: Sequence[str] = ()) -> tuple[int, float, st
     return sum(k in va for k in keys), worst, where
 
 
-def time_ways(run: Callable[[], Any], repeats: int) -> tuple[dict[str, float], list[Any]]:
-    """Each way's median seconds over `repeats` runs (the ways alternating within a repeat) and
-    the last result of each way."""
+def time_ways(run: Callable[[], Any], repeats: int) -> tuple[dict[str, float], list[Any], dict[str, float]]:
+    """Each way's median seconds over `repeats` runs (the ways alternating within a repeat), the
+    last result of each way, and each way's matmul work in its last run (GFLOP)."""
     seconds: dict[str, list[float]] = {w: [] for w in WAYS}
     last: dict[str, Any] = {}
+    work: dict[str, float] = {}
     for _ in range(repeats):
         for way in WAYS:
-            with sharing(way == "shared"):
+            with sharing(way == "shared"), profile() as p:
                 start = time.perf_counter()
                 last[way] = run()
                 seconds[way].append(time.perf_counter() - start)
-    return {w: statistics.median(s) for w, s in seconds.items()}, [last[w] for w in WAYS]
+            work[way] = p.gflop
+    return {w: statistics.median(s) for w, s in seconds.items()}, [last[w] for w in WAYS], work
+
+
+def matmul_rate(model: KVModel, repeats: int = 7) -> float:
+    """This machine's float32 matmul rate, GFLOP/s: the median over `repeats` of a 1024-token MLP
+    input projection of `model`'s widths (the largest matmul a forward of a few hundred tokens runs,
+    at a size where the rate has levelled off)."""
+    f = model.facts
+    a = torch.randn(1024, f.d_model, dtype=torch.float32)
+    b = torch.randn(f.d_model, f.d_mlp or 4 * f.d_model, dtype=torch.float32)
+    a @ b  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / statistics.median(times) / 1e9
 
 
 def analyses_bench(
@@ -212,7 +260,7 @@ def analyses_bench(
             works.append(("quick report sections", quick.n, sections))
         tokens = _longest_prompt(model, t, n, seed)
         for work, size, run in works:
-            med, (a, b) = time_ways(run, repeats)
+            med, (a, b), gflop = time_ways(run, repeats)
             count, worst, where = compare(a, b)
             _, smooth, smooth_where = compare(a, b, skip=RANK_STATISTICS)
             results.append(
@@ -229,6 +277,8 @@ def analyses_bench(
                     where,
                     max_diff_smooth=smooth,
                     worst_smooth=smooth_where,
+                    unshared_gflop=gflop["unshared"],
+                    shared_gflop=gflop["shared"],
                 )
             )
     probe = [r for r in results if r.work == "probe all"]
@@ -246,6 +296,7 @@ def analyses_bench(
             w: growth_exponent([r.prompt_tokens for r in by_len], [getattr(r, f"{w}_s") for r in by_len])
             for w in WAYS
         },
+        matmul_gflops=matmul_rate(model),
     )
 
 
@@ -283,4 +334,4 @@ def _run_analyses(ctx: Context, cfg: AnalysesConfig) -> AnalysesReport:
     )
 
 
-__all__ = ["AnalysesPoint", "AnalysesReport", "analyses_bench", "compare", "with_preamble"]
+__all__ = ["AnalysesPoint", "AnalysesReport", "analyses_bench", "compare", "matmul_rate", "with_preamble"]

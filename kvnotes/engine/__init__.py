@@ -91,7 +91,12 @@ def run(
     tok = tokens if isinstance(tokens, Tensor) else torch.as_tensor(tokens)
     rows = max(notebook.batch, 1 if tok.ndim == 1 else tok.shape[0], overlay.batch if overlay else 1)
     slots = notebook.n_slots + (overlay.n_slots if overlay is not None else 0)
-    with profile.record(rows, tok.shape[-1], slots):
+    f = model.facts
+    blocks = f.n_layers - (resume.layer if resume is not None else 0)
+    reads = 1 if logits_at is None else len(logits_at)
+    cols = f.d_vocab_out if vocab is None else len(vocab)
+    work = profile.matmul_flops(f, rows, tok.shape[-1], slots, blocks, reads, cols, f.gated_mlp) / 1e9
+    with profile.record(rows, tok.shape[-1], slots, work):
         return _compute(model, notebook, tokens, positions, **kw)
 
 

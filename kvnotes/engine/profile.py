@@ -7,7 +7,10 @@
 
 Each record is one top-level `run()` (a chunked prefill counts once): the operation that called it
 (`prefill`, `decide`, `recompute`, ...), the analysis it ran under (`label`), its batch rows,
-computed tokens, slots read and seconds. Off (the default), `run()` pays one `is None` test.
+computed tokens, slots read, seconds and the floating-point work of its matmuls (`gflop`, counted
+from the model's widths by `matmul_flops`): the table's GFLOP/s is how near a call ran to the
+machine's matmul rate, so what is left to gain by doing the same work faster can be read off.
+Off (the default), `run()` pays one `is None` test.
 """
 
 from __future__ import annotations
@@ -35,6 +38,28 @@ class Call:
     tokens: int  # tokens computed per row
     slots: int  # notebook slots read (plus overlay slots)
     seconds: float
+    gflop: float = 0.0  # its matmuls' work (`matmul_flops`), 1e9 floating-point operations
+
+
+def matmul_flops(
+    facts, rows: int, tokens: int, slots: int, blocks: int, reads: int, cols: int, gated: bool = True
+) -> float:
+    """Floating-point operations of one forward's matmuls: per computed token and block run, the
+    Q/K/V and output projections, the MLP (three matrices when `gated`, else two) and attention's
+    scores and mix over the slots and the causal half of the computed tokens; per read position,
+    the unembedding of `cols` columns. Norms, RoPE and elementwise work are left out (a few percent
+    of a block). `facts`: a `ModelFacts`.
+
+    >>> from types import SimpleNamespace as F
+    >>> f = F(d_model=4, n_heads=2, n_kv_heads=1, d_head=2, d_mlp=8)
+    >>> matmul_flops(f, rows=1, tokens=1, slots=0, blocks=1, reads=1, cols=10)  # 2 x (48 + 96 + 8 + 40)
+    384.0
+    """
+    f = facts
+    proj = f.d_model * (f.n_heads + 2 * f.n_kv_heads) * f.d_head + f.n_heads * f.d_head * f.d_model
+    mlp = (3 if gated else 2) * f.d_model * (f.d_mlp or 4 * f.d_model)
+    attn = 2 * f.n_heads * f.d_head * (slots + (tokens + 1) / 2)
+    return 2.0 * rows * (tokens * blocks * (proj + mlp + attn) + reads * cols * f.d_model)
 
 
 @dataclass
@@ -44,9 +69,10 @@ class Profile:
     calls: list[Call] = field(default_factory=list)
 
     def by(self, *keys: str) -> dict[tuple, dict[str, int | float]]:
-        """Totals (calls, rows, tokens as rows x tokens, seconds) grouped by the `Call` fields `keys`."""
+        """Totals (calls, rows, tokens as rows x tokens, seconds, gflop) grouped by the `Call`
+        fields `keys`."""
         out: dict[tuple, dict[str, int | float]] = defaultdict(
-            lambda: dict(calls=0, rows=0, tokens=0, seconds=0.0)
+            lambda: dict(calls=0, rows=0, tokens=0, seconds=0.0, gflop=0.0)
         )
         for c in self.calls:
             row = out[tuple(getattr(c, k) for k in keys)]
@@ -54,23 +80,33 @@ class Profile:
             row["rows"] += c.rows
             row["tokens"] += c.rows * c.tokens
             row["seconds"] += c.seconds
+            row["gflop"] += c.gflop
         return dict(out)
 
     @property
     def seconds(self) -> float:
         return sum(c.seconds for c in self.calls)
 
+    @property
+    def gflop(self) -> float:
+        return sum(c.gflop for c in self.calls)
+
     def table(self, keys: tuple[str, ...] = ("label", "op")) -> str:
-        """A plain-text table of `by(*keys)`, slowest first, with each group's share of the time."""
+        """A plain-text table of `by(*keys)`, slowest first, with each group's share of the time,
+        its matmuls' work and the rate it ran them at."""
         rows = sorted(self.by(*keys).items(), key=lambda kv: -kv[1]["seconds"])
         total = self.seconds or 1.0
-        head = f"{' / '.join(keys):<40} {'calls':>7} {'rows':>8} {'tokens':>10} {'seconds':>9} {'share':>6}"
+        head = (
+            f"{' / '.join(keys):<40} {'calls':>7} {'rows':>8} {'tokens':>10} {'seconds':>9} {'share':>6}"
+            f" {'GFLOP':>8} {'GFLOP/s':>8}"
+        )
         lines = [head, "-" * len(head)]
         for k, r in rows:
             name = " / ".join(str(x) for x in k)
+            rate = r["gflop"] / r["seconds"] if r["seconds"] > 0 else 0.0
             lines.append(
                 f"{name:<40} {r['calls']:>7} {r['rows']:>8} {r['tokens']:>10} "
-                f"{r['seconds']:>9.2f} {r['seconds'] / total:>6.1%}"
+                f"{r['seconds']:>9.2f} {r['seconds'] / total:>6.1%} {r['gflop']:>8.1f} {rate:>8.1f}"
             )
         return "\n".join(lines)
 
@@ -98,7 +134,7 @@ def label(name: str) -> Iterator[None]:
 
 
 @contextmanager
-def record(rows: int, tokens: int, slots: int) -> Iterator[None]:
+def record(rows: int, tokens: int, slots: int, gflop: float = 0.0) -> Iterator[None]:
     """Time one `run()` (called from outside the engine) into the active profile; a nested run
     (a chunk of a long prefill) is part of its caller's record."""
     global _depth
@@ -116,7 +152,7 @@ def record(rows: int, tokens: int, slots: int) -> Iterator[None]:
         yield
     finally:
         _depth -= 1
-        _active.calls.append(Call(op, _label, rows, tokens, slots, time.perf_counter() - start))
+        _active.calls.append(Call(op, _label, rows, tokens, slots, time.perf_counter() - start, gflop))
 
 
 def active() -> bool:
@@ -137,4 +173,4 @@ def _passes_through(module: str) -> bool:
     return engine or module.split(".")[0] in _WRAPPERS
 
 
-__all__ = ["Call", "Profile", "label", "profile", "record", "active"]
+__all__ = ["Call", "Profile", "active", "label", "matmul_flops", "profile", "record"]

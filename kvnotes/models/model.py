@@ -80,6 +80,7 @@ class ModelFacts:
     d_head: int
     d_model: int
     d_mlp: int | None
+    gated_mlp: bool = True  # a gated MLP (three matrices: gate, in, out), as Llama's and Gemma's
     d_vocab: int  # token ids the embedding takes
     d_vocab_out: int  # logits the unembedding gives
     n_ctx: int  # positions the model takes, as loaded
@@ -248,6 +249,7 @@ def _tl_facts(tl: HookedTransformer) -> ModelFacts:
         d_head=c.d_head,
         d_model=c.d_model,
         d_mlp=c.d_mlp,
+        gated_mlp=bool(c.gated_mlp),
         d_vocab=c.d_vocab,
         d_vocab_out=c.d_vocab_out,
         n_ctx=c.n_ctx,

@@ -177,6 +177,7 @@ def _facts(hf, c, types: tuple[str, ...]) -> ModelFacts:
         d_head=d_head,
         d_model=c.hidden_size,
         d_mlp=c.intermediate_size,
+        gated_mlp=True,  # the architectures this backend loads (Llama, Qwen, Gemma) gate their MLPs
         d_vocab=c.vocab_size,
         d_vocab_out=hf.get_output_embeddings().weight.shape[0],
         n_ctx=getattr(c, "max_position_embeddings", 2048),

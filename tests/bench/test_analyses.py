@@ -44,6 +44,10 @@ def test_both_ways_give_the_same_numbers_and_the_exponents(tiny):
     assert r.results[2].prompt_tokens >= r.results[1].prompt_tokens + 48
     assert all(isinstance(r.n_exponent[w], float) for w in ("unshared", "shared"))
     assert "speedup" in r.table() and "growth exponent" in r.table()
+    # sharing removes matmul work (prefixes computed once, sweeps resumed at their layer): the
+    # unshared way does more of it at every size, and the machine's rate is a positive figure
+    assert all(p.work_ratio > 1.2 for p in r.results), [p.work_ratio for p in r.results]
+    assert r.matmul_gflops > 0 and "matmul rate" in r.table()
     back = AnalysesReport.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back == r
 

@@ -156,3 +156,14 @@ def test_the_profile_files_each_call_under_its_operation_and_analysis(case):
     assert [(c.op, c.label) for c in p.calls] == [("prefill", "mine"), ("decide", "mine")]
     assert p.calls[0].tokens == case.stop and p.seconds > 0
     assert "prefill" in p.table(("op",))
+    # the matmuls' work, counted from the widths: a prefill of n tokens costs about n decisions'
+    # blocks (within the attention and unembedding terms, a few percent apart)
+    f = case.model.facts
+    per_token_block = 2 * (
+        f.d_model * (f.n_heads + 2 * f.n_kv_heads) * f.d_head
+        + f.n_heads * f.d_head * f.d_model
+        + (3 if f.gated_mlp else 2) * f.d_model * f.d_mlp
+    )
+    blocks = p.calls[0].tokens * f.n_layers * per_token_block / 1e9
+    assert 1.0 < p.calls[0].gflop / blocks < 1.5, (p.calls[0].gflop, blocks)
+    assert p.gflop == pytest.approx(sum(c.gflop for c in p.calls), rel=1e-12)
