@@ -41,6 +41,7 @@ from probes.causal import split_by_effect
 from probes.trials import MIN_EFFECT, make_trials
 
 BENCH_METHODS = ("eap", "eap-ig", "atp*", "atp*-gd")
+WHOLE = "atp* (every key)"  # AtP* with its exact-key step the reference way, timed beside it
 BOUND_TOL = 1e-4  # recovery units: float32 patches of one edge and of a block round apart by ~1e-6
 
 
@@ -77,6 +78,8 @@ class EdgeBenchReport(BenchReport):
     steps: int  # EAP-IG's
     bound: dict  # AtP*'s false-negative diagnostic, measured (see the module docstring)
     peer: dict = field(default_factory=dict)  # auto-circuit on the same pairs (`circuits.auto_circuit_peer`)
+    # AtP*'s exact-key step the whole-softmax way beside the changed-keys way (`score_edges(keys=)`)
+    exact_keys: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -112,6 +115,13 @@ class EdgeBenchReport(BenchReport):
                 f"{b['sampled']} sampled unverified, {b['missed']} reach theta "
                 f"(rate {b['missed_rate']:.4f}, 95% upper {b['missed_upper']:.4f}), "
                 f"{b['violations']} exceed their bound; largest missed |effect| {b['largest_missed']:.3f}"
+            )
+        k = self.exact_keys
+        if k:
+            lines.append(
+                f"AtP*'s exact-key step: every key recomputed {k['whole_s']:.3f} s/pair, the changed keys "
+                f"swapped in {k['changed_s']:.3f} s/pair ({k['whole_s'] / k['changed_s']:.2f}x); largest "
+                f"score difference {k['max_diff']:.1e} of a largest |score| {k['max_score']:.2f}"
             )
         if self.peer:
             lines += _peer_lines(self.peer)
@@ -189,6 +199,7 @@ def edge_bench(
     rho: dict[str, list] = {m: [] for m in BENCH_METHODS}
     recall: dict[str, list] = {m: [] for m in BENCH_METHODS}
     full_s, tokens, exact_n = [], 0, 0
+    whole_s, keys_diff, keys_scale = [], 0.0, 0.0  # AtP* with every key recomputed, beside atp*
     fn = {"verified": 2 * top, "rows": 0, "sampled": 0, "missed": 0, "violations": 0}
     ruled, theta_all, largest = [], [], 0.0
     projected = False
@@ -198,13 +209,20 @@ def edge_bench(
         E = n_edges = len(site.graph)
         tokens = max(tokens, site.n_tokens)
         score_edges(site, "eap")  # warm-up: the first gradient run pays one-off costs
-        times: dict[str, list[float]] = {m: [] for m in BENCH_METHODS}
+        times: dict[str, list[float]] = {m: [] for m in (*BENCH_METHODS, WHOLE)}
         got = {}
         for _ in range(repeats):
-            for m in BENCH_METHODS:  # side by side, in turn, each repeat
+            for m in (*BENCH_METHODS, WHOLE):  # side by side, in turn, each repeat
                 t0 = time.perf_counter()
-                got[m] = score_edges(site, m, steps=steps)
+                got[m] = (
+                    score_edges(site, "atp*", keys="whole")
+                    if m == WHOLE
+                    else score_edges(site, m, steps=steps)
+                )
                 times[m].append(time.perf_counter() - t0)
+        whole_s.append(statistics.median(times[WHOLE]))
+        keys_diff = max(keys_diff, float(np.abs(got[WHOLE].scores - got["atp*"].scores).max()))
+        keys_scale = max(keys_scale, float(np.abs(got["atp*"].scores).max()))
         for m in BENCH_METHODS:
             secs[m].append(statistics.median(times[m]))
             passes[m] = (got[m].forwards, got[m].backwards)
@@ -287,6 +305,16 @@ def edge_bench(
         steps=steps,
         bound=bound,
         peer=peer,
+        exact_keys=(
+            {
+                "whole_s": statistics.median(whole_s),
+                "changed_s": statistics.median(secs["atp*"]),
+                "max_diff": keys_diff,
+                "max_score": keys_scale,
+            }
+            if whole_s
+            else {}
+        ),
     )
 
 

@@ -479,7 +479,7 @@ class EdgesConfig(Pairs):
     EdgeCircuits,
     quick={"n": 4, "ig_steps": 4, "exact_edges": 64, "exhaustive_edges": 0, "recall_k": 10},
     order=6,
-    default=False,  # `kvnotes circuits` runs it when named (~45 s a pair on Gemma); reports run it
+    default=False,  # `kvnotes circuits` runs it when named (~15 s a pair on Gemma, quick sizes); reports do
 )
 def _run_edges(ctx: Context, cfg: EdgesConfig) -> EdgeCircuits:
     """Edge-level circuits over the notebook: EAP-IG and AtP* against exact edge patching, faithfulness."""

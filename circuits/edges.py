@@ -68,6 +68,7 @@ FIELD, NOTES, DECISION, OTHER = range(4)
 RESIDUAL, ATTENTION = 0, 1
 METHODS = ("eap", "eap-ig", "atp*")  # what the `edges` analysis runs on every pair
 GRADDROP = "atp*-gd"  # AtP* with GradDrop: one backward per layer, so asked for by name (the bench)
+EXACT_KEYS = ("changed", "whole")  # AtP*'s exact-key step: the changed keys swapped in, or every key again
 
 # attention edges run from a key group to a query group that can follow it
 _READS = {
@@ -698,8 +699,16 @@ class EdgeScores:
     steps: int = 1
 
 
-def score_edges(site: EdgeSite, method: str = "eap-ig", *, steps: int = 16, chunk: int = 4) -> EdgeScores:
-    """Every edge's score by `method` ("eap", "eap-ig", "atp*", "atp*-gd"); see the module docstring."""
+def score_edges(
+    site: EdgeSite, method: str = "eap-ig", *, steps: int = 16, chunk: int = 4, keys: str = "changed"
+) -> EdgeScores:
+    """Every edge's score by `method` ("eap", "eap-ig", "atp*", "atp*-gd"); see the module docstring.
+
+    `keys`: how AtP*'s exact-key step recomputes a patched softmax: "changed" (the changed keys'
+    terms swapped in) or "whole" (every key again, the reference way `kvnotes bench edges` times
+    beside it). The same scores up to float64 rounding."""
+    if keys not in EXACT_KEYS:
+        raise BadArgument(f"keys must be one of {', '.join(EXACT_KEYS)}, got {keys!r}")
     if method not in (*METHODS, GRADDROP):
         raise BadArgument(
             f"unknown edge-scoring method {method!r}; choose one of {', '.join((*METHODS, GRADDROP))}"
@@ -708,7 +717,7 @@ def score_edges(site: EdgeSite, method: str = "eap-ig", *, steps: int = 16, chun
         raise BadArgument(f"steps must be at least 1, got {steps}")
     f0, b0 = site.forwards, site.backwards
     if method == GRADDROP:
-        scores = _graddrop(site)
+        scores = _graddrop(site, keys)
         steps = 1
     else:
         if method == "eap-ig":
@@ -716,7 +725,7 @@ def score_edges(site: EdgeSite, method: str = "eap-ig", *, steps: int = 16, chun
         else:
             alphas = torch.ones(1, dtype=torch.float64)
             steps = 1
-        acc = _Accumulator(site)
+        acc = _Accumulator(site, keys)
         for a in range(0, len(alphas), chunk):
             part = alphas[a : a + chunk]
             grads, st = _gradients(site, _Grad(part, site.old.emb))
@@ -741,7 +750,7 @@ def _gradients(site: EdgeSite, mode: _Grad) -> tuple[dict, _Run]:
     return dict(zip(names, grads)), st
 
 
-def _graddrop(site: EdgeSite) -> np.ndarray:
+def _graddrop(site: EdgeSite, keys: str = "changed") -> np.ndarray:
     """AtP* with GradDrop: row m of one forward at the new run drops layer m's outputs from the
     backward; each row's AtP* scores, their magnitudes averaged over the layers that do not cut the
     edge's reader off (module docstring)."""
@@ -751,7 +760,7 @@ def _graddrop(site: EdgeSite) -> np.ndarray:
     dst_layer = _reader_layers(site.graph)
     total = np.zeros(len(site.graph))
     for m in range(L):
-        acc = _Accumulator(site)
+        acc = _Accumulator(site, keys)
         acc.add({k: None if v is None else v[m : m + 1] for k, v in grads.items()}, _row(st, m), 1, True)
         total += np.where(dst_layer == m, 0.0, np.abs(acc.result(1)))
     terms = np.where(dst_layer < L, L - 1, L)
@@ -779,8 +788,9 @@ def _row(st: _Run, m: int) -> _Run:
 class _Accumulator:
     """Sums, over gradient runs, each edge's estimated change of the metric when corrupted alone."""
 
-    def __init__(self, site: EdgeSite):
+    def __init__(self, site: EdgeSite, keys: str = "changed"):
         self.site = site
+        self.change = _exact_change if keys == "changed" else _exact_change_whole
         gr = site.graph
         self.res = torch.zeros(gr.n_readers, gr.n_writers, len(GROUPS), dtype=torch.float64)
         self.att = torch.zeros(gr.n_layers, gr.n_heads, len(GROUPS), len(GROUPS), dtype=torch.float64)
@@ -850,7 +860,7 @@ class _Accumulator:
             q = site.new.q_rot[l][0].double()  # [T, H, d]
 
             def delta_ld(s_new_keys, v_new_keys, at, base=(s_all, v_all, z, gz)):
-                return _exact_change(*base, s_new_keys, v_new_keys, at, ns, g)
+                return self.change(*base, s_new_keys, v_new_keys, at, ns, g)
 
             # attention edges: the old keys and values at gk's positions
             k_old = site.old.k_rot[l][0].double().repeat_interleave(g, 1)
@@ -934,6 +944,18 @@ def _exact_change(s_all, v_all, z, gz, s_new, v_new, at, ns: int, g: int) -> Ten
     num2 = num[None] * scale.reshape(n, kvh, g, T, 1).permute(0, 3, 1, 2, 4) + swap  # [n, T, KVH, g, d]
     z2 = num2 / Z2.reshape(n, kvh, g, T).permute(0, 3, 1, 2)[..., None]
     z2 = torch.where(torch.isnan(z2), torch.zeros_like(z2), z2).reshape(n, T, H, d)
+    return torch.einsum("nqhe,qhe->nhq", z2 - z[None], gz)
+
+
+def _exact_change_whole(s_all, v_all, z, gz, s_new, v_new, at, ns: int, g: int) -> Tensor:
+    """`_exact_change` the reference way: each patch's softmax recomputed over every key."""
+    s = s_all[None].expand(s_new.shape[0], -1, -1, -1).clone()
+    sel = at[None, None, None, :] & torch.isfinite(s_all)[None, ..., ns:]
+    s[..., ns:] = torch.where(sel, s_new, s[..., ns:])
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    vv = v_all[None].expand(s.shape[0], -1, -1, -1).clone()
+    vv[:, ns:][:, at] = v_new[:, at]
+    z2 = torch.einsum("nhqk,nkhe->nqhe", p, vv.repeat_interleave(g, dim=2))
     return torch.einsum("nqhe,qhe->nhq", z2 - z[None], gz)
 
 

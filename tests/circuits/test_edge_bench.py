@@ -35,6 +35,11 @@ def test_every_edge_patched_and_every_method_beside_it(tiny):
     again = EdgeBenchReport.from_dict(json.loads(json.dumps(r.to_dict())))
     assert again == r
     assert "exhaustive/method" in r.table() and "false-negative bound" in r.table()
+    # AtP*'s exact-key step both ways, timed beside each other: the same scores (float64 rounding
+    # of sums taken in another order: 1e-9 of the largest score)
+    k = r.exact_keys
+    assert k["whole_s"] > 0 and k["changed_s"] > 0 and "exact-key step" in r.table()
+    assert k["max_diff"] <= 1e-9 * k["max_score"], k
     # on a page: the table as the CLI prints it, with data text escaped
     from dashboards.render import panels
 

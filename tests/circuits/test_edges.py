@@ -22,6 +22,7 @@ from circuits.edge_circuits import (
 )
 from kvnotes.cli import main
 from kvnotes.engine import run
+from kvnotes.errors import BadArgument
 from kvnotes.models import load_model
 from kvnotes.models.mixed import designed_edges
 from kvnotes.tasks import load_task
@@ -285,16 +286,7 @@ def test_exact_key_change_equals_the_whole_softmax_recomputed():
     must equal the softmax recomputed over every key (float64: within 1e-12 of a change of order 1),
     with masked keys, grouped KV heads and scores above the run's maximum."""
 
-    def whole(s_all, v_all, z, gz, s_new, v_new, at, ns, g):
-        s = s_all[None].expand(s_new.shape[0], -1, -1, -1).clone()
-        sel = at[None, None, None, :] & torch.isfinite(s_all)[None, ..., ns:]
-        s[..., ns:] = torch.where(sel, s_new, s[..., ns:])
-        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-        vv = v_all[None].expand(s.shape[0], -1, -1, -1).clone()
-        vv[:, ns:][:, at] = v_new[:, at]
-        z2 = torch.einsum("nhqk,nkhe->nqhe", p, vv.repeat_interleave(g, dim=2))
-        return torch.einsum("nqhe,qhe->nhq", z2 - z[None], gz)
-
+    whole = E._exact_change_whole
     gen = torch.Generator().manual_seed(0)
     for H, kvh, ns, T, n in ((4, 1, 7, 9, 5), (4, 2, 0, 6, 3), (2, 2, 3, 5, 1)):
         g, d = H // kvh, 8
@@ -310,6 +302,14 @@ def test_exact_key_change_equals_the_whole_softmax_recomputed():
             got = E._exact_change(s_all, v_all, z, gz, s_new, v_new, at, ns, g)
             want = whole(s_all, v_all, z, gz, s_new, v_new, at, ns, g)
             assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
+def test_an_unknown_exact_key_way_is_refused_before_any_forward(mixed_sites):
+    site = mixed_sites[1][0]
+    before = site.forwards
+    with pytest.raises(BadArgument, match="keys must be one of changed, whole"):
+        E.score_edges(site, "atp*", keys="some")
+    assert site.forwards == before
 
 
 def test_unmatched_owners_are_the_first_pending_edges_of_each_key():
