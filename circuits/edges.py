@@ -406,16 +406,22 @@ class _Patch(_Mode):
     def corrections(self, site, st, l, readers, include_layer):
         """The change of each reader's input [b, readers, T, d] that its corrupted edges make."""
         gr, old = site.graph, site.old
-        off = (~self.res[:, readers][..., site.groups]).to(st.x[0].dtype)  # [b, R, W, T]
+        cut = ~self.res[:, readers][..., site.groups]  # [b, R, W, T]
+        live = cut.any(-1).any(1).any(0).tolist()  # [W]: writers with a corrupted edge into these readers
+        if not any(live):
+            return None  # nothing corrupted: the change is zero, and adding zero changes no bit
+        off = cut.to(st.x[0].dtype)
         H = gr.n_heads
+        # a writer none of whose edges into these readers is corrupted adds exactly zero: skipped
         corr = off[:, :, 0, :, None] * (old.emb - st.emb)[:, None]
         last = l if include_layer and l < gr.n_layers else l - 1
         for lp in range(last + 1):
             w0 = 1 + lp * (H + 1)
-            dh = old.heads[lp] - st.heads[lp]  # [b, T, H, d]
-            D = torch.einsum("brht,bthd->brtd", off[:, :, w0 : w0 + H], dh)
-            corr = corr + _post_delta(site.model, lp, st.attn_sum[lp], D)
-            if lp < l:
+            if any(live[w0 : w0 + H]):
+                dh = old.heads[lp] - st.heads[lp]  # [b, T, H, d]
+                D = torch.einsum("brht,bthd->brtd", off[:, :, w0 : w0 + H], dh)
+                corr = corr + _post_delta(site.model, lp, st.attn_sum[lp], D)
+            if lp < l and live[w0 + H]:
                 corr = corr + off[:, :, w0 + H, :, None] * (old.mlp[lp] - st.mlp[lp])[:, None]
         return corr
 

@@ -89,6 +89,21 @@ def _check_exact(site):
         hooks = [(f"blocks.{l}.attn.hook_k", kv("k_raw")), (f"blocks.{l}.attn.hook_v", kv("v"))]
         ref = _ld(site, hooks)
         assert abs(site.patch(keep[None])[0] * eff + site.ld_old - ref) < LOGITS
+        # every out-edge of MLP l corrupted = that MLP's output taken from the old run
+        keep = np.ones(n, bool)
+        keep[(gr.kind == E.RESIDUAL) & (gr.a == w + H)] = False
+        mid: dict = {}
+
+        def keep_mid(t, hook, mid=mid):
+            mid["x"] = t
+            return t
+
+        def old_mlp(t, hook, l=l, mid=mid):
+            return mid["x"] + site.old.mlp[l]
+
+        hooks = [(f"blocks.{l}.hook_resid_mid", keep_mid), (f"blocks.{l}.hook_resid_post", old_mlp)]
+        ref = _ld(site, hooks)
+        assert abs(site.patch(keep[None])[0] * eff + site.ld_old - ref) < LOGITS
 
 
 def test_edge_patching_is_exact_on_every_variant(model):
