@@ -52,7 +52,8 @@ def matmul_flops(
 
     >>> from types import SimpleNamespace as F
     >>> f = F(d_model=4, n_heads=2, n_kv_heads=1, d_head=2, d_mlp=8)
-    >>> matmul_flops(f, rows=1, tokens=1, slots=0, blocks=1, reads=1, cols=10)  # 2 x (48 + 96 + 8 + 40)
+    >>> # 2 x (48 + 96 + 8 + 40): a sum of small integers, exact in floating point
+    >>> matmul_flops(f, rows=1, tokens=1, slots=0, blocks=1, reads=1, cols=10)  # exact: small integers
     384.0
     """
     f = facts
