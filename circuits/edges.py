@@ -943,11 +943,10 @@ def _exact_change(s_all, v_all, z, gz, s_new, v_new, at, ns: int, g: int) -> Ten
     e_new = torch.where(live, torch.exp(s_at - m2), 0.0)  # [n, H, T, A]
     Z2 = (Z[None] - e_old.sum(-1)[None]) * scale[..., 0] + e_new.sum(-1)  # [n, H, T]
     v_old_at, v_new_at = v_all[cols], v_new[:, at]  # [A, KVH, d], [n, A, KVH, d]
+    scale_q = scale.reshape(n, kvh, g, T, 1).permute(0, 3, 1, 2, 4)  # [n, T, KVH, g, 1]
     swap = torch.einsum("njgqa,najd->nqjgd", e_new.reshape(n, kvh, g, T, -1), v_new_at)
-    swap = swap - torch.einsum("jgqa,ajd->qjgd", e_old.reshape(kvh, g, T, -1), v_old_at)[None] * (
-        scale.reshape(n, kvh, g, T, 1).permute(0, 3, 1, 2, 4)
-    )
-    num2 = num[None] * scale.reshape(n, kvh, g, T, 1).permute(0, 3, 1, 2, 4) + swap  # [n, T, KVH, g, d]
+    swap = swap - torch.einsum("jgqa,ajd->qjgd", e_old.reshape(kvh, g, T, -1), v_old_at)[None] * scale_q
+    num2 = num[None] * scale_q + swap  # [n, T, KVH, g, d]
     z2 = num2 / Z2.reshape(n, kvh, g, T).permute(0, 3, 1, 2)[..., None]
     z2 = torch.where(torch.isnan(z2), torch.zeros_like(z2), z2).reshape(n, T, H, d)
     return torch.einsum("nqhe,qhe->nhq", z2 - z[None], gz)

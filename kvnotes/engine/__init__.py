@@ -95,7 +95,7 @@ def run(
     blocks = f.n_layers - (resume.layer if resume is not None else 0)
     reads = 1 if logits_at is None else len(logits_at)
     cols = f.d_vocab_out if vocab is None else len(vocab)
-    work = profile.matmul_flops(f, rows, tok.shape[-1], slots, blocks, reads, cols, f.gated_mlp) / 1e9
+    work = profile.matmul_flops(f, rows, tok.shape[-1], slots, blocks, reads, cols) / 1e9
     with profile.record(rows, tok.shape[-1], slots, work):
         return _compute(model, notebook, tokens, positions, **kw)
 

@@ -41,24 +41,22 @@ class Call:
     gflop: float = 0.0  # its matmuls' work (`matmul_flops`), 1e9 floating-point operations
 
 
-def matmul_flops(
-    facts, rows: int, tokens: int, slots: int, blocks: int, reads: int, cols: int, gated: bool = True
-) -> float:
+def matmul_flops(facts, rows: int, tokens: int, slots: int, blocks: int, reads: int, cols: int) -> float:
     """Floating-point operations of one forward's matmuls: per computed token and block run, the
-    Q/K/V and output projections, the MLP (three matrices when `gated`, else two) and attention's
+    Q/K/V and output projections, the MLP (three matrices when gated, else two) and attention's
     scores and mix over the slots and the causal half of the computed tokens; per read position,
     the unembedding of `cols` columns. Norms, RoPE and elementwise work are left out (a few percent
     of a block). `facts`: a `ModelFacts`.
 
     >>> from types import SimpleNamespace as F
-    >>> f = F(d_model=4, n_heads=2, n_kv_heads=1, d_head=2, d_mlp=8)
+    >>> f = F(d_model=4, n_heads=2, n_kv_heads=1, d_head=2, d_mlp=8, gated_mlp=True)
     >>> # 2 x (48 + 96 + 8 + 40): a sum of small integers, exact in floating point
     >>> matmul_flops(f, rows=1, tokens=1, slots=0, blocks=1, reads=1, cols=10)  # exact: small integers
     384.0
     """
     f = facts
     proj = f.d_model * (f.n_heads + 2 * f.n_kv_heads) * f.d_head + f.n_heads * f.d_head * f.d_model
-    mlp = (3 if gated else 2) * f.d_model * (f.d_mlp or 4 * f.d_model)
+    mlp = (3 if f.gated_mlp else 2) * f.d_model * (f.d_mlp or 4 * f.d_model)
     attn = 2 * f.n_heads * f.d_head * (slots + (tokens + 1) / 2)
     return 2.0 * rows * (tokens * blocks * (proj + mlp + attn) + reads * cols * f.d_model)
 
