@@ -167,3 +167,14 @@ def test_the_profile_files_each_call_under_its_operation_and_analysis(case):
     blocks = p.calls[0].tokens * f.n_layers * per_token_block / 1e9
     assert 1.0 < p.calls[0].gflop / blocks < 1.5, (p.calls[0].gflop, blocks)
     assert p.gflop == pytest.approx(sum(c.gflop for c in p.calls), rel=1e-12)
+    # a run resumed at layer l runs only the blocks from l on: its block work is (L - l) / L of the
+    # same run from block 0 (the unembedding, the same in both, taken out; rel 1e-9: float sums)
+    model, L = case.model, case.model.n_layers
+    ids, pos = query_tokens(model, nb, case.old)
+    l = L // 2
+    resid = torch.zeros(1, len(ids), model.facts.d_model)
+    with profile() as q:
+        run(model, nb, ids, pos, write=False, logits_at=())
+        run(model, nb, ids, pos, write=False, logits_at=(), resume=Resume(l, resid))
+    full, resumed = (c.gflop for c in q.calls)
+    assert resumed == pytest.approx(full * (L - l) / L, rel=1e-9), (full, resumed)
