@@ -174,7 +174,8 @@ LOADER = """
     document.querySelectorAll('script.kv-fig-data').forEach(function(s){
       var el=document.getElementById(s.dataset.target); if(!el||el.dataset.drawn)return;
       var f=JSON.parse(s.textContent); el.dataset.drawn='1';
-      Plotly.newPlot(el,f.data,f.layout,{responsive:true,displaylogo:false});
+      Plotly.newPlot(el,f.data,f.layout,{responsive:true,displaylogo:false})
+        .then(function(){el.dataset.plotted='1';});  // drawn: what a test or a screenshot waits for
     });
   }
   document.querySelectorAll('.prompt-text').forEach(function(el){

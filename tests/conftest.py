@@ -78,7 +78,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def pytest_collection_modifyitems(session, config, items):
     # The real-server test first: on two workers it then serves (vLLM on one core, the client
     # waiting) while the other worker runs the rest, instead of running alone at the end.
-    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_vllm.py")
+    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/serving/test_vllm.py")
 
 
 def _workers() -> int:

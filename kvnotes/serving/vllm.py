@@ -338,7 +338,14 @@ def launch(
     url = f"http://{host}:{port}"
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
     say(f"starting {dist} on {url} (log: {log_path}): {' '.join(cmd[1:])}")
-    process = _spawn(cmd, log_path)
+    # the SIGTERM handler goes in before the server starts: a kill that lands between the two would
+    # otherwise end this process and leave the server running
+    restore = _stop_on_sigterm()
+    try:
+        process = _spawn(cmd, log_path)
+    except BaseException:
+        restore()
+        raise
     server = Server(
         url=url,
         model=name,
@@ -346,7 +353,6 @@ def launch(
         log=log_path,
         info={"vllm": dist, "command": cmd[1:], "eager": eager},
     )
-    restore = _stop_on_sigterm()
     try:
         start = time.monotonic()
         _wait_ready(server, start + ready_timeout, ready_timeout, httpx, say)

@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kvnotes.cli import main
+from tests.waiting import until
 
 ARGS = ["report", "--model", "tiny-llama", "--task", "order-cancel", "--quick", "--n", "2"]
 ARGS += ["--skip", "memory_blocks,agent_loop,ttft,edit_cost,regime,sae"]
@@ -38,16 +38,20 @@ sys.exit(main(sys.argv[2:]))
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 300) -> None:
-    end = time.monotonic() + seconds
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"the report ended early:\n{proc.communicate()[1][-3000:]}")
-        if time.monotonic() > end:
-            proc.kill()
-            raise AssertionError("the report did not reach its second part")
-        time.sleep(0.1)
+    """Until the report holds its second part (HOLD touches `path` there); fails at once if it ended."""
+    try:
+        until(
+            path.exists,
+            timeout=seconds,
+            what="the report reaching its second part",
+            stop=lambda: proc.poll() is not None and f"it ended early:\n{proc.communicate()[1][-3000:]}",
+        )
+    except AssertionError:
+        proc.kill()
+        raise
 
 
+@pytest.mark.timing  # a subprocess signalled mid-run
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_killed_report_keeps_its_first_part_and_resumes_from_it(sig, tmp_path, capsys):
     out, held = tmp_path / "report", tmp_path / "held"

@@ -25,8 +25,12 @@ from dashboards.server import create_app, report_id
 from kvnotes.analysis.report import Report
 from tests.dashboards.browser import Watched
 from tests.dashboards.sample_reports import XSS_AMP, XSS_IMG, XSS_SCRIPT, report_dirs, root
+from tests.waiting import until
+
+pytestmark = pytest.mark.timing  # a real browser drawing and hovering
 
 DRAW_TIMEOUT_MS = 90_000  # plotly draws ~40 figures per page; the CI machine has 2 shared cores
+SETTLE_S = 30  # one hover box or slider update on a loaded machine (idle: well under a second)
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -106,6 +110,7 @@ DRAWN = """() => {
   const figs = [...document.querySelectorAll('div.kv-fig')];
   const data = document.querySelectorAll('script.kv-fig-data').length;
   return figs.length > 0 && figs.length === data && figs.every(f => {
+    if (f.dataset.plotted !== '1') return false;  // set when Plotly.newPlot's promise resolves
     const svg = f.querySelector('.plotly .main-svg');
     if (!svg) return false;
     const r = svg.getBoundingClientRect();
@@ -113,7 +118,7 @@ DRAWN = """() => {
   });
 }"""
 UNDRAWN = """() => [...document.querySelectorAll('div.kv-fig')]
-  .filter(f => !f.querySelector('.plotly .main-svg')).map(f => f.id)"""
+  .filter(f => f.dataset.plotted !== '1' || !f.querySelector('.plotly .main-svg')).map(f => f.id)"""
 
 
 def wait_drawn(w: Watched, what: str) -> int:
@@ -243,7 +248,7 @@ def test_hover_shows_hostile_token_text_as_text(watched, base_url, dirs, which):
         meant = html.unescape(cell["label"])  # e.g. "246:␣<"
         page.mouse.move(cell["px"], cell["py"])
         try:
-            page.wait_for_function(HOVER_SHOWS, arg=[cell["id"], meant], timeout=10_000)
+            page.wait_for_function(HOVER_SHOWS, arg=[cell["id"], meant], timeout=SETTLE_S * 1000)
         except Exception as e:
             shown = page.locator(f"#{cell['id']} .hoverlayer").text_content()
             raise AssertionError(f"{which}: hovering slot {meant!r} shows {shown!r}") from e
@@ -282,7 +287,7 @@ EDGE_STATE = """(id) => {
 def _hover(w: Watched, fig_id: str, point: dict, meant: str, what: str) -> None:
     w.page.mouse.move(point["x"], point["y"])
     try:
-        w.page.wait_for_function(HOVER_SHOWS, arg=[fig_id, meant], timeout=10_000)
+        w.page.wait_for_function(HOVER_SHOWS, arg=[fig_id, meant], timeout=SETTLE_S * 1000)
     except Exception as e:
         shown = w.page.locator(f"#{fig_id} .hoverlayer").text_content()
         raise AssertionError(f"{what}: hovering shows {shown!r}, not {meant!r}") from e
@@ -335,8 +340,14 @@ def test_edge_graph_hover_and_size_slider(watched, base_url, dirs):
     j = next(j for j in range(1, len(sizes)) if j != before["active"] and sizes[j] < len(before["lit"]))
     label = next(lab for lab in graph["labels"] if lab["text"] == str(sizes[j]))
     page.mouse.click(label["x"], graph["rail"])
-    page.wait_for_function(f"(id) => document.getElementById(id).layout.sliders[0].active === {j}", arg=fig)
-    after = page.evaluate(EDGE_STATE, fig)
+    # the slider moves its `active` index first and updates the note and the edges after: wait for the
+    # note of the new size itself, then check its value and the lit edges in that very state
+    after = until(
+        lambda: page.evaluate(EDGE_STATE, fig),
+        lambda s: s["active"] == j and any(n.startswith(f"{sizes[j]} edges: ") for n in s["notes"]),
+        timeout=SETTLE_S,
+        what=f"the slider moved to {sizes[j]} edges",
+    )
     p = curve.points[j]
     assert f"{sizes[j]} edges: {fmt_ci(p.mean, p.ci, 3)}" in after["notes"], after["notes"]
     assert sorted(rank for rank, o in after["lit"] if o == 1) == list(range(1, sizes[j] + 1))

@@ -21,7 +21,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +30,15 @@ import pytest
 from probes.interactive import PatchSession, PatchState
 from tests.dashboards.browser import Watched, unavailable
 from tests.helpers import get_model
+from tests.waiting import until
+
+pytestmark = pytest.mark.timing  # a JupyterLab server, a kernel and a browser
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "patching.ipynb"
 TAG = "clicked-in-jupyterlab"  # the cells of docs/patching.ipynb that this test opens and clicks
 START_TIMEOUT_S = 120  # JupyterLab's server; the CI machine has 2 shared cores
 RUN_TIMEOUT_MS = 240_000  # a fresh kernel imports torch and loads both models
-CLICK_TIMEOUT_MS = 60_000  # one click: a round trip to the kernel and a decision forward
+CLICK_TIMEOUT_S = 60  # one click: a round trip to the kernel and a decision forward
 STATUS = re.compile(r"logit diff old (\S+), patched (\S+), new (\S+); recovery (\S+)")
 
 
@@ -110,19 +112,16 @@ def lab(tmp_path) -> Iterator[dict]:
     )
     api = f"http://127.0.0.1:{port}/api"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"JupyterLab exited ({server.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                get_json(f"{api}/status?token={token}")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(
-                        f"JupyterLab did not answer in {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-                    )
-                time.sleep(0.5)
+        try:
+            until(
+                lambda: get_json(f"{api}/status?token={token}"),
+                timeout=START_TIMEOUT_S,
+                what="JupyterLab answering its status API",
+                every=0.5,
+                stop=lambda: server.poll() is not None and f"JupyterLab exited ({server.returncode})",
+            )
+        except AssertionError as e:
+            pytest.fail(f"{e}\n{log.read_text()[-3000:]}")
         yield {
             "url": f"http://127.0.0.1:{port}/lab/tree/widget.ipynb?token={token}",
             "api": api,
@@ -139,13 +138,16 @@ def lab(tmp_path) -> Iterator[dict]:
 
 def wait_kernel_idle(lab: dict) -> None:
     """Until the notebook's kernel has started and is idle (JupyterLab drops a run sent earlier)."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        sessions = get_json(f"{lab['api']}/sessions?token={lab['token']}")
-        if sessions and sessions[0]["kernel"]["execution_state"] == "idle":
-            return
-        time.sleep(0.5)
-    pytest.fail(f"the notebook's kernel did not start:\n{lab['log'].read_text()[-3000:]}")
+    try:
+        until(
+            lambda: get_json(f"{lab['api']}/sessions?token={lab['token']}"),
+            lambda sessions: sessions and sessions[0]["kernel"]["execution_state"] == "idle",
+            timeout=START_TIMEOUT_S,
+            what="the notebook's kernel started and idle",
+            every=0.5,
+        )
+    except AssertionError as e:
+        pytest.fail(f"{e}\n{lab['log'].read_text()[-3000:]}")
 
 
 class View:
@@ -153,7 +155,6 @@ class View:
 
     def __init__(self, page, cell, session: PatchSession):
         self.page, self.cell, self.session = page, cell, session
-        self.status = cell.locator(".widget-label", has_text="logit diff")
 
     def button(self, position: int):
         return self.cell.locator(".widget-toggle-button").nth(self.session.positions.index(position))
@@ -162,32 +163,26 @@ class View:
         self.cell.get_by_role("button", name=name, exact=True).click()
 
     def expect(self, state: PatchState, what: str) -> None:
-        """Wait until the status line and the figure show `state`'s numbers; else fail, saying what shows."""
+        """Wait until the status line and the figure show `state`'s numbers, then check every number in
+        the status line that was waited for; else fail, saying what shows."""
         want = shown(state)
-        title = f"recovery {want[3]}"
-        try:
-            self.page.wait_for_function(
-                """([cell, want, title]) => {
-                     const label = [...cell.querySelectorAll('.widget-label')]
-                       .find(e => e.textContent.includes('logit diff'));
-                     const t = cell.querySelector('.gtitle');
-                     return label && label.textContent.includes(want)
-                       && t && t.textContent === title;
-                   }""",
-                arg=[
-                    self.cell.element_handle(),
-                    f"patched {want[1]}, new {want[2]}; recovery {want[3]}",
-                    title,
-                ],
-                timeout=CLICK_TIMEOUT_MS,
-            )
-        except Exception as e:
-            raise AssertionError(
-                f"{what}: the widget shows {self.status.inner_text()!r}, expected patched "
-                f"{want[1]}, recovery {want[3]}"
-            ) from e
-        old, patched, new, rec = STATUS.search(self.status.inner_text()).groups()
+        line, title = f"patched {want[1]}, new {want[2]}; recovery {want[3]}", f"recovery {want[3]}"
+        seen = until(
+            lambda: self.cell.evaluate(SHOWN),
+            lambda s: line in s["status"] and s["title"] == title,
+            timeout=CLICK_TIMEOUT_S,
+            what=f"{what}: the widget showing patched {want[1]}, recovery {want[3]}",
+        )
+        old, patched, new, rec = STATUS.search(seen["status"]).groups()
         assert (old, patched, new, rec) == want, what
+
+
+# What a view's cell shows: its status line and its figure's title.
+SHOWN = """cell => ({
+  status: ([...cell.querySelectorAll('.widget-label')].find(e => e.textContent.includes('logit diff'))
+           || {textContent: ''}).textContent,
+  title: (cell.querySelector('.gtitle') || {textContent: null}).textContent,
+})"""
 
 
 def test_patching_view_clicked_in_jupyterlab(lab, browser, notes_organism):
@@ -207,9 +202,19 @@ def test_patching_view_clicked_in_jupyterlab(lab, browser, notes_organism):
             cells.nth(i).locator(".widget-toggle-button").first.wait_for(timeout=RUN_TIMEOUT_MS)
         small, org = View(page, cells.nth(1), tiny), View(page, cells.nth(2), organism)
 
-        # tiny-llama: the token strip and the figure are drawn; nothing patched yet
-        assert small.cell.locator(".widget-toggle-button").count() == len(tiny.positions)
-        assert small.cell.locator(".js-plotly-plot .main-svg").count() >= 1
+        # tiny-llama: the token strip and the figure are drawn (a box draws its children one by one);
+        # nothing patched yet
+        until(
+            lambda: small.cell.locator(".widget-toggle-button").count(),
+            lambda n: n == len(tiny.positions),
+            timeout=CLICK_TIMEOUT_S,
+            what=f"tiny-llama's {len(tiny.positions)} slot buttons drawn",
+        )
+        until(
+            lambda: small.cell.locator(".js-plotly-plot .main-svg").count(),
+            timeout=CLICK_TIMEOUT_S,
+            what="tiny-llama's figure drawn",
+        )
         layers = range(tiny.model.n_layers)
         small.expect(tiny.patch((), layers), "tiny-llama, before any click")
         # a click on the changed field's token transplants its slot in every layer

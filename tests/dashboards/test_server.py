@@ -217,8 +217,9 @@ def raw_get(port: int, head: str) -> str:
         return sock.makefile("rb").readline().decode()
 
 
-def test_the_real_server_checks_the_host_it_is_sent(dirs, tmp_path_factory):
-    server, url = dashboard_server([root(tmp_path_factory)], "127.0.0.1", 0)
+@pytest.mark.timing  # the real server on a thread
+def test_the_real_server_checks_the_host_it_is_sent(tmp_path):
+    server, url = dashboard_server([tmp_path], "127.0.0.1", 0)  # the host check needs no report
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         port = server.server_port
@@ -257,10 +258,11 @@ def test_the_token_in_the_url_becomes_a_cookie(token_client):
     assert create_app([], loopback_only=False, token="other").test_client().get("/").status_code == 403
 
 
-def test_bound_beyond_loopback_the_url_carries_a_fresh_token(dirs, tmp_path_factory):
+@pytest.mark.timing  # the real server on a thread
+def test_bound_beyond_loopback_the_url_carries_a_fresh_token(tmp_path):
     urls = []
     for _ in range(2):
-        server, url = dashboard_server([root(tmp_path_factory)], "0.0.0.0", 0)
+        server, url = dashboard_server([tmp_path], "0.0.0.0", 0)  # the token check needs no report
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             urls.append(url)
@@ -274,7 +276,7 @@ def test_bound_beyond_loopback_the_url_carries_a_fresh_token(dirs, tmp_path_fact
             server.shutdown()
             server.server_close()
     assert urls[0] != urls[1]
-    server, url = dashboard_server([root(tmp_path_factory)], "0.0.0.0", 0, token=False)  # --no-token
+    server, url = dashboard_server([tmp_path], "0.0.0.0", 0, token=False)  # --no-token
     server.server_close()
     assert "token" not in url
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gemma
+pytestmark = [pytest.mark.gemma, pytest.mark.timing]  # a real vLLM server
 
 
 def vllm_python() -> str:

@@ -10,12 +10,17 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from kvnotes.serving.vllm import ServerError, connect, launch, parse_metrics
+from tests.waiting import until
+
+pytestmark = pytest.mark.timing  # server processes started, signalled and waited on
+
+START_S = 60  # a stand-in server (a small Python script) starting on a loaded machine
+STOP_S = 30  # its processes ending after SIGTERM (idle: well under a second)
 
 SERVER = textwrap.dedent(
     """
@@ -85,17 +90,20 @@ def gone(pid: int) -> bool:
 
 def assert_all_stopped(pids: Path) -> None:
     server, worker = map(int, pids.read_text().split())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (gone(server) and gone(worker)):
-        time.sleep(0.1)
-    assert gone(server) and gone(worker), "a server process outlived launch()"
+    until(
+        lambda: {"server": gone(server), "worker": gone(worker)},
+        lambda s: all(s.values()),
+        timeout=STOP_S,
+        what="every server process stopped after launch()",
+    )
 
 
 @pytest.mark.parametrize(
     "mode, timeout, error",
     [
         # never ready: a timeout naming the option to raise it, with the server's own last lines
-        ("hang", 3, r"not ready after 3 s.*--ready-timeout(.|\n)*INFO loading model"),
+        # (10 s: time for the stand-in to start and log its line even on a loaded machine)
+        ("hang", 10, r"not ready after 10 s.*--ready-timeout(.|\n)*INFO loading model"),
         # a model vLLM cannot load: the exit code and the reason from its log
         ("crash", 60, r"exited with code 2(.|\n)*no config.json in the model directory"),
         # up and answering, but with prefix caching off: refused, naming the flag
@@ -124,12 +132,12 @@ def test_connect_refuses_a_server_without_prefix_caching_and_names_a_missing_one
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", str(port)]
     )
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # until it listens
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
+        until(
+            lambda: socket.create_connection(("127.0.0.1", port), timeout=5).close() or "listening",
+            timeout=START_S,
+            what=f"the stand-in server listening on port {port}",
+            stop=lambda: p.poll() is not None and f"it exited with code {p.returncode}",
+        )
         with pytest.raises(ServerError, match="prefix caching off"):
             connect(f"http://127.0.0.1:{port}")
     finally:
@@ -178,10 +186,13 @@ def test_sigterm_to_the_benchmark_still_stops_the_server(fake, tmp_path):
     )
     env = {**os.environ, "FAKE_VLLM": "hang", "FAKE_VLLM_PIDS": str(pids)}
     p = subprocess.Popen([sys.executable, "-c", code], env=env)
-    deadline = time.monotonic() + 60
-    while not pids.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert pids.exists()
+    # the stand-in writes its pids once started, and launch() stops it on SIGTERM from before it starts
+    until(
+        pids.exists,
+        timeout=START_S,
+        what="the stand-in server started by launch()",
+        stop=lambda: p.poll() is not None and f"the launching process exited with code {p.returncode}",
+    )
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=60) != 0
     assert_all_stopped(pids)
