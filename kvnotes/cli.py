@@ -97,57 +97,13 @@ def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str
     return dests
 
 
-def _registry_spec() -> dict:
-    """`kvnotes.analysis.cli_spec()`, read from the kvnotes cache when the analysis modules have not
-    changed since it was written (building it imports every analysis module, torch with them).
-    Where this process has the registry already (a notebook, a test that registered an analysis
-    of its own), the spec is built from it as it stands."""
-    if "kvnotes.analysis.registry" in sys.modules:
-        from kvnotes.analysis.registry import cli_spec
-
-        return cli_spec()
-    import hashlib
-    import importlib.util
-    import os
-    from importlib.metadata import entry_points
-
-    from kvnotes.models.cache import default_cache_dir
-
-    h = hashlib.sha256(sys.version.encode())
-    tops = {"kvnotes"}
-    for ep in sorted(entry_points(group="kvnotes.analyses"), key=lambda e: e.name):
-        h.update(f"{ep.name}={ep.value};{ep.dist.version if ep.dist else ''}\n".encode())
-        tops.add(ep.value.split(".")[0].split(":")[0])
-    for top in sorted(tops):
-        spec = importlib.util.find_spec(top)
-        for place in (spec.submodule_search_locations or []) if spec else []:
-            for f in sorted(Path(place).rglob("*.py")):
-                st = f.stat()
-                h.update(f"{f}:{st.st_mtime_ns}:{st.st_size}\n".encode())
-    path = default_cache_dir() / "cli" / f"spec-{h.hexdigest()[:20]}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    from kvnotes.analysis.registry import cli_spec
-
-    spec = cli_spec()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(spec))
-        tmp.replace(path)
-    except OSError:  # a read-only cache: build it every time
-        pass
-    return spec
-
-
 def add_analysis_commands(sub) -> None:
     """`kvnotes probe|circuits|edit|compose` (task level) and `kvnotes bench <analysis>` (model level),
     with every registered analysis and its options."""
+    from kvnotes import cli_spec
     from kvnotes.args import EFFECT, OUT_FILE, SEED
 
-    spec = _registry_spec()
+    spec = cli_spec.load()  # prebuilt: refusing a value imports no torch, even on the first call
     for command, entry in spec["commands"].items():
         group = entry["analyses"]
         if entry["level"] == "model":
@@ -203,13 +159,25 @@ def add_analysis_commands(sub) -> None:
         p.set_defaults(func=cmd_task_analyses, command_name=command, dests=dests, flags=list(flags))
 
 
-def _configs(names: list[str], args) -> dict:
-    from kvnotes.analysis.registry import get
-
-    given = {
+def _given(args) -> dict:
+    """The analysis options the command line set (the rest keep their defaults)."""
+    return {
         field: getattr(args, dest) for dest, field in args.dests.items() if getattr(args, dest) is not None
     }
-    return {n: get(n).make_config(**given) for n in names}
+
+
+def _configs(names: list[str], args, n_ctx: int | None = None) -> dict:
+    """Each analysis's config from the options given; with `n_ctx`, its lengths fitted to that context
+    (a given length that cannot fit is refused, default ones are clipped: `fit_to_context`)."""
+    from kvnotes.analysis.registry import fit_to_context, get
+    from kvnotes.models.names import context_length
+
+    given = _given(args)
+    configs = {n: get(n).make_config(**given) for n in names}
+    n_ctx = n_ctx or context_length(args.model, args.backend)  # before the load, where it is known
+    if n_ctx:
+        configs = {n: fit_to_context(c, n_ctx, given, args.model) for n, c in configs.items()}
+    return configs
 
 
 def cmd_task_analyses(args) -> int:
@@ -226,18 +194,24 @@ def cmd_task_analyses(args) -> int:
     configs = _configs(names, args)  # bad option values fail here, before the (slow) model load
     task = load_task(args.task or default_task(args.model))
     model = _load(args)
+    configs = _configs(names, args, model.n_ctx)  # and lengths against the model as loaded
     report = collect(model, task, names, configs=configs, seed=args.seed, min_effect=args.min_effect)
     return _emit(report, args.json)
 
 
 def cmd_model_analysis(args) -> int:
-    from kvnotes.analysis.registry import Context, get
+    from kvnotes.analysis.registry import Context, context_fields, get
     from kvnotes.errors import KVNotesError
 
     a = get(args.analysis)
     cfg = _configs([a.name], args)[a.name]
     model = _load(args) if a.needs_model else None
-    result = a.run(Context(model=model, model_name=args.model, backend=args.backend), cfg)
+    if model is not None:
+        cfg = _configs([a.name], args, model.n_ctx)[a.name]
+    # lengths left at their defaults are fitted by the analysis too, to what its own layout leaves
+    fit = not context_fields(a.config) & set(_given(args))
+    ctx = Context(model=model, model_name=args.model, backend=args.backend, fit_context=fit)
+    result = a.run(ctx, cfg)
     if result is None:
         sub = a.command or a.name.replace("_", "-")
         raise KVNotesError(f"{a.name} was sized to nothing; give it a size (kvnotes bench {sub} --help)")

@@ -127,7 +127,7 @@ def seam_repair(
 class SeamConfig(Options):
     n: int = option(4, "prompts (each at every offset)", least=1)
     seams: tuple[int, ...] = option(SEAMS, "chunk tokens recomputed at the seam", least=0)
-    offsets: tuple[int, ...] = option(OFFSETS, "host context lengths before the chunk", least=0)
+    offsets: tuple[int, ...] = option(OFFSETS, "host context lengths before the chunk", least=0, tokens=True)
 
 
 register_section(

@@ -104,7 +104,7 @@ def cot_refresh(
 
 @dataclass(frozen=True)
 class CotConfig(Pairs):
-    cot_tokens: int = option(48, "longest reasoning chain (tokens)", least=1)
+    cot_tokens: int = option(48, "longest reasoning chain (tokens)", least=1, tokens=True)
 
 
 @analysis("cot_refresh", "edit", CotConfig, CotRefresh, default=False, in_report=False, flag="cot", order=3)

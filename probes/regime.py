@@ -109,7 +109,7 @@ def regime(
 class RegimeConfig(Pairs):
     n: int = option(4, "prompt pairs at each distance", least=1)
     distances: tuple[int, ...] = option(
-        DISTANCES, "filler lengths in tokens between the field and the query", least=0
+        DISTANCES, "filler lengths in tokens between the field and the query", least=0, tokens=True
     )
 
 

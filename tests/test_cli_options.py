@@ -167,19 +167,59 @@ def test_a_port_in_use_is_one_line(tmp_path):
     assert "--port 0 for a free one" in err
 
 
-def test_parsing_a_bad_option_imports_no_torch(tmp_path):
-    """The parser is built from the registry's cached spec: refusing a value costs no torch import."""
-    code = (
-        "import sys\nfrom kvnotes.cli import main\n"
-        "try:\n    main(['bench', 'patch-sweep', '--model', 'tiny-llama', '--tokens', '-5'])\n"
-        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n"
+REFUSE = (
+    "import sys, time\nt0 = time.perf_counter()\nimport kvnotes.cli_spec as spec\n{setup}"
+    "from kvnotes.cli import main\n"
+    "try:\n    main(['bench', 'patch-sweep', '--model', 'tiny-llama', '--tokens', '-5'])\n"
+    "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules, time.perf_counter() - t0)\n"
+)
+
+
+def _refuse(tmp_path: Path, setup: str = "") -> tuple[list[str], str]:
+    env = {**os.environ, "KVNOTES_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run(
+        [sys.executable, "-c", REFUSE.format(setup=setup)], capture_output=True, text=True, env=env
     )
-    env = {**os.environ, "KVNOTES_CACHE": str(tmp_path)}
-    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert first.stdout.split() == ["2", "True"], first.stderr  # the first call builds the spec
-    assert again.stdout.split() == ["2", "False"], again.stderr
-    assert "argument --tokens: -5 is below 1" in again.stderr
+    return run.stdout.split(), run.stderr
+
+
+def test_the_first_refusal_after_install_imports_no_torch(tmp_path):
+    """The parser is built from the shipped spec: refusing a value costs no torch import, even with an
+    empty kvnotes cache (a fresh install), and writes nothing to the cache."""
+    (code, torch_imported, _), err = _refuse(tmp_path)
+    assert (code, torch_imported) == ("2", "False"), err
+    assert "argument --tokens: -5 is below 1" in err
+    assert not (tmp_path / "cache" / "cli").exists()
+
+
+def test_a_stale_shipped_spec_is_not_used_and_the_built_one_is_cached(tmp_path):
+    """Where an analysis file changed since the spec was shipped, the spec is built from the registry
+    (torch imported) once, then read from the cache."""
+    stale = tmp_path / "stale.json"
+    from kvnotes.cli_spec import SHIPPED
+
+    data = json.loads(SHIPPED.read_text())
+    data["digest"] = "0" * 64  # as if an analysis file had been edited since
+    data["spec"]["commands"]["bench"]["analyses"] = []  # what a stale spec would wrongly say
+    stale.write_text(json.dumps(data))
+    setup = f"spec.SHIPPED = __import__('pathlib').Path({str(stale)!r})\n"
+    (code, torch_imported, _), err = _refuse(tmp_path, setup)
+    assert (code, torch_imported) == ("2", "True"), err  # built from the registry, not the stale file
+    assert "argument --tokens: -5 is below 1" in err
+    (code, torch_imported, _), err = _refuse(tmp_path, setup)
+    assert (code, torch_imported) == ("2", "False"), err  # then from the cache
+    assert len(list((tmp_path / "cache" / "cli").glob("spec-*.json"))) == 1
+
+
+def test_the_shipped_spec_is_the_registry_s():
+    """kvnotes/cli_spec.json says what the registry says, and is keyed by the files it was read from."""
+    from kvnotes import cli_spec
+
+    shipped, built = json.loads(cli_spec.SHIPPED.read_text()), cli_spec.build()
+    stale = "stale: run `python -m kvnotes.cli_spec` to rewrite kvnotes/cli_spec.json"
+    assert shipped["spec"] == built["spec"], stale
+    assert shipped["files"] == built["files"] and shipped["digest"] == built["digest"], stale
+    assert cli_spec.shipped() == built["spec"]
 
 
 def test_each_analysis_command_takes_its_help_from_its_section():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import entry_points
@@ -265,7 +265,8 @@ def option(default: Any, help: str, **extra) -> Any:
     """A config field with its one-line help; `extra`: `cli` (its option's name), `choices`,
     `metavar`, `least` and `most` (the range a number, or each number of a tuple, must lie in,
     checked by `Options` and by the CLI as it parses), `layer` (a layer index of the model,
-    checked by `check_layers` once the model is loaded and before anything runs)."""
+    checked by `check_layers` once the model is loaded and before anything runs), `tokens` (a
+    length in tokens, which must fit the model's context: `fit_to_context`)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -296,6 +297,43 @@ def check_layers(cfg: Any, model: Any) -> None:
                 f"{f.name} {v} is out of range for {model.name} ({model.n_layers} layers); "
                 f"give a layer in 0..{model.n_layers - 1}, or leave it out for the default"
             )
+
+
+def context_fields(cfg_type: type) -> set[str]:
+    """The fields of a config that are lengths in tokens (`option(..., tokens=True)`)."""
+    return {f.name for f in dataclasses.fields(cfg_type) if f.metadata.get("tokens")}
+
+
+def fit_to_context(cfg: Any, n_ctx: int, given: Collection[str], model: str) -> Any:
+    """`cfg` with its lengths in tokens fitted to a context of `n_ctx`: a length the user gave (its
+    field in `given`) that cannot fit is refused, naming the most that fits; a default one beyond it
+    is dropped (from a list) or clipped (a single length), so that every command run with its defaults
+    fits the model it runs on. The CLI calls it before the model loads, where the context is known
+    without loading it (`kvnotes.models.names.context_length`), and again once it is loaded.
+
+    >>> from kvnotes.bench.ttft import TTFTConfig
+    >>> fit_to_context(TTFTConfig(), 2048, given=(), model="m").lengths
+    (512, 1024, 2048)
+    >>> fit_to_context(TTFTConfig(lengths=(4096,)), 2048, given=("lengths",), model="m")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    kvnotes.errors.OutOfRange: lengths [4096] do not fit m's context of 2048 tokens; give ...
+    """
+    changes = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if not f.metadata.get("tokens") or v is None:
+            continue
+        over = [x for x in (v if isinstance(v, tuple) else (v,)) if x > n_ctx]
+        if not over:
+            continue
+        if f.name in given:
+            flag = f.metadata.get("cli", f.name.replace("_", "-"))
+            raise OutOfRange(
+                f"{f.name} {over} do not fit {model}'s context of {n_ctx} tokens; give lengths of at most "
+                f"{n_ctx}, or leave --{flag} out for the lengths that fit"
+            )
+        changes[f.name] = tuple(x for x in v if x <= n_ctx) if isinstance(v, tuple) else n_ctx
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 @cache

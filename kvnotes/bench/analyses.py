@@ -313,7 +313,10 @@ class AnalysesConfig(Options):
         (8,), "prompt pair counts to time at (the growth exponent in pairs)", least=2
     )
     preambles: tuple[int, ...] = option(
-        (0,), "neutral tokens put before every prompt, at the largest n (the exponent in length)", least=0
+        (0,),
+        "neutral tokens put before every prompt, at the largest n (the exponent in length)",
+        least=0,
+        tokens=True,
     )
     report: bool = option(False, "also time the quick report's task sections (at their own sizes)")
     repeats: int = option(3, "runs of each way per size (the median is reported)", least=1)

@@ -347,7 +347,7 @@ def _memory_exponent(points: list[PrefillPoint], way: str) -> float | None:
 
 @dataclass(frozen=True)
 class PrefillConfig(Options):
-    lengths: tuple[int, ...] = option((1024, 4096, 8192), "context lengths (tokens)", least=1)
+    lengths: tuple[int, ...] = option((1024, 4096, 8192), "context lengths (tokens)", least=1, tokens=True)
     repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
     # run_with_cache's transient tensors come on top of what it keeps: a length is skipped before
     # it can exhaust memory

@@ -421,7 +421,7 @@ def patch_sweep_report(
 
 @dataclass(frozen=True)
 class SweepConfig(Options):
-    tokens: tuple[int, ...] = option((256, 1024), "prompt lengths", least=1)
+    tokens: tuple[int, ...] = option((256, 1024), "prompt lengths", least=1, tokens=True)
     slots: int = option(64, "how many trailing slots to sweep", least=1)
     repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
     baselines: tuple[str, ...] = option(tuple(WAYS), "strong baselines to run (kvnotes.bench.baselines)")

@@ -283,6 +283,26 @@ def _layout(model: KVModel, hosts: int) -> tuple[int, int]:
     return fixed, max(0, widest - fixed)
 
 
+def check_lengths(model: KVModel, lengths: list[int], *, seam: int, hosts: int) -> int:
+    """Refuse total lengths that leave no chunk past the seam, or that overrun the model's context with
+    the longest host; the tokens of a context besides its chunk (host, suffix and query)."""
+    fixed, widest = _layout(model, hosts)
+    bad = [n for n in lengths if n - fixed <= seam or n + widest > model.n_ctx]
+    if bad:
+        raise OutOfRange(
+            f"lengths {bad} do not fit: each must exceed {fixed + seam} tokens (host, suffix, "
+            f"query and seam) and, with the longest host, stay within {model.name}'s n_ctx={model.n_ctx}"
+        )
+    return fixed
+
+
+def fitting_lengths(model: KVModel, cfg: TTFTConfig, fit: bool) -> list[int]:
+    """`cfg.lengths`, less those the longest host would push past the model's context where `fit`
+    (lengths left at their defaults: a command run with them fits the model it runs on)."""
+    room = model.n_ctx - _layout(model, cfg.hosts)[1]
+    return [n for n in cfg.lengths if n <= room] if fit else list(cfg.lengths)
+
+
 def _timed(into: list[float], go: Callable, *args, **kwargs):
     """`go(*args, **kwargs)`, its wall time appended to `into`."""
     t0 = time.perf_counter()
@@ -313,13 +333,7 @@ def ttft(
     if not 2 <= timed_hosts <= hosts:
         raise BadArgument(f"timed_hosts={timed_hosts} must lie in 2..hosts ({hosts}); time fewer hosts")
     host = model.encode(HOST)
-    fixed, widest = _layout(model, hosts)
-    bad = [n for n in lengths if n - fixed <= seam or n + widest > model.n_ctx]
-    if bad:
-        raise OutOfRange(
-            f"lengths {bad} do not fit: each must exceed {fixed + seam} tokens (host, suffix, "
-            f"query and seam) and, with the longest host, stay within {model.name}'s n_ctx={model.n_ctx}"
-        )
+    fixed = check_lengths(model, lengths, seam=seam, hosts=hosts)
     reps = max(1, repeats)
     ops.prefill(model, host)  # warm-up: first calls pay one-off costs
     points = [
@@ -341,7 +355,9 @@ def ttft(
 
 @dataclass(frozen=True)
 class TTFTConfig(Options):
-    lengths: tuple[int, ...] = option((512, 1024, 2048, 4096, 8192), "total lengths (tokens)", least=1)
+    lengths: tuple[int, ...] = option(
+        (512, 1024, 2048, 4096, 8192), "total lengths (tokens)", least=1, tokens=True
+    )
     seam: int = option(DEFAULT_SEAM, "chunk tokens recomputed in context at the seam", least=0)
     repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
     hosts: int = option(8, "different host lines the spliced chunk's decision is checked after", least=2)
@@ -360,8 +376,7 @@ class TTFTConfig(Options):
 def _run_ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
     """Time to first token: full prefill, prefix caching and a spliced precompiled chunk, after one
     host and after several."""
-    room = ctx.model.n_ctx - _layout(ctx.model, cfg.hosts)[1]
-    lengths = [n for n in cfg.lengths if n <= room] if ctx.fit_context else list(cfg.lengths)
+    lengths = fitting_lengths(ctx.model, cfg, ctx.fit_context)
     if not lengths:
         return None
     return ttft(

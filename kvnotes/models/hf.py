@@ -20,10 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvnotes.errors import UnknownModelError, UnsupportedArchitecture
 from kvnotes.models.model import HFSource, KVModel
-
-# Default context: min(max_position_embeddings, 8192). RoPE tables and masks grow with n_ctx and
-# the notebook engine rarely needs more; pass `n_ctx=` to load_hf / tl_from_hf_model to change it.
-N_CTX_CAP = 8192
+from kvnotes.models.names import N_CTX_CAP  # the default context: min(max_position_embeddings, it)
 
 _ACTIVATIONS = {  # transformers' ACT2FN name -> TransformerLens act_fn
     "silu": "silu",
