@@ -33,14 +33,16 @@ def _tops() -> list[str]:
     return sorted({"kvnotes", *(e.split("=", 1)[1].split(".")[0].split(":")[0] for e in _entry_points())})
 
 
+def _roots(top: str) -> list[Path]:
+    """The directories package `top` is installed in, found without importing it."""
+    spec = importlib.util.find_spec(top)
+    return [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec else []
+
+
 def _place(rel: str) -> Path | None:
-    """Where `rel` ("probes/edit.py") is in this installation, found without importing its package."""
-    spec = importlib.util.find_spec(rel.split("/", 1)[0])
-    for place in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(place).parent / rel
-        if path.is_file():
-            return path
-    return None
+    """Where `rel` ("probes/edit.py") is in this installation."""
+    found = [root.parent / rel for root in _roots(rel.split("/", 1)[0])]
+    return next((path for path in found if path.is_file()), None)
 
 
 def digest(files: list[str]) -> str:
@@ -66,11 +68,9 @@ def sources() -> list[str]:
     out = set()
     for obj in objects:
         path = Path(inspect.getsourcefile(obj)).resolve()
-        for top in _tops():
-            spec = importlib.util.find_spec(top)
-            for place in (spec.submodule_search_locations or []) if spec else []:
-                if path.is_relative_to(Path(place).resolve()):
-                    out.add(str(path.relative_to(Path(place).resolve().parent)).replace(os.sep, "/"))
+        for root in (r for top in _tops() for r in _roots(top)):
+            if path.is_relative_to(root):
+                out.add(str(path.relative_to(root.parent)).replace(os.sep, "/"))
     return sorted(out)
 
 
@@ -96,12 +96,10 @@ def _cached() -> tuple[dict | None, Path]:
     from kvnotes.models.cache import default_cache_dir
 
     h = hashlib.sha256(sys.version.encode() + "\n".join(_entry_points()).encode())
-    for top in _tops():
-        spec = importlib.util.find_spec(top)
-        for place in (spec.submodule_search_locations or []) if spec else []:
-            for f in sorted(Path(place).rglob("*.py")):
-                st = f.stat()
-                h.update(f"{f}:{st.st_mtime_ns}:{st.st_size}\n".encode())
+    for root in (r for top in _tops() for r in _roots(top)):
+        for f in sorted(root.rglob("*.py")):
+            st = f.stat()
+            h.update(f"{f}:{st.st_mtime_ns}:{st.st_size}\n".encode())
     path = default_cache_dir() / "cli" / f"spec-{h.hexdigest()[:20]}.json"
     try:
         return json.loads(path.read_text()), path
