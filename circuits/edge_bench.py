@@ -9,7 +9,7 @@ Against it: each method's Spearman ρ on the random sample (GradDrop's unsigned 
 |exact|), recall@k (the exact top k among the edges patched) and the exhaustive sweep's time over
 the method's.
 
-AtP*'s false-negative diagnostic (`circuits.edge_circuits.block_bound`), measured: AtP*'s top 2k are
+AtP*'s false-negative diagnostic (`circuits.edges.faithfulness.block_bound`), measured: AtP*'s top 2k are
 verified one by one, the rest bounded by the joint effects of random blocks, and the bound is set
 against the exact effects of the sampled unverified edges: how many of them reach the threshold θ
 (the k-th largest exact effect verified: what it takes to be in the circuit), how many the bound
@@ -31,8 +31,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from circuits.auto_circuit_peer import check_peer, compare
-from circuits.edge_circuits import block_bound
 from circuits.edges import edge_site, score_edges
+from circuits.edges.faithfulness import block_bound
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
 from kvnotes.metrics import spearman

@@ -1,19 +1,20 @@
 """The `edges` analysis: edge scores by EAP, EAP-IG and AtP* set against exact edge patching, and
 circuits chosen on half the pairs, evaluated on the other half as faithfulness curves beside random
-circuits matched in layers and region.
+circuits matched bin by bin (`circuits.edges.choose.matched_random`).
 
 Per pair (`circuits.edges.edge_site`): every edge scored by each method, timed; exact patching of
 every edge when the graph has at most `exhaustive` edges (default `EXHAUSTIVE`), else of a random
 sample (for Spearman's rho) plus each method's top edges (for recall@k: then the exact top-k is the
 top-k of what was patched, which can only flatter the methods: said in `details.recall_over`).
-Then, cross-fitted: each pair's circuits of each size are the top edges by the *other* half's mean
-|score| (and a connected circuit grown from the logit, `greedy`), and each is patched on that pair:
-recovery toward the new decision with every edge outside the circuit carrying the old run's value.
+Then, cross-fitted (`circuits.edges.faithfulness.cross_fit`): each pair's circuits of each size are
+the top edges by the *other* half's mean |score| (and a connected circuit grown from the logit,
+`greedy`), and each is patched on that pair: recovery toward the new decision with every edge
+outside the circuit carrying the old run's value. With fewer than two usable pairs no pair has
+another half to be chosen on, so no circuit is scored and the result says so (`circuits_note`).
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from circuits.edges import ATTENTION, GROUPS, METHODS, EdgeGraph, EdgeSite, edge_site, score_edges
+from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, sizes_for, top_circuit
+from circuits.edges.faithfulness import area, cross_fit, dataset_areas
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Curve, Estimate, ProbeResult
 from kvnotes.errors import BadOption
@@ -29,12 +32,12 @@ from probes.causal import effect_estimate, split_by_effect
 from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials
 
 EXHAUSTIVE = 4096  # graphs up to this many edges are patched edge by edge in full
-FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # circuit sizes (MIB's grid)
 STEP_CHOICES = (2, 4, 8, 16, 32)
 CONVERGED = 0.01  # IG steps are enough when doubling them moves no edge's score by more than this
 _KEY = {"eap": "eap", "eap-ig": "eap_ig", "atp*": "atp"}
 GRAPH_EDGES = 200  # edges the graph table keeps for drawing (the strongest by mean |score|)
 GROUP_TOKENS = 48  # tokens of each position group the result keeps for reading the graph
+CURVES = ("faithfulness", "random", "greedy")
 
 
 def converged_steps(site: EdgeSite, *, tol: float = CONVERGED) -> tuple[int, list[dict]]:
@@ -52,159 +55,6 @@ def converged_steps(site: EdgeSite, *, tol: float = CONVERGED) -> tuple[int, lis
     return (chosen if chosen is not None else STEP_CHOICES[-1]), rows
 
 
-def sizes_for(n_edges: int) -> list[int]:
-    """Circuit sizes: `FRACTIONS` of the graph's edges (at least one edge where the fraction is > 0)."""
-    out = []
-    for f in FRACTIONS:
-        k = n_edges if f == 1.0 else max(1, round(f * n_edges)) if f > 0 else 0
-        if k not in out:
-            out.append(k)
-    return out
-
-
-def top_circuit(scores: np.ndarray, k: int) -> np.ndarray:
-    """The `k` edges of largest |score|."""
-    keep = np.zeros(len(scores), dtype=bool)
-    keep[np.argsort(-np.abs(scores), kind="stable")[:k]] = True
-    return keep
-
-
-def greedy_order(graph: EdgeGraph, scores: np.ndarray) -> np.ndarray:
-    """The edges in the order a circuit grown from the logit adds them: each step the edge of largest
-    |score| (the lowest index among ties) whose destination the circuit already reaches. Every
-    greedy circuit is a prefix of it (a heap of the reachable edges: O(E log E), not O(E^2))."""
-    mag = np.abs(scores)
-    into = np.argsort(graph.dst, kind="stable")
-    starts = np.searchsorted(graph.dst[into], np.arange(len(graph.nodes) + 1))
-    logit = graph.logit
-    reached = np.zeros(len(graph.nodes), dtype=bool)
-    heap: list[tuple[float, int]] = []
-
-    def reach(node: int) -> None:
-        reached[node] = True
-        for e in into[starts[node] : starts[node + 1]]:
-            heapq.heappush(heap, (-float(mag[e]), int(e)))
-
-    reach(logit)
-    order = []
-    while heap:
-        _, e = heapq.heappop(heap)
-        order.append(e)
-        if not reached[graph.src[e]]:
-            reach(int(graph.src[e]))
-    return np.asarray(order, dtype=np.int64)
-
-
-def greedy_circuit(
-    graph: EdgeGraph, scores: np.ndarray, k: int, order: np.ndarray | None = None
-) -> np.ndarray:
-    """A connected circuit of `k` edges grown from the logit (the first `k` of `greedy_order`)."""
-    order = greedy_order(graph, scores) if order is None else order
-    keep = np.zeros(len(graph), dtype=bool)
-    keep[order[:k]] = True
-    return keep
-
-
-def matched_random(graph: EdgeGraph, circuit: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """As many edges as `circuit`, each drawn from the edges of the same kind, source and destination
-    layer and source and destination group as one of the circuit's, outside the circuit where that bin
-    has edges to spare (then from the same destination layer, then from any edge): so the random
-    circuit of the whole graph is the whole graph. Drawn bin by bin (without replacement), not edge by
-    edge."""
-    bin_id, dl = _match_bins(graph)
-    every = np.zeros(len(graph), dtype=np.int64)
-    # each level: what a drawn edge must share with the circuit's edge, and whether it may be in the circuit
-    levels = ((bin_id, False), (dl, False), (bin_id, True), (dl, True), (every, True))
-    out = np.zeros(len(graph), dtype=bool)
-    pending = np.flatnonzero(circuit)
-    for key, inside in levels:
-        if not len(pending):
-            break
-        order = np.argsort(key, kind="stable")
-        sorted_keys = key[order]
-        left = []
-        groups, need = np.unique(key[pending], return_counts=True)
-        for k, n in zip(groups, need):
-            lo, hi = np.searchsorted(sorted_keys, [k, k + 1])
-            pool = order[lo:hi]
-            pool = pool[~out[pool] & (inside | ~circuit[pool])]
-            take = min(int(n), len(pool))
-            if take:
-                out[rng.choice(pool, size=take, replace=False)] = True
-            left += [k] * (int(n) - take)
-        pending = _owners(key, pending, left)
-    return out
-
-
-def _match_bins(graph: EdgeGraph) -> tuple[np.ndarray, np.ndarray]:
-    """Each edge's bin (kind, source and destination layer and group) and destination layer, kept
-    on the graph: a report draws a matched circuit per size, draw and pair from the same graph."""
-    if "_match_bins" not in graph.__dict__:
-        sl, dl = graph.layers()
-        sg, dg = graph.regions()
-        _, bin_id = np.unique(np.stack([graph.kind, sl, dl, sg, dg], 1), axis=0, return_inverse=True)
-        object.__setattr__(graph, "_match_bins", (bin_id.reshape(-1), dl))
-    return graph.__dict__["_match_bins"]
-
-
-def _owners(key: np.ndarray, pending: np.ndarray, left: list) -> np.ndarray:
-    """Circuit edges still unmatched: for each key in `left` (ascending, with repeats), the next
-    pending edge with it, in pending order (the first `count` pending edges of each key)."""
-    if not left:
-        return np.zeros(0, dtype=np.int64)
-    keys, count = np.unique(np.asarray(left), return_counts=True)
-    kp = key[pending]
-    order = np.argsort(kp, kind="stable")  # pending grouped by key, each group in pending order
-    starts = np.searchsorted(kp[order], keys)
-    return pending[np.concatenate([order[a : a + c] for a, c in zip(starts, count)])].astype(np.int64)
-
-
-def area(sizes: Sequence[int], values: Sequence[float], n_edges: int) -> tuple[float, float]:
-    """(CPR, CMD): the area under the faithfulness curve over the fraction of edges kept, and the
-    area between it and 1 (MIB's two summaries; trapezoids)."""
-    x = np.asarray(sizes, dtype=float) / n_edges
-    f = np.asarray(values, dtype=float)
-    return float(np.trapezoid(f, x)), float(np.trapezoid(np.abs(1 - f), x))
-
-
-@dataclass(frozen=True)
-class BlockBound:
-    """AtP*'s diagnostic for the edges a method left unverified: the unverified edges cut into 2, 4,
-    ..., 2**levels random blocks (a fresh random partition per level), each block corrupted jointly
-    and exactly. If effects within a block do not cancel, no edge's |effect| exceeds its block's, so
-    an edge's `bound` is the least |joint effect| of its blocks (recovery units)."""
-
-    verified: np.ndarray  # edge indices patched one by one (the method's top edges)
-    unverified: np.ndarray  # the others
-    bound: np.ndarray  # per unverified edge
-    rows: int  # joint patches it cost
-
-    def ruled_out(self, theta: float) -> float:
-        """The share of unverified edges whose bound is below `theta`: ruled out of effect `theta`."""
-        return float(np.mean(self.bound < theta)) if len(self.bound) else 1.0
-
-
-def block_bound(
-    site: EdgeSite, scores: np.ndarray, verified: int, rng: np.random.Generator, *, levels: int = 5
-) -> BlockBound:
-    """`BlockBound` of the edges outside the `verified` largest |scores|."""
-    order = np.argsort(-np.abs(scores), kind="stable")
-    top, rest = order[:verified], order[verified:]
-    keep, members = [], []
-    for j in range(1, levels + 1):
-        for block in np.array_split(rng.permutation(rest), min(2**j, max(1, len(rest)))):
-            row = np.ones(len(scores), dtype=bool)
-            row[block] = False
-            keep.append(row)
-            members.append(block)
-    bound = np.full(len(scores), np.inf)
-    if keep:
-        joint = np.abs(1.0 - site.patch(np.stack(keep)))
-        for block, e in zip(members, joint):
-            bound[block] = np.minimum(bound[block], e)
-    return BlockBound(verified=top, unverified=rest, bound=bound[rest], rows=len(keep))
-
-
 @dataclass(frozen=True, kw_only=True)
 class EdgeCircuits(ProbeResult):
     """Edge scores against exact edge patching, and cross-fitted circuits' faithfulness."""
@@ -214,6 +64,11 @@ class EdgeCircuits(ProbeResult):
         "random_auc",
         "greedy_auc",
         "faithfulness_cmd",
+        "random_cmd",
+        "faithfulness_auc_mib",
+        "faithfulness_cmd_mib",
+        "random_auc_mib",
+        "random_cmd_mib",
         *(f"rho_{k}" for k in _KEY.values()),
         *(f"recall_{k}" for k in _KEY.values()),
         *(f"{k}_seconds" for k in _KEY.values()),
@@ -222,7 +77,7 @@ class EdgeCircuits(ProbeResult):
         "speedup",
         "effect",
     )
-    CURVES = ("faithfulness", "random", "greedy")
+    CURVES = CURVES
     TABLES = ("edges", "convergence", "graph", "nodes")
     n_edges: int
     steps: int
@@ -233,6 +88,8 @@ class EdgeCircuits(ProbeResult):
     groups: tuple[str, ...]
     # the first pair's tokens in each group (new prompt; at most `GROUP_TOKENS` each), for reading the graph
     group_tokens: dict[str, list[str]] = field(default_factory=dict)
+    # how the circuits were fitted: on the other half of the pairs, or why none were scored
+    circuits_note: str = ""
 
 
 def analyse_edges(
@@ -258,96 +115,34 @@ def analyse_edges(
         steps, convergence = converged_steps(sites[0])
     steps = steps or STEP_CHOICES[-1]
     parts: dict[str, list] = {k: [] for k in EdgeCircuits.PARTS if k not in ("effect",)}
-    scores: dict[str, list[np.ndarray]] = {m: [] for m in METHODS}
-    exact_rows: list[tuple[np.ndarray, np.ndarray]] = []
-    cost: dict[str, dict] = {}
     patch_all = bool(graph is not None and len(graph) <= exhaustive)
-    for site in _progress(sites, used, "edges"):
-        for m in METHODS:
-            t0 = time.perf_counter()
-            sc = score_edges(site, m, steps=steps)
-            parts[f"{_KEY[m]}_seconds"].append(time.perf_counter() - t0)
-            scores[m].append(sc.scores)
-            cost[m] = {"forwards": sc.forwards, "backwards": sc.backwards, "steps": sc.steps}
-        E = len(site.graph)
-        if patch_all:
-            idx = np.arange(E)
-            sample = idx
-        else:
-            sample = rng.choice(E, size=min(exact, E), replace=False)
-            tops = [np.argsort(-np.abs(scores[m][-1]))[: 2 * top] for m in METHODS]
-            idx = np.unique(np.concatenate([sample, *tops]))
-        f0 = site.forwards
-        t0 = time.perf_counter()
-        ex = site.exact(idx)
-        t_exact = time.perf_counter() - t0
-        cost["exact"] = {"forwards": site.forwards - f0, "edges": int(len(idx))}
-        parts["exact_seconds"].append(t_exact)
-        full = t_exact / len(idx) * E
-        parts["exhaustive_seconds"].append(full)
-        parts["speedup"].append(full / parts["eap_ig_seconds"][-1])
-        exact_rows.append((idx, ex))
-        in_sample = np.isin(idx, sample)
-        k = min(top, len(idx))
-        best = set(idx[np.argsort(-np.abs(ex), kind="stable")[:k]])
-        for m in METHODS:
-            s = scores[m][-1]
-            parts[f"rho_{_KEY[m]}"].append(spearman(s[idx[in_sample]].tolist(), ex[in_sample].tolist()))
-            mine = set(np.argsort(-np.abs(s), kind="stable")[:k])
-            parts[f"recall_{_KEY[m]}"].append(len(mine & best) / k)
-    # cross-fitted circuits: chosen on the other half of the pairs, patched on this one
-    curves: dict[str, list[list[float]]] = {}
-    sizes = sizes_for(len(graph)) if graph is not None else []
-    if sites:
-        chosen = np.array(scores[method])
-        halves = np.arange(len(sites)) % 2
-        for name in ("faithfulness", "random", "greedy"):
-            curves[name] = [[] for _ in sizes]
-        for i, site in enumerate(_progress(sites, used, "edge circuits")):
-            other = halves != halves[i] if len(sites) > 1 else np.ones(len(sites), dtype=bool)
-            mean = chosen[other].mean(0)
-            grown = greedy_order(graph, mean)
-            rows, tags = [], []
-            for j, k in enumerate(sizes):
-                c = top_circuit(mean, k)
-                rows += [c, greedy_circuit(graph, mean, k, grown)]
-                tags += [("faithfulness", j), ("greedy", j)]
-                for _ in range(draws):
-                    rows.append(matched_random(graph, c, rng))
-                    tags.append(("random", j))
-            rec = site.patch(np.stack(rows))
-            got: dict[tuple[str, int], list[float]] = {}
-            for (name, j), r in zip(tags, rec):
-                got.setdefault((name, j), []).append(float(r))
-            for (name, j), v in got.items():
-                curves[name][j].append(float(np.mean(v)))
-            for name, part in (
-                ("faithfulness", "faithfulness_auc"),
-                ("random", "random_auc"),
-                ("greedy", "greedy_auc"),
-            ):
-                cpr, cmd = area(sizes, [curves[name][j][-1] for j in range(len(sizes))], len(graph))
-                parts[part].append(cpr)
-                if name == "faithfulness":
-                    parts["faithfulness_cmd"].append(cmd)
+    checked = _against_exact(sites, used, steps, exact if not patch_all else None, top, rng, parts)
+    scores, exact_rows, cost = checked
     clusters = clusters_of(used)
+    curves, note = _circuit_curves(sites, used, scores[method], draws, rng, parts, seed=seed)
     est = {
         k: Estimate.of(v, seed=seed, clusters=clusters if len(v) == len(clusters) else None)
         for k, v in parts.items()
+        if not k.endswith("_mib")
     }
+    est.update({k: v or Estimate.of([]) for k, v in parts.items() if k.endswith("_mib")})
     est["effect"] = effect_estimate(used)
-    x = [k / len(graph) for k in sizes] if graph is not None else []
+    x = [k / len(graph) for k in sizes_for(len(graph))] if graph is not None else []
     made = {n: Curve.of("fraction of edges", x, v, seed=seed, clusters=clusters) for n, v in curves.items()}
     if not made:
-        made = {n: Curve.of("fraction of edges", [], []) for n in EdgeCircuits.CURVES}
+        made = {n: Curve.of("fraction of edges", [], []) for n in CURVES}
     table, graph_rows = _tables(graph, scores[method], exact_rows) if graph is not None else ([], [])
-    node_rows = _node_table(graph, scores[method], graph_rows) if graph is not None else []
     return EdgeCircuits.of(
         name="edges",
         headline="faithfulness_auc",
         parts=est,
         curves=made,
-        tables={"edges": table, "convergence": convergence, "graph": graph_rows, "nodes": node_rows},
+        tables={
+            "edges": table,
+            "convergence": convergence,
+            "graph": graph_rows,
+            "nodes": _node_table(graph, scores[method], graph_rows) if graph is not None else [],
+        },
         excluded=excluded,
         n_edges=len(graph) if graph is not None else 0,
         steps=steps,
@@ -359,9 +154,111 @@ def analyse_edges(
         cost=cost,
         groups=GROUPS,
         group_tokens=_group_tokens(sites[0]) if sites else {},
+        circuits_note=note,
         description="edge-level circuits over the notebook: EAP, EAP-IG and AtP* against exact edge "
         "patching; cross-fitted circuits' faithfulness against matched random circuits",
     )
+
+
+def _against_exact(sites, used, steps: int, exact: int | None, top: int, rng, parts: dict):
+    """Each pair's edges scored by every method (timed) and patched exactly (every edge, or with
+    `exact` a random sample plus each method's top 2 `top`): rho, recall@top and the times into
+    `parts`. Returns the scores per method, the exact rows (indices, effects) and the passes."""
+    scores: dict[str, list[np.ndarray]] = {m: [] for m in METHODS}
+    exact_rows: list[tuple[np.ndarray, np.ndarray]] = []
+    cost: dict[str, dict] = {}
+    for site in _progress(sites, used, "edges"):
+        for m in METHODS:
+            t0 = time.perf_counter()
+            sc = score_edges(site, m, steps=steps)
+            parts[f"{_KEY[m]}_seconds"].append(time.perf_counter() - t0)
+            scores[m].append(sc.scores)
+            cost[m] = {"forwards": sc.forwards, "backwards": sc.backwards, "steps": sc.steps}
+        E = len(site.graph)
+        if exact is None:
+            idx = sample = np.arange(E)
+        else:
+            sample = rng.choice(E, size=min(exact, E), replace=False)
+            tops = [np.argsort(-np.abs(scores[m][-1]))[: 2 * top] for m in METHODS]
+            idx = np.unique(np.concatenate([sample, *tops]))
+        f0, t0 = site.forwards, time.perf_counter()
+        ex = site.exact(idx)
+        t_exact = time.perf_counter() - t0
+        cost["exact"] = {"forwards": site.forwards - f0, "edges": int(len(idx))}
+        parts["exact_seconds"].append(t_exact)
+        parts["exhaustive_seconds"].append(t_exact / len(idx) * E)
+        parts["speedup"].append(parts["exhaustive_seconds"][-1] / parts["eap_ig_seconds"][-1])
+        exact_rows.append((idx, ex))
+        in_sample = np.isin(idx, sample)
+        k = min(top, len(idx))
+        best = set(idx[np.argsort(-np.abs(ex), kind="stable")[:k]])
+        for m in METHODS:
+            s = scores[m][-1]
+            parts[f"rho_{_KEY[m]}"].append(spearman(s[idx[in_sample]].tolist(), ex[in_sample].tolist()))
+            mine = set(np.argsort(-np.abs(s), kind="stable")[:k])
+            parts[f"recall_{_KEY[m]}"].append(len(mine & best) / k)
+    return scores, exact_rows, cost
+
+
+def _circuit_curves(sites, used, chosen: list[np.ndarray], draws: int, rng, parts: dict, *, seed: int):
+    """Cross-fitted faithfulness curves (top, greedy and matched random circuits at every size),
+    each pair's CPR and CMD into `parts`, and the dataset-mean (MIB) figures beside them. Returns
+    the curves (per curve, per size, a value per pair) and the note on how they were fitted."""
+    folds = cross_fit(len(sites))
+    if not folds:
+        n = len(sites)
+        return {}, (
+            f"no circuits scored: {n} usable pair{'s' if n != 1 else ''}; out-of-sample circuits need "
+            "at least 2 (one to choose on, one to score); raise --n or lower --min-effect"
+        )
+    graph = sites[0].graph
+    sizes = sizes_for(len(graph))
+    scores = np.array(chosen)
+    rec = {name: np.zeros((len(sites), len(sizes))) for name in CURVES}
+    for i, site in enumerate(_progress(sites, used, "edge circuits")):
+        rec_i, random_draws = _pair_curves(site, scores[folds[i]].mean(0), sizes, draws, rng)
+        for name in CURVES:
+            rec[name][i] = rec_i[name]
+        for name, part in (("faithfulness", "faithfulness"), ("greedy", "greedy")):
+            cpr, cmd = area(sizes, rec_i[name], len(graph))
+            parts[f"{part}_auc"].append(cpr)
+            if name == "faithfulness":
+                parts["faithfulness_cmd"].append(cmd)
+        each = [area(sizes, d, len(graph)) for d in random_draws]  # every draw's own curve
+        parts["random_auc"].append(float(np.mean([a for a, _ in each])))
+        parts["random_cmd"].append(float(np.mean([c for _, c in each])))
+    effects = np.array([s.effect for s in sites])
+    for name in ("faithfulness", "random"):
+        cpr, cmd = dataset_areas(sizes, rec[name], effects, len(graph), seed=seed)
+        parts[f"{name}_auc_mib"], parts[f"{name}_cmd_mib"] = cpr, cmd
+    curves = {name: [list(rec[name][:, j]) for j in range(len(sizes))] for name in CURVES}
+    return curves, "each pair's circuits chosen on the other half of the pairs"
+
+
+def _pair_curves(site, mean: np.ndarray, sizes: list[int], draws: int, rng):
+    """One pair's recovery at every size for the top and greedy circuits of `mean` (scores chosen
+    on other pairs) and the mean of `draws` matched random circuits, in one batch of patches; and
+    each random draw's own curve [draws, sizes]."""
+    graph = site.graph
+    grown = greedy_order(graph, mean)
+    rows, tags = [], []
+    for j, k in enumerate(sizes):
+        c = top_circuit(mean, k)
+        rows += [c, greedy_circuit(graph, mean, k, grown)]
+        tags += [("faithfulness", j, 0), ("greedy", j, 0)]
+        for d in range(draws):
+            rows.append(matched_random(graph, c, rng))
+            tags.append(("random", j, d))
+    got = site.patch(np.stack(rows))
+    out = {name: np.zeros(len(sizes)) for name in CURVES}
+    random_draws = np.zeros((draws, len(sizes)))
+    for (name, j, d), r in zip(tags, got):
+        if name == "random":
+            random_draws[d, j] = r
+        else:
+            out[name][j] = r
+    out["random"] = random_draws.mean(0)
+    return out, random_draws
 
 
 def _progress(sites: list, trials: Sequence[Trial], desc: str):

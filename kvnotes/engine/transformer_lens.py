@@ -160,8 +160,8 @@ def _attention(
     """
     attn, cfg = model.tl.blocks[layer].attn, model.cfg
     q, k, v = _qkv(attn, cfg, x)  # hook_q/k/v fire: [batch, pos, head, d_head]
-    q = attn.hook_rot_q(rope.rotate(attn, q.transpose(1, 2), pos).transpose(1, 2))
-    k = attn.hook_rot_k(rope.rotate(attn, k.transpose(1, 2), pos).transpose(1, 2))
+    q = attn.hook_rot_q(rotated(attn, q, pos))
+    k = attn.hook_rot_k(rotated(attn, k, pos))
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # -> [batch, kv_head, pos, d_head] (notebook layout)
     b, n, h, d = q.shape
     kvh = k.shape[1]
@@ -203,9 +203,7 @@ def _qkv(attn, cfg, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     decision's time). Configurations that project otherwise take TransformerLens's own path."""
     if cfg.use_split_qkv_input or cfg.use_attn_in or getattr(cfg, "load_in_4bit", False):
         return attn.calculate_qkv_matrices(x, x, x)
-    grouped = hasattr(attn, "_W_K") and not getattr(cfg, "ungroup_grouped_query_attention", False)
-    wk, bk = (attn._W_K, attn._b_K) if grouped else (attn.W_K, attn.b_K)
-    wv, bv = (attn._W_V, attn._b_V) if grouped else (attn.W_V, attn.b_V)
+    wk, wv, bk, bv = kv_weights(attn, cfg)
     sources = (attn.W_Q, wk, wv, attn.b_Q, bk, bv)
     if any(t.requires_grad for t in sources):  # a weight being trained: TransformerLens's path
         return attn.calculate_qkv_matrices(x, x, x)
@@ -215,9 +213,28 @@ def _qkv(attn, cfg, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     parts = F.linear(x, w, bias).split([h * d for h in heads], -1)
     q, k, v = (t.reshape(b, n, hd, d) for t, hd in zip(parts, heads))
     q, k, v = attn.hook_q(q), attn.hook_k(k), attn.hook_v(v)
-    if cfg.use_qk_norm:
-        q, k = attn._apply_qk_norm(q, attn.q_norm), attn._apply_qk_norm(k, attn.k_norm)
-    return q, k, v
+    return qk_normed(attn, cfg, q, "q"), qk_normed(attn, cfg, k, "k"), v
+
+
+def kv_weights(attn, cfg) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """W_K, W_V `[n_kv_heads, d_model, d_head]` and their biases as the forward reads them: one per
+    KV head under grouped-query attention (not TransformerLens's per-query-head expansion)."""
+    grouped = hasattr(attn, "_W_K") and not getattr(cfg, "ungroup_grouped_query_attention", False)
+    if grouped:
+        return attn._W_K, attn._W_V, attn._b_K, attn._b_V
+    return attn.W_K, attn.W_V, attn.b_K, attn.b_V
+
+
+def qk_normed(attn, cfg, t: Float[Tensor, "*b pos heads d_head"], which: str) -> Tensor:
+    """Queries (`which` "q") or keys ("k") after the QK norm, where the model has one."""
+    if not cfg.use_qk_norm:
+        return t
+    return attn._apply_qk_norm(t, attn.q_norm if which == "q" else attn.k_norm)
+
+
+def rotated(attn, t: Float[Tensor, "*b pos heads d_head"], pos: Int[Tensor, " pos"]) -> Tensor:
+    """Queries or keys (positions second to last but one) rotated by this layer's RoPE."""
+    return rope.rotate(attn, t.transpose(-3, -2), pos).transpose(-3, -2)
 
 
 def _qkv_layout(wq, wk, wv, bq, bk, bv) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,187 @@
+"""Every edge's score by one method (`score_edges`), in recovery units: the share of ld_new - ld_old
+that corrupting the edge alone removes, estimated from gradients at the new run (EAP), along the
+field embeddings' path from old to new (EAP-IG), or with AtP*'s exact softmax where an edge reaches
+attention through a key or a query (AtP*, and AtP* with GradDrop); the package docstring says how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from circuits.edges.graph import ATTENTION, GROUPS, RESIDUAL, EdgeGraph
+from circuits.edges.qk import EXACT_KEYS, qk_fix
+from circuits.edges.site import EdgeSite, _Grad, _post_delta, _Run
+from kvnotes.errors import BadArgument
+from kvnotes.types import Tensor
+
+METHODS = ("eap", "eap-ig", "atp*")  # what the `edges` analysis runs on every pair
+GRADDROP = "atp*-gd"  # AtP* with GradDrop: one backward per layer, so asked for by name (the bench)
+
+
+@dataclass(frozen=True, eq=False)
+class EdgeScores:
+    """One method's score of every edge of one pair (recovery units), and what it cost."""
+
+    method: str
+    scores: np.ndarray
+    forwards: int
+    backwards: int
+    steps: int = 1
+
+
+def score_edges(
+    site: EdgeSite, method: str = "eap-ig", *, steps: int = 16, chunk: int = 4, keys: str = "changed"
+) -> EdgeScores:
+    """Every edge's score by `method` ("eap", "eap-ig", "atp*", "atp*-gd").
+
+    `keys`: how AtP*'s exact-softmax step recomputes a patched key's softmax: "changed" (the changed
+    keys' terms swapped in) or "whole" (every key again, the reference way `kvnotes bench edges`
+    times beside it). The same scores up to float64 rounding."""
+    if keys not in EXACT_KEYS:
+        raise BadArgument(f"keys must be one of {', '.join(EXACT_KEYS)}, got {keys!r}")
+    if method not in (*METHODS, GRADDROP):
+        raise BadArgument(
+            f"unknown edge-scoring method {method!r}; choose one of {', '.join((*METHODS, GRADDROP))}"
+        )
+    if steps < 1:
+        raise BadArgument(f"steps must be at least 1, got {steps}")
+    f0, b0 = site.forwards, site.backwards
+    if method == GRADDROP:
+        scores = _graddrop(site, keys)
+        steps = 1
+    else:
+        if method == "eap-ig":  # the midpoint rule over the field embeddings' path
+            alphas = (torch.arange(steps, dtype=torch.float64) + 0.5) / steps
+        else:
+            alphas = torch.ones(1, dtype=torch.float64)
+            steps = 1
+        acc = _Accumulator(site, keys)
+        for a in range(0, len(alphas), chunk):
+            part = alphas[a : a + chunk]
+            grads, st = _gradients(site, _Grad(part, site.old.emb))
+            acc.add(grads, st, exact=(method == "atp*"))
+        scores = acc.result(len(alphas)) / site.effect * -1.0
+    return EdgeScores(
+        method=method,
+        scores=scores,
+        forwards=site.forwards - f0,
+        backwards=site.backwards - b0,
+        steps=steps,
+    )
+
+
+def _gradients(site: EdgeSite, mode: _Grad) -> tuple[dict, _Run]:
+    """One gradient run: the metric summed over rows, differentiated at every leaf."""
+    with torch.enable_grad():
+        score, st = site._forward(mode)
+        names = list(mode.leaves)
+        grads = torch.autograd.grad(score.sum(), [mode.leaves[n] for n in names], allow_unused=True)
+    site.backwards += 1
+    return dict(zip(names, grads)), st
+
+
+def _graddrop(site: EdgeSite, keys: str = "changed") -> np.ndarray:
+    """AtP* with GradDrop: row m of one forward at the new run drops layer m's outputs from the
+    backward; each row's AtP* scores, their magnitudes averaged over the layers that do not cut the
+    edge's reader off (the package docstring)."""
+    L = site.graph.n_layers
+    drop = torch.arange(L)
+    grads, st = _gradients(site, _Grad(torch.ones(L, dtype=torch.float64), site.old.emb, drop))
+    dst_layer = _reader_layers(site.graph)
+    total = np.zeros(len(site.graph))
+    for m in range(L):
+        acc = _Accumulator(site, keys)
+        acc.add({k: None if v is None else v[m : m + 1] for k, v in grads.items()}, st.row(m), exact=True)
+        total += np.where(dst_layer == m, 0.0, np.abs(acc.result(1)))
+    terms = np.where(dst_layer < L, L - 1, L)
+    return total / terms / abs(site.effect)
+
+
+def _reader_layers(graph: EdgeGraph) -> np.ndarray:
+    """Each edge's reader's layer (the logit's: the number of layers)."""
+    _, dl = graph.layers()
+    return np.asarray(dl)
+
+
+class _Accumulator:
+    """Sums, over gradient runs, each edge's estimated change of the metric when corrupted alone:
+    residual [readers, writers, groups] and attention [layer, head, key group, query group]."""
+
+    def __init__(self, site: EdgeSite, keys: str = "changed"):
+        self.site, self.keys = site, keys
+        gr = site.graph
+        self.res = torch.zeros(gr.n_readers, gr.n_writers, len(GROUPS), dtype=torch.float64)
+        self.att = torch.zeros(gr.n_layers, gr.n_heads, len(GROUPS), len(GROUPS), dtype=torch.float64)
+        self.deltas = writer_deltas(site)  # [W, T, d]: each writer's input change, new -> old
+        self.onehot = torch.nn.functional.one_hot(site.groups, len(GROUPS)).to(torch.float64)  # [T, G]
+
+    def add(self, grads: dict, st: _Run, *, exact: bool) -> None:
+        """One gradient run's rows: linear in every edge, or (`exact`, AtP*) with the edges that
+        reach attention through a key or a query through their exact softmax instead."""
+        with torch.no_grad():
+            self._residual(grads)
+            if exact:
+                qk_fix(self, grads)
+            else:
+                self._attention(grads, st)
+
+    def _residual(self, grads: dict) -> None:
+        """Residual edges: the writer's change . the reader's input gradient, summed over each group."""
+        gr, site = self.site.graph, self.site
+        L, B = gr.n_layers, gr.block
+        D = self.deltas.double()
+        for l in range(L):
+            ga = grads[("attn", l)].double().sum(0)  # [H + KVH, T, d]
+            gm = grads[("mlp", l)].double().sum(0)[None]  # [1, T, d]
+            readers = torch.cat([ga, gm])  # the readers of layer l
+            self.res[l * B : (l + 1) * B] += torch.einsum("wtd,rtd,tg->rwg", D, readers, self.onehot)
+        gl = torch.zeros(1, site.n_tokens, D.shape[-1], dtype=torch.float64)
+        gl[0, -1] = grads[("logit",)].double().sum(0)[0]
+        self.res[L * B :] += torch.einsum("wtd,rtd,tg->rwg", D, gl, self.onehot)
+
+    def _attention(self, grads: dict, st: _Run) -> None:
+        """Attention edges, linear: through the scores' gradient (the keys' change) and the head
+        outputs' (the values' change). Head h reads KV head h // g (`repeat_interleave`)."""
+        site, gr = self.site, self.site.graph
+        g, ns = gr.n_heads // gr.n_kv_heads, site.prefix.n_slots
+        cap = site.model.cfg.attn_scores_soft_cap
+        for l in range(gr.n_layers):
+            q = st.q_rot[l].detach().double()  # [b, T, H, d]
+            k_new = site.new.k_rot[l][0].double().repeat_interleave(g, 1)  # [T, H, d]
+            k_old = site.old.k_rot[l][0].double().repeat_interleave(g, 1)
+            scale = float(site.model.tl.blocks[l].attn.attn_scale)
+            ds = torch.einsum("bqhe,phe->bhqp", q, k_old - k_new) / scale
+            if cap and cap > 0:  # through the softcap: d/dx cap tanh(x / cap) = 1 - tanh^2
+                ds = ds * (1 - (st.scores[l].detach().double()[..., ns:] / cap) ** 2)
+            gs = grads[("scores", l)]
+            term = 0 * ds if gs is None else gs.double()[..., ns:] * ds  # [b, H, q, p]
+            dv = (site.old.v[l][0] - site.new.v[l][0]).double().repeat_interleave(g, 1)  # [T, H, d]
+            pat = st.pattern[l].detach().double()[..., ns:]  # [b, H, q, p]
+            term = term + pat * torch.einsum("bqhe,phe->bhqp", grads[("z", l)].double(), dv)
+            self.att[l] += torch.einsum("bhqp,pk,qg->hkg", term, self.onehot, self.onehot)
+
+    def result(self, rows: int) -> np.ndarray:
+        """Per edge, the summed change divided by the number of runs (IG's mean)."""
+        gr = self.site.graph
+        out = np.zeros(len(gr))
+        r = np.flatnonzero(gr.kind == RESIDUAL)
+        t = np.flatnonzero(gr.kind == ATTENTION)
+        res = self.res / rows
+        att = self.att / rows
+        out[r] = res[gr.b[r], gr.a[r], gr.c[r]].numpy()
+        out[t] = att[gr.a[t], gr.b[t], gr.c[t], gr.d[t]].numpy()
+        return out
+
+
+def writer_deltas(site: EdgeSite) -> Tensor:
+    """Each writer's change at a reader's input when its edge carries the old run's value:
+    `[writers, T, d_model]` (a head under a post-attention norm: the change of the normed sum)."""
+    gr, old, new, model = site.graph, site.old, site.new, site.model
+    out = [old.emb[0] - new.emb[0]]
+    for l in range(gr.n_layers):
+        dh = (old.heads[l][0] - new.heads[l][0]).permute(1, 0, 2)[None]  # [1, H, T, d]
+        out += list(_post_delta(model, l, new.attn_sum[l], dh)[0])
+        out.append(old.mlp[l][0] - new.mlp[l][0])
+    return torch.stack(out)

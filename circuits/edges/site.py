@@ -1,0 +1,490 @@
+"""One pair ready for edge patching and scoring (`edge_site`): the shared prefix as a notebook, both
+runs' captures, and the forward whose hooks patch a batch of circuits (`EdgeSite.patch`) or leave
+zero leaves for the gradients the scores need (`circuits.edges.scores`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+
+from circuits.edges.graph import (
+    ATTENTION,
+    DECISION,
+    FIELD,
+    GROUPS,
+    NOTES,
+    OTHER,
+    RESIDUAL,
+    EdgeGraph,
+    edge_graph,
+)
+from kvnotes.engine import require, run
+from kvnotes.engine.plan import softcap
+from kvnotes.engine.transformer_lens import kv_weights
+from kvnotes.errors import BadArgument
+from kvnotes.metrics import Metric, answer_columns, logit_diff
+from kvnotes.models.model import KVModel
+from kvnotes.notebook import Notebook
+from kvnotes.ops import prefill
+from kvnotes.prompt import is_delimiter
+from kvnotes.tasks.sampler import Pair
+from kvnotes.types import Tensor
+
+
+@dataclass
+class _Run:
+    """What one forward left behind, per layer (batch first; positions: the computed tokens)."""
+
+    emb: Tensor | None = None
+    x: dict = field(default_factory=dict)  # resid_pre [b, T, d]
+    heads: dict = field(default_factory=dict)  # per-head outputs (no bias) [b, T, H, d_model]
+    attn_sum: dict = field(default_factory=dict)  # sum of head outputs + b_O, before any post-norm
+    mlp: dict = field(default_factory=dict)  # [b, T, d]
+    mid: dict = field(default_factory=dict)  # resid_mid [b, T, d]
+    q_raw: dict = field(default_factory=dict)  # the queries before any QK norm and rotation
+    q_rot: dict = field(default_factory=dict)  # [b, T, H, d_head]
+    k_rot: dict = field(default_factory=dict)  # [b, T, KVH, d_head]
+    k_raw: dict = field(default_factory=dict)  # the keys before any QK norm and rotation
+    v: dict = field(default_factory=dict)  # [b, T, KVH, d_head]
+    scores: dict = field(default_factory=dict)  # [b, H, T, slots + T]
+    pattern: dict = field(default_factory=dict)
+    z: dict = field(default_factory=dict)  # [b, T, H, d_head]
+    mid_live: dict = field(default_factory=dict)  # resid_mid kept in the graph (gradient runs)
+
+    def row(self, m: int) -> _Run:
+        """Row `m` of what a batched forward left behind."""
+
+        def cut(d: dict) -> dict:
+            return {k: v[m : m + 1] for k, v in d.items()}
+
+        return _Run(
+            emb=None if self.emb is None else self.emb[m : m + 1],
+            **{f: cut(getattr(self, f)) for f in _Run.__dataclass_fields__ if f != "emb"},
+        )
+
+
+@dataclass(eq=False)
+class EdgeSite:
+    """A pair prepared for edge patching: the shared prefix as a notebook, the computed tokens of
+    both prompts from the field on, each position's group, and both runs' activations."""
+
+    model: KVModel
+    pair: Pair
+    graph: EdgeGraph
+    prefix: Notebook
+    ids_old: list[int]
+    ids_new: list[int]
+    pos: Tensor
+    groups: Tensor  # [T] group of each computed position
+    metric: Metric
+    old: _Run
+    new: _Run
+    ld_old: float
+    ld_new: float
+    forwards: int = 0
+    backwards: int = 0
+
+    @property
+    def effect(self) -> float:
+        return self.ld_new - self.ld_old
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids_new)
+
+    def group_positions(self, g: int) -> list[int]:
+        """The prompt positions in group `g`."""
+        return [int(p) for p, q in zip(self.pos, self.groups) if int(q) == g]
+
+    # -- patching --------------------------------------------------------------------------------
+    def patch(self, circuits: np.ndarray | Tensor, *, batch: int = 16) -> np.ndarray:
+        """The decision (recovery toward the new run) of each row's circuit: True edges carry the
+        new run's value, the others the old run's. Rows may be fractions: an edge kept at `a`
+        carries old + a (new - old) (its keys interpolated before the softmax), the finite
+        differences the gradient scores are checked against; 1 and 0 are the boolean patch exactly."""
+        keep = torch.as_tensor(np.asarray(circuits))
+        if keep.ndim != 2 or keep.shape[1] != len(self.graph):
+            raise BadArgument(f"circuits must be [rows, {len(self.graph)}] booleans, got {tuple(keep.shape)}")
+        out = []
+        for a in range(0, keep.shape[0], batch):
+            out.append(self._forward(_Patch(*self._masks(keep[a : a + batch])))[0])
+        lds = torch.cat(out).numpy() if out else np.zeros(0)
+        return (lds - self.ld_old) / self.effect
+
+    def exact(self, edges: Sequence[int] | np.ndarray | None = None, *, batch: int = 16) -> np.ndarray:
+        """Exact scores: the recovery lost by corrupting each edge alone (default every edge)."""
+        idx = np.arange(len(self.graph)) if edges is None else np.asarray(edges, dtype=np.int64)
+        keep = np.ones((len(idx), len(self.graph)), dtype=bool)
+        keep[np.arange(len(idx)), idx] = False
+        return 1.0 - self.patch(keep, batch=batch)
+
+    def _masks(self, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """Dense masks of a batch of circuits, as the share of the old run's value each edge carries
+        (1 - keep): residual [b, readers, writers, groups] and attention [b, layer, head, key group,
+        query group]."""
+        gr = self.graph
+        b = keep.shape[0]
+        dtype = self.new.x[0].dtype
+        res = torch.zeros(b, gr.n_readers, gr.n_writers, len(GROUPS), dtype=dtype)
+        att = torch.zeros(b, gr.n_layers, gr.n_heads, len(GROUPS), len(GROUPS), dtype=dtype)
+        off = 1 - keep.to(dtype)
+        r = np.flatnonzero(gr.kind == RESIDUAL)
+        t = np.flatnonzero(gr.kind == ATTENTION)
+        res[:, gr.b[r], gr.a[r], gr.c[r]] = off[:, r]
+        att[:, gr.a[t], gr.b[t], gr.c[t], gr.d[t]] = off[:, t]
+        # a writer no edge names (the embeddings outside the field) is the same in both runs
+        return res, att
+
+    # -- the forward ------------------------------------------------------------------------------
+    def _forward(self, mode: _Mode, ids: Sequence[int] | None = None) -> tuple[Tensor, _Run]:
+        """One forward of the computed tokens (the new prompt's unless `ids`) under `mode`'s hooks:
+        the decision's metric per row (float64; kept in the autograd graph under `_Grad`), and what
+        the forward left behind."""
+        model = self.model
+        ids = self.ids_new if ids is None else ids
+        tok = torch.as_tensor(list(ids))[None].expand(mode.rows, -1)
+        vocab, columns = answer_columns(self.metric, self.pair.answers)
+        st = _Run()
+        with _mlp_in_hook(model):
+            _, out = run(
+                model,
+                self.prefix,
+                tok,
+                self.pos,
+                write=False,
+                hooks=_Hooks(self, mode, st).hooks(),
+                logits_at=(int(self.pos[-1]),),
+                vocab=vocab,
+            )
+        self.forwards += 1
+        score = self.metric(out.last, columns)
+        return (score if isinstance(mode, _Grad) else score.detach()), st
+
+
+@contextlib.contextmanager
+def _mlp_in_hook(model: KVModel):
+    """TransformerLens fires `hook_mlp_in` only when asked; the MLP reader needs it."""
+    cfg = model.tl.cfg
+    before = cfg.use_hook_mlp_in
+    cfg.use_hook_mlp_in = True
+    try:
+        yield
+    finally:
+        cfg.use_hook_mlp_in = before
+
+
+class _Mode:
+    """How a forward's hooks act: capture only (the old and new runs)."""
+
+    rows = 1
+    interpolate: Tensor | None = None  # [rows] alphas of the field's embeddings
+    old_emb: Tensor | None = None
+    drop: Tensor | None = None  # [rows] the layer whose outputs pass no gradient (GradDrop), or -1
+
+    def corrections(self, site, st, l: int, readers: slice, include_layer: bool) -> Tensor | None:
+        return None
+
+
+class _Patch(_Mode):
+    """Each row a circuit: each edge carries its share `off` of the old run's value."""
+
+    def __init__(self, res: Tensor, att: Tensor):
+        self.res, self.att = res, att
+        self.rows = res.shape[0]
+
+    def corrections(self, site, st, l, readers, include_layer):
+        """The change of each reader's input [b, readers, T, d] that its corrupted edges make."""
+        gr, old = site.graph, site.old
+        off = self.res[:, readers][..., site.groups]  # [b, R, W, T]
+        live = (off != 0).any(-1).any(1).any(0).tolist()  # [W]: writers with a corrupted edge here
+        if not any(live):
+            return None  # nothing corrupted: the change is zero, and adding zero changes no bit
+        H = gr.n_heads
+        # a writer none of whose edges into these readers is corrupted adds exactly zero: skipped
+        corr = off[:, :, 0, :, None] * (old.emb - st.emb)[:, None]
+        last = l if include_layer and l < gr.n_layers else l - 1
+        for lp in range(last + 1):
+            w0 = 1 + lp * (H + 1)
+            if any(live[w0 : w0 + H]):
+                dh = old.heads[lp] - st.heads[lp]  # [b, T, H, d]
+                D = torch.einsum("brht,bthd->brtd", off[:, :, w0 : w0 + H], dh)
+                corr = corr + _post_delta(site.model, lp, st.attn_sum[lp], D)
+            if lp < l and live[w0 + H]:
+                corr = corr + off[:, :, w0 + H, :, None] * (old.mlp[lp] - st.mlp[lp])[:, None]
+        return corr
+
+    def attention(self, site, l: int) -> Tensor:
+        """Layer l's attention edges' shares of the old run, per position: [b, H, query, key]."""
+        return self.att[:, l][:, :, site.groups][..., site.groups].transpose(-1, -2)
+
+
+class _Grad(_Mode):
+    """Rows: runs whose field embeddings are interpolated (alpha per row); zero leaves at every
+    reader's input, the scores and the head outputs, for their gradients."""
+
+    def __init__(self, alphas: Tensor, old_emb: Tensor, drop: Tensor | None = None):
+        self.interpolate = alphas
+        self.old_emb = old_emb
+        self.rows = len(alphas)
+        self.drop = drop
+        self.leaves: dict = {}
+
+    def leaf(self, name, like: Tensor) -> Tensor:
+        t = torch.zeros_like(like).requires_grad_(True)
+        self.leaves[name] = t
+        return t
+
+
+def _post_delta(model: KVModel, l: int, s: Tensor, D: Tensor) -> Tensor:
+    """post(s + D) - post(s), with post the attention output's norm where the model has one (else D):
+    zero where D is zero. `s` [b, T, d], `D` [b, R, T, d]."""
+    if not model.cfg.use_normalization_before_and_after:
+        return D
+    post = model.tl.blocks[l].ln1_post
+    return post(s[:, None] + D) - post(s)[:, None]
+
+
+class _Hooks:
+    """The hooks of one forward: capture what the scores need; under `_Patch` swap corrupted edges'
+    values in; under `_Grad` add zero leaves (and interpolate the field's embeddings). Each reader
+    of a layer's attention reads its own copy of the normalised input: the residual plus the
+    changes its corrupted edges make (`_Patch.corrections`), or plus its own leaf (`_Grad`)."""
+
+    def __init__(self, site: EdgeSite, mode: _Mode, st: _Run):
+        self.site, self.mode, self.st = site, mode, st
+        self.model, gr = site.model, site.graph
+        self.L, self.H, self.KVH = gr.n_layers, gr.n_heads, gr.n_kv_heads
+        self.B, self.g = gr.block, self.H // self.KVH
+        self.grad = isinstance(mode, _Grad)
+        self.patching = isinstance(mode, _Patch)
+        self.pend: dict = {}
+
+    def hooks(self) -> list:
+        out = [("hook_embed", self.embed)]
+        for l in range(self.L):
+            p = f"blocks.{l}"
+            attn = self.model.tl.blocks[l].attn
+            W_K, W_V, _, _ = kv_weights(attn, self.model.cfg)
+            out += [
+                (f"{p}.hook_resid_pre", partial(self.resid_pre, l=l)),
+                (f"{p}.attn.hook_q", partial(self.q, l=l)),
+                (f"{p}.attn.hook_k", partial(self.kv, l=l, store=self.st.k_raw, W=W_K)),
+                (f"{p}.attn.hook_v", partial(self.kv, l=l, store=self.st.v, W=W_V)),
+                (f"{p}.attn.hook_rot_q", partial(self.keep_in, store=self.st.q_rot, l=l)),
+                (f"{p}.attn.hook_rot_k", partial(self.keep_in, store=self.st.k_rot, l=l)),
+                (f"{p}.attn.hook_attn_scores", partial(self.scores, l=l)),
+                (f"{p}.attn.hook_pattern", partial(self.keep_in, store=self.st.pattern, l=l)),
+                (f"{p}.attn.hook_z", partial(self.z, l=l)),
+                (f"{p}.hook_resid_mid", partial(self.mid, l=l)),
+                (f"{p}.hook_mlp_in", partial(self.mlp_in, l=l)),
+                (f"{p}.hook_resid_post", partial(self.resid_post, l=l)),
+            ]
+        out.append((f"blocks.{self.L - 1}.hook_resid_post", self.final))
+        return out
+
+    def kept(self, x: Tensor) -> Tensor:
+        """`x` as stored: detached unless gradients are wanted."""
+        return x if self.grad else x.detach()
+
+    def keep_in(self, x, hook, store: dict, l: int):
+        store[l] = self.kept(x)
+        return x
+
+    def embed(self, x, hook):
+        mode = self.mode
+        if mode.interpolate is not None:
+            a = mode.interpolate.to(x.dtype)[:, None, None]
+            x = mode.old_emb + a * (x - mode.old_emb)
+        self.st.emb = self.kept(x)
+        return x
+
+    def resid_pre(self, x, hook, l: int):
+        self.st.x[l] = x
+        return x
+
+    def readers(self, l: int) -> Tensor | None:
+        """The normalised-input changes of layer l's query and KV readers: [b, H + KVH, T, d]."""
+        if l in self.pend:
+            return self.pend[l]
+        x, H, KVH = self.st.x[l], self.H, self.KVH
+        if self.grad:
+            corr = self.mode.leaf(("attn", l), x[:, None].expand(-1, H + KVH, -1, -1))
+        else:
+            corr = self.mode.corrections(
+                self.site, self.st, l, slice(l * self.B, l * self.B + H + KVH), False
+            )
+        if corr is None:
+            self.pend[l] = None
+        else:
+            ln1, xin = self.model.tl.blocks[l].ln1, x[:, None]
+            self.pend[l] = ln1(xin + corr) - ln1(xin.expand_as(corr))
+        return self.pend[l]
+
+    def q(self, q, hook, l: int):
+        self.st.q_raw[l] = q.detach()
+        n = self.readers(l)
+        if n is None:
+            return q
+        return q + torch.einsum("bhtd,hde->bthe", n[:, : self.H], self.model.tl.blocks[l].attn.W_Q)
+
+    def kv(self, x, hook, l: int, store: dict, W: Tensor):
+        """Keys or values with the KV readers' input changes added, kept in `store[l]`."""
+        n = self.readers(l)
+        if n is not None:
+            x = x + torch.einsum("bjtd,jde->btje", n[:, self.H :], W)
+        store[l] = self.kept(x)
+        return x
+
+    def scores(self, s, hook, l: int):
+        if self.patching:
+            s = self._old_keys(s, l)
+        if self.grad:
+            s = s + self.mode.leaf(("scores", l), s)
+        self.st.scores[l] = self.kept(s)
+        return s
+
+    def _old_keys(self, s: Tensor, l: int) -> Tensor:
+        """Scores with each corrupted attention edge's keys taken (a share `off` of the way) from
+        the old run: softcap(lerp(q.k, q.k_old, off)), exactly the old keys' scores at off = 1."""
+        off = self.mode.attention(self.site, l)  # [b, H, query, key]
+        if not bool((off != 0).any()):
+            return s
+        attn, cap = self.model.tl.blocks[l].attn, self.model.cfg.attn_scores_soft_cap
+        q = self.st.q_rot[l]
+        k_old = self.site.old.k_rot[l][0].repeat_interleave(self.g, dim=1)  # [T, H, d]
+        raw = torch.einsum("bqhe,phe->bhqp", q, k_old) / attn.attn_scale
+        if bool(((off != 0) & (off != 1)).any()):  # a fraction: between this run's keys and the old
+            k = self.st.k_rot[l].repeat_interleave(self.g, dim=2)  # [b, T, H, d]
+            here = torch.einsum("bqhe,bphe->bhqp", q, k) / attn.attn_scale
+            raw = torch.lerp(here, raw, off)
+        ns = self.site.prefix.n_slots
+        tail = s[..., ns:]
+        tail = torch.where((off != 0) & torch.isfinite(tail), softcap(raw, cap), tail)
+        return torch.cat([s[..., :ns], tail], dim=-1)
+
+    def z(self, z, hook, l: int):
+        if self.patching:
+            z = _old_values(self.site, self.mode, self.st, l, z)
+        if self.grad:
+            z = z + self.mode.leaf(("z", l), z)
+        attn = self.model.tl.blocks[l].attn
+        self.st.z[l] = self.kept(z)
+        heads = torch.einsum("bthe,hed->bthd", z, attn.W_O)
+        self.st.heads[l] = self.kept(heads)
+        self.st.attn_sum[l] = (heads.sum(2) + attn.b_O).detach()
+        return z
+
+    def dropped(self, base: Tensor, x: Tensor, l: int) -> Tensor:
+        """`x` with its change from `base` passing no gradient in the rows that drop layer l."""
+        if self.mode.drop is None:
+            return x
+        cut = (self.mode.drop == l)[:, None, None]
+        d = x - base
+        return base + torch.where(cut, d.detach(), d)
+
+    def mid(self, x, hook, l: int):
+        self.st.mid[l] = x.detach()
+        if self.grad:
+            x = self.dropped(self.st.x[l], x, l)  # the attention's output
+            self.st.mid_live[l] = x
+        return x
+
+    def mlp_in(self, x, hook, l: int):
+        if self.grad:
+            return x + self.mode.leaf(("mlp", l), x)
+        at = l * self.B + self.H + self.KVH
+        corr = self.mode.corrections(self.site, self.st, l, slice(at, at + 1), True)
+        return x if corr is None else x + corr[:, 0]
+
+    def resid_post(self, x, hook, l: int):
+        # the MLP's output: TransformerLens fires hook_mlp_out inside some MLPs and not others
+        st = self.st
+        out = x - st.mid_live[l] if self.grad else x - st.mid[l]
+        st.mlp[l] = self.kept(out)
+        return self.dropped(st.mid_live[l], x, l) if self.grad else x
+
+    def final(self, x, hook):
+        L, B = self.L, self.B
+        if self.grad:
+            leaf = self.mode.leaf(("logit",), x[:, -1:])
+            return torch.cat([x[:, :-1], x[:, -1:] + leaf], dim=1)
+        corr = self.mode.corrections(self.site, self.st, L, slice(L * B, L * B + 1), True)
+        if corr is not None:
+            x = torch.cat([x[:, :-1], x[:, -1:] + corr[:, 0, -1:]], dim=1)
+        return x
+
+
+def _old_values(site: EdgeSite, mode: _Patch, st: _Run, l: int, z: Tensor) -> Tensor:
+    """Head outputs `z` [b, T, H, d] with each corrupted attention edge's values taken (a share
+    `off` of the way) from the old run: z + sum over its keys of pattern x off x (v_old - v)
+    (the pattern already reads the old keys)."""
+    off = mode.attention(site, l)  # [b, H, query, key]
+    if not bool((off != 0).any()):
+        return z
+    g = site.model.n_heads // site.model.n_kv_heads
+    ns = site.prefix.n_slots
+    dv = (site.old.v[l] - st.v[l]).repeat_interleave(g, dim=2)  # [b, T, H, d]: head h reads KV head h // g
+    w = st.pattern[l][..., ns:] * off.to(z.dtype)  # [b, H, q, p]
+    return z + torch.einsum("bhqp,bphe->bqhe", w, dv)
+
+
+def groups_of(model: KVModel, pair: Pair) -> tuple[int, list[int]]:
+    """Where the edge graph starts (the field's first position) and the group of each position
+    from there to the prompt's end."""
+    ids = list(pair.new.ids)
+    start = pair.field_span.start
+    dec = pair.new.span("decision")
+    field_pos = set(pair.field_span)
+    notes = set(p for p in pair.downstream() if is_delimiter(model.token_strings([ids[p]])[0]))
+    out = []
+    for p in range(start, len(ids)):
+        if p in field_pos:
+            out.append(FIELD)
+        elif p in dec:
+            out.append(DECISION)
+        elif p in notes:
+            out.append(NOTES)
+        else:
+            out.append(OTHER)
+    return start, out
+
+
+def edge_site(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> EdgeSite:
+    """`pair` prepared for edge patching and scoring: the prefix prefilled once, both runs captured."""
+    require(model, "hook_attn_scores", "edge-level circuits")
+    require(model, "weights", "edge-level circuits")
+    if len(pair.old.ids) != len(pair.new.ids):
+        raise BadArgument("the pair's prompts differ in length; edge patching needs aligned prompts")
+    start, grp = groups_of(model, pair)
+    differ = [p for p, (a, b) in enumerate(zip(pair.old.ids, pair.new.ids)) if a != b]
+    if differ and differ[0] < start:
+        raise BadArgument(f"the prompts differ at position {differ[0]}, before the changed field at {start}")
+    with torch.no_grad():
+        prefix = prefill(model, list(pair.new.ids), upto=start) if start > 0 else Notebook.empty(model)
+    site = EdgeSite(
+        model=model,
+        pair=pair,
+        graph=edge_graph(model),
+        prefix=prefix,
+        ids_old=list(pair.old.ids[start:]),
+        ids_new=list(pair.new.ids[start:]),
+        pos=torch.arange(start, len(pair.new.ids)),
+        groups=torch.tensor(grp),
+        metric=metric,
+        old=_Run(),
+        new=_Run(),
+        ld_old=0.0,
+        ld_new=0.0,
+    )
+    with torch.no_grad():
+        for name, ids in (("old", site.ids_old), ("new", site.ids_new)):
+            ld, st = site._forward(_Mode(), ids)
+            setattr(site, name, st)
+            setattr(site, f"ld_{name}", float(ld[0]))
+    site.forwards = 0
+    return site
