@@ -154,7 +154,8 @@ class _Accumulator:
             scale = float(site.model.tl.blocks[l].attn.attn_scale)
             ds = torch.einsum("bqhe,phe->bhqp", q, k_old - k_new) / scale
             if cap and cap > 0:  # through the softcap: d/dx cap tanh(x / cap) = 1 - tanh^2
-                ds = ds * (1 - (st.scores[l].detach().double()[..., ns:] / cap) ** 2)
+                s = st.scores[l].detach().double()[..., ns:]
+                ds = torch.where(torch.isfinite(s), ds * (1 - (s / cap) ** 2), 0.0)  # masked: no term
             gs = grads[("scores", l)]
             term = 0 * ds if gs is None else gs.double()[..., ns:] * ds  # [b, H, q, p]
             dv = (site.old.v[l][0] - site.new.v[l][0]).double().repeat_interleave(g, 1)  # [T, H, d]

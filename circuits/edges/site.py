@@ -211,9 +211,9 @@ class _Patch(_Mode):
         for lp in range(last + 1):
             w0 = 1 + lp * (H + 1)
             if any(live[w0 : w0 + H]):
-                dh = old.heads[lp] - st.heads[lp]  # [b, T, H, d]
-                D = torch.einsum("brht,bthd->brtd", off[:, :, w0 : w0 + H], dh)
-                corr = corr + _post_delta(site.model, lp, st.attn_sum[lp], D)
+                corr = corr + _head_changes(
+                    site.model, lp, st.attn_sum[lp], off[:, :, w0 : w0 + H], old.heads[lp] - st.heads[lp]
+                )
             if lp < l and live[w0 + H]:
                 corr = corr + off[:, :, w0 + H, :, None] * (old.mlp[lp] - st.mlp[lp])[:, None]
         return corr
@@ -238,6 +238,21 @@ class _Grad(_Mode):
         t = torch.zeros_like(like).requires_grad_(True)
         self.leaves[name] = t
         return t
+
+
+def _head_changes(model: KVModel, l: int, s: Tensor, off: Tensor, dh: Tensor) -> Tensor:
+    """The change of each reader's input [b, R, T, d] from layer l's heads, each carrying its share
+    `off` [b, R, H, T] of its change `dh` [b, T, H, d]. Whole shares (1) act jointly, as the layer
+    mixes its heads before any post-attention norm: post(s + sum dh) - post(s). A fractional share
+    scales that head's own change of the normed output, so the reader's input moves linearly in it
+    (the finite differences that check EAP's input change x gradient)."""
+    whole = (off == 1).to(dh.dtype)
+    out = _post_delta(model, l, s, torch.einsum("brht,bthd->brtd", whole, dh))
+    part = torch.where(off == 1, 0.0, off)
+    if bool((part != 0).any()):
+        each = _post_delta(model, l, s, dh.permute(0, 2, 1, 3))  # [b, H, T, d]: one head at a time
+        out = out + torch.einsum("brht,bhtd->brtd", part, each)
+    return out
 
 
 def _post_delta(model: KVModel, l: int, s: Tensor, D: Tensor) -> Tensor:
