@@ -450,9 +450,66 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
         ),
     )
     titles = [a.to_plotly_json() for a in fig.layout.annotations]  # kept beside the slider's note
-    top = max(abs(e["score"]) for e in rows) or 1.0
-    edge_traces = []
-    drawn = [e for e in rows if e["src"] in where and e["dst"] in where]
+    edge_traces = _draw_edges(fig, [e for e in rows if e["src"] in where and e["dst"] in where], where)
+    _draw_nodes(fig, node_rows, where, r.group_tokens)
+    sizes, curve = _faithfulness_points(r)
+    _draw_faithfulness(fig, r, sizes)
+    active = _active_size(curve)
+    steps = _size_steps(sizes, curve, titles, edge_traces)
+    fig.update_layout(
+        template="plotly_white",
+        title={"text": "Edge-level circuit graph", "x": 0.01, "font": {"size": 15}},
+        height=560,
+        margin={"l": 70, "r": 20, "t": 70, "b": 110},
+        legend={"orientation": "h", "y": -0.32},
+        hoverlabel={"namelength": -1},
+        shapes=_group_bands(len(groups), n_layers),
+        annotations=titles + _size_notes(sizes, curve, active),
+        sliders=[
+            {
+                "active": active,
+                "currentvalue": {"prefix": "circuit size (edges): "},
+                "pad": {"t": 40},
+                "steps": steps,
+            }
+        ],
+    )
+    if steps:  # the page opens on the active size, lit
+        for t, o in zip(edge_traces, steps[active]["args"][0]["opacity"]):
+            fig.data[t].opacity = o
+    _graph_axes(fig, groups, n_layers, sizes)
+    return Panel(
+        title="Edge circuit graph",
+        reading=_graph_reading(r, sizes, curve, active),
+        figure=fig,
+        note=n_note(r) + f"; {r.n_edges} edges, {r.method} with {r.steps} steps; node size: its score "
+        "summed over its outgoing edges; red edges push toward the new decision, blue away; the slider "
+        "lights the top edges by mean |score| over all pairs (each pair's curve point uses a circuit "
+        "chosen on the other half); random circuits: as many edges as the circuit in each bin (kind, "
+        "layers, groups), drawn uniformly within the bin, the circuit's own edges allowed",
+        key=f"{key}/graph",
+    )
+
+
+def _graph_reading(r: EdgeCircuits, sizes: list[int], curve: list, active: int) -> str:
+    if not curve:
+        return f"No circuit was scored: {r.circuits_note or 'no usable pairs'}."
+    k = sizes[active] if sizes else 0
+    return (
+        f"Circuits chosen on the other half of the pairs keep {say(r.part('faithfulness_auc'))} of the "
+        f"decision's change (area under the curve over the fraction of edges, CPR, per pair); random "
+        f"circuits of the same make-up {say(r.part('random_auc'))}, greedy circuits grown from the logit "
+        f"{say(r.part('greedy_auc'))}. On the dataset's means, as MIB normalises: "
+        f"{say(r.part('faithfulness_auc_mib'))} (random {say(r.part('random_auc_mib'))}). "
+        f"At {k} edges the circuit recovers {fmt_ci(*curve[active])}."
+    )
+
+
+def _draw_edges(fig, drawn: list[dict], where: dict) -> list[int]:
+    """The edges as lines (width by |score|, the strongest drawn last) and a hover point at each
+    midpoint; returns each edge's trace index, strongest first."""
+    top = max((abs(e["score"]) for e in drawn), default=1.0) or 1.0
+    traces = []
     for rank, e in reversed(list(enumerate(drawn, 1))):  # the strongest drawn last, on top
         (x0, y0), (x1, y1) = where[e["src"]], where[e["dst"]]
         fig.add_trace(
@@ -468,8 +525,8 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
             row=1,
             col=1,
         )
-        edge_traces.append(len(fig.data) - 1)
-    edge_traces.reverse()  # edge_traces[i]: the trace of drawn[i] (strongest first)
+        traces.append(len(fig.data) - 1)
+    traces.reverse()  # traces[i]: the trace of drawn[i] (strongest first)
     fig.add_trace(
         go.Scatter(
             x=[(where[e["src"]][0] + where[e["dst"]][0]) / 2 for e in drawn],
@@ -484,6 +541,11 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
         row=1,
         col=1,
     )
+    return traces
+
+
+def _draw_nodes(fig, node_rows: list[dict], where: dict, group_tokens: dict) -> None:
+    """The nodes, one trace per kind, sized by |score|."""
     biggest = max((abs(n["score"]) for n in node_rows), default=1.0) or 1.0
     for kind in ("emb", "kv", "head", "mlp", "logit"):
         ns = [n for n in node_rows if n["kind"] == kind]
@@ -499,7 +561,7 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
                     "color": _KIND_COLOR[kind],
                     "line": {"width": 1, "color": "#333"},
                 },
-                hovertext=[_node_hover(n, r.group_tokens) for n in ns],
+                hovertext=[_node_hover(n, group_tokens) for n in ns],
                 hoverinfo="text",
                 name={"emb": "embeddings", "kv": "KV slots", "head": "heads", "mlp": "MLPs"}.get(
                     kind, "answer logit difference"
@@ -508,7 +570,10 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
             row=1,
             col=1,
         )
-    sizes, curve = _faithfulness_points(r)
+
+
+def _draw_faithfulness(fig, r: EdgeCircuits, sizes: list[int]) -> None:
+    """The faithfulness curves (top, greedy, matched random) with their CIs, in the right panel."""
     for name, label, color, dash in (
         ("faithfulness", "top edges (chosen on the other half)", BLUE, "solid"),
         ("greedy", "greedy from the logit", GREEN, "dot"),
@@ -517,7 +582,7 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
         c = r.curve(name)
         if c is None or not c.points:
             continue
-        pts = list(zip(range(len(c.points)), c.points))
+        pts = list(enumerate(c.points))
         fig.add_trace(
             go.Scatter(
                 x=[j for j, _ in pts],
@@ -532,7 +597,11 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
             row=1,
             col=2,
         )
-    bands = [
+
+
+def _group_bands(n_groups: int, n_layers: int) -> list[dict]:
+    """A faint band behind each position group's row of nodes."""
+    return [
         {
             "type": "rect",
             "xref": "x",
@@ -546,41 +615,30 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
             "line": {"width": 0},
             "layer": "below",
         }
-        for g in range(len(groups))
+        for g in range(n_groups)
     ]
-    active = _active_size(curve)
+
+
+def _size_steps(sizes: list[int], curve: list, titles: list[dict], edge_traces: list[int]) -> list[dict]:
+    """The slider's steps: at size k the top k edges lit, the others faint, and the curve's note moved."""
     steps = []
     for j, k in enumerate(sizes):
         opacity = [1.0 if i < k else 0.12 for i in range(len(edge_traces))]
-        notes = titles + _size_notes(sizes, curve, j)
         steps.append(
             {
                 "method": "update",
                 "label": str(k),
-                "args": [{"opacity": opacity}, {"annotations": notes}, edge_traces],
+                "args": [
+                    {"opacity": opacity},
+                    {"annotations": titles + _size_notes(sizes, curve, j)},
+                    edge_traces,
+                ],
             }
         )
-    fig.update_layout(
-        template="plotly_white",
-        title={"text": "Edge-level circuit graph", "x": 0.01, "font": {"size": 15}},
-        height=560,
-        margin={"l": 70, "r": 20, "t": 70, "b": 110},
-        legend={"orientation": "h", "y": -0.32},
-        hoverlabel={"namelength": -1},
-        shapes=bands,
-        annotations=titles + _size_notes(sizes, curve, active),
-        sliders=[
-            {
-                "active": active,
-                "currentvalue": {"prefix": "circuit size (edges): "},
-                "pad": {"t": 40},
-                "steps": steps,
-            }
-        ],
-    )
-    if steps:  # the page opens on the active size, lit
-        for t, o in zip(edge_traces, steps[active]["args"][0]["opacity"]):
-            fig.data[t].opacity = o
+    return steps
+
+
+def _graph_axes(fig, groups: list[str], n_layers: int, sizes: list[int]) -> None:
     fig.update_xaxes(
         tickvals=list(range(-1, n_layers + 1)),
         ticktext=["emb", *[f"L{l}" for l in range(n_layers)], "logit"],
@@ -604,24 +662,6 @@ def _edge_graph_panel(r: EdgeCircuits, key: str) -> Panel:
         col=2,
     )
     fig.update_yaxes(title_text="recovery of the new decision", row=1, col=2)
-    k = sizes[active] if sizes else 0
-    reading = (
-        f"Circuits chosen on the other half of the pairs keep {say(r.part('faithfulness_auc'))} of the "
-        f"decision's change (area under the curve over the fraction of edges, CPR); matched random "
-        f"circuits {say(r.part('random_auc'))}, greedy circuits grown from the logit "
-        f"{say(r.part('greedy_auc'))}. At {k} edges the circuit recovers "
-        f"{fmt_ci(*curve[active]) if curve else 'n/a'}."
-    )
-    return Panel(
-        title="Edge circuit graph",
-        reading=reading,
-        figure=fig,
-        note=n_note(r) + f"; {r.n_edges} edges, {r.method} with {r.steps} steps; node size: its score "
-        "summed over its outgoing edges; red edges push toward the new decision, blue away; the slider "
-        "lights the top edges by mean |score| over all pairs (each pair's curve point uses a circuit "
-        "chosen on the other half)",
-        key=f"{key}/graph",
-    )
 
 
 def _edge_hover(rank: int, e: dict) -> str:

@@ -23,6 +23,9 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
       construction (`kvnotes.models.organisms`; trained on first use, about 15 s, then cached)
     - "mixed-organism-25", "mixed-organism-75": compiled two-route models whose decision reads the
       field directly and from notes, the notes' share 0.25 or 0.75 (`kvnotes.models.mixed`)
+    - "gated-organism": a compiled model with RMSNorm, a gated MLP that writes the notes, grouped
+      queries and a decision query that reads the field, its edge circuit designed
+      (`kvnotes.models.gated`)
     - a local Hugging Face checkpoint directory, or a hub name (Llama, Mistral, Qwen2/3, Gemma 1-3)
 
     >>> model = load_model("tiny-gemma3")
@@ -35,6 +38,7 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
         from kvnotes.models.nn import load_nnsight
 
         return load_nnsight(name, **kwargs)
+    from kvnotes.models.gated import GATED_ORGANISMS, load_gated_organism
     from kvnotes.models.mixed import MIXED_ORGANISMS, load_mixed_organism
     from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS, load_null_organism, load_organism
     from kvnotes.models.tiny import TINY_CONFIGS, build_tiny
@@ -49,6 +53,8 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
         return load_organism(name, **kwargs)
     if name in MIXED_ORGANISMS:
         return load_mixed_organism(name)
+    if name in GATED_ORGANISMS:
+        return load_gated_organism(name)
     if name in NULL_ORGANISMS:
         return load_null_organism(name)
     if Path(name).expanduser().is_dir() or "/" in name:
@@ -66,11 +72,14 @@ def default_task(model_name: str) -> str:
 
     >>> default_task("notes-organism"), default_task("mixed-organism-25"), default_task("gemma-3-270m")
     ('notes-organism', 'mixed-organism', 'order-cancel')
+    >>> default_task("gated-organism")
+    'mixed-organism'
     """
+    from kvnotes.models.gated import GATED_ORGANISMS
     from kvnotes.models.mixed import MIXED_ORGANISMS
     from kvnotes.tasks import builtin_tasks
 
-    if model_name in MIXED_ORGANISMS:
+    if model_name in MIXED_ORGANISMS or model_name in GATED_ORGANISMS:
         return "mixed-organism"
     return model_name if model_name in builtin_tasks() else "order-cancel"
 

@@ -15,11 +15,12 @@ N_CTX_CAP = 8192
 
 def builtin_names() -> list[str]:
     """Every name `load_model` knows without a checkpoint: the embedded model, tiny models, organisms."""
+    from kvnotes.models.gated import GATED_ORGANISMS
     from kvnotes.models.mixed import MIXED_ORGANISMS
     from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS
     from kvnotes.models.tiny import TINY_CONFIGS
 
-    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS, *MIXED_ORGANISMS, *NULL_ORGANISMS]
+    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS, *MIXED_ORGANISMS, *GATED_ORGANISMS, *NULL_ORGANISMS]
 
 
 def context_length(name: str, backend: str = "transformer-lens") -> int | None:
