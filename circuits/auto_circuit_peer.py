@@ -6,15 +6,28 @@ weights (safetensors), each pair's token ids and its clean-prompt logits, and
 `circuits/auto_circuit_worker.py` rebuilds the model there, checks the logits, and scores every edge
 of auto-circuit's factorized graph (`kvnotes bench edges --auto-circuit-python DIR/bin/python`).
 
-Its graph is kvnotes' residual graph summed over positions: its edge `A0.1->A2.3.Q` is every edge
-`L0H1@g->L2H3@g` over the groups g (positions before the field are the same in both runs and carry
-nothing); `...->A2.3.K` plus `...->A2.3.V` is `->KV2.3@g` (kvnotes' KV node is both inputs of the
-slot); `Resid Start` is `EMB`, `Resid End` is `LOGIT`. Attention edges (KV slot -> reader head)
-have no counterpart: auto-circuit's graph does not split a head's keys by position. Its EAP
-(`mask_val=0`) is the gradient of the clean logit difference with respect to an edge mask, which is
-(clean - corrupt) · grad: kvnotes' EAP score (a share of the pair's effect) times the effect. Its
-integrated gradients interpolate every edge's mask together (not the input, as EAP-IG does), so the
-two are compared by rank only.
+Its graph without positions is kvnotes' residual graph summed over positions: its edge
+`A0.1->A2.3.Q` is every edge `L0H1@g->L2H3@g` over the groups g (positions before the field are the
+same in both runs and carry nothing); `...->A2.3.K` plus `...->A2.3.V` is `->KV2.3@g` (kvnotes' KV
+node is both inputs of the slot); `Resid Start` is `EMB`, `Resid End` is `LOGIT`. With positions
+(`patchable_model(..., seq_len=...)`, the prompt's length: one graph per length) its edge
+`A0.1->A2.3.Q@p` is kvnotes' `L0H1->L2H3` term at prompt position p
+(`circuits.edges.positions.position_scores`), compared edge by edge; it also has edges at the
+positions before the field, where kvnotes has none, and those must score ~0 there (the two prompts
+are the same there, so the writers' changes are 0).
+
+What cannot be compared, at any level:
+- attention edges (KV slot at a key group -> head at a query group): auto-circuit's graph patches a
+  head's K and V inputs at the key's own position for every query at once; it does not split a
+  head's keys by position as read from each query position;
+- integrated gradients: auto-circuit's interpolates every edge mask together from 0 to 1, kvnotes'
+  EAP-IG the field's embeddings from old to new (Hanna et al.): different estimators, compared by
+  rank only;
+- models TransformerLens 1.19 cannot build (grouped-query attention, qk-norm, norms after each
+  sublayer, sliding windows: Gemma 3): `check_peer` refuses them before any compute.
+
+Its EAP (`mask_val=0`) is the gradient of the clean logit difference with respect to an edge mask,
+which is (clean - corrupt) · grad: kvnotes' EAP score (a share of the pair's effect) times the effect.
 """
 
 from __future__ import annotations
@@ -31,7 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from circuits.edges import RESIDUAL, EdgeGraph, edge_site, score_edges
+from circuits.edges import RESIDUAL, EdgeGraph, EdgeSite, edge_site, score_edges
+from circuits.edges.positions import position_edges, position_scores
 from kvnotes.errors import BadArgument, MissingDependency
 from kvnotes.metrics import spearman
 from kvnotes.models.model import KVModel
@@ -129,32 +143,46 @@ class PeerPair:
     theirs_ig: np.ndarray
     seconds: dict[str, float]
     outside: float  # the largest |EAP| auto-circuit gives an edge kvnotes' graph leaves out
+    # per token position: kvnotes' residual edges at each position from the field on (K+V joined)
+    ours_pos: np.ndarray  # auto-circuit's units, as ours_eap
+    theirs_pos: np.ndarray
+    prefix_pos: float  # the largest |EAP| auto-circuit gives an edge before the field (kvnotes: none)
+    outside_pos: float  # and one from the field on that kvnotes' graph leaves out
+
+
+def _writer_name(graph: EdgeGraph, w: int) -> str:
+    if w == 0:
+        return "Resid Start"
+    l, i = divmod(w - 1, graph.n_heads + 1)
+    return f"A{l}.{i}" if i < graph.n_heads else f"MLP {l}"
+
+
+def _reader_names(graph: EdgeGraph, r: int) -> list[str]:
+    """auto-circuit's destination(s) of a reader: a KV reader is its K and V inputs."""
+    H = graph.n_heads
+    if r == graph.n_layers * graph.block:
+        return ["Resid End"]
+    l, i = divmod(r, graph.block)
+    if i < H:
+        return [f"A{l}.{i}.Q"]
+    if i < H + graph.n_kv_heads:
+        return [f"A{l}.{i - H}.K", f"A{l}.{i - H}.V"]
+    return [f"MLP {l}"]
 
 
 def _our_names(graph: EdgeGraph) -> list[list[str]]:
     """Each residual edge's auto-circuit edge name(s): a KV reader is its K and V inputs."""
-    H, B = graph.n_heads, graph.block
+    return [
+        [f"{_writer_name(graph, int(a))}->{r}" for r in _reader_names(graph, int(b))] if k == RESIDUAL else []
+        for k, a, b in zip(graph.kind, graph.a, graph.b)
+    ]
 
-    def writer(w: int) -> str:
-        if w == 0:
-            return "Resid Start"
-        l, i = divmod(w - 1, H + 1)
-        return f"A{l}.{i}" if i < H else f"MLP {l}"
 
-    def readers(r: int) -> list[str]:
-        if r == graph.n_layers * B:
-            return ["Resid End"]
-        l, i = divmod(r, B)
-        if i < H:
-            return [f"A{l}.{i}.Q"]
-        if i < H + graph.n_kv_heads:
-            return [f"A{l}.{i - H}.K", f"A{l}.{i - H}.V"]
-        return [f"MLP {l}"]
-
-    out = []
-    for k, a, b in zip(graph.kind, graph.a, graph.b):
-        out.append([f"{writer(int(a))}->{r}" for r in readers(int(b))] if k == RESIDUAL else [])
-    return out
+def _joined(name: str) -> str:
+    """An auto-circuit edge name with a head's K or V input as kvnotes' KV node (`.KV`); a position
+    suffix (`@p`) stays."""
+    edge, at, pos = name.partition("@")
+    return (edge[:-2] + ".KV" if edge.endswith((".K", ".V")) else edge) + at + pos
 
 
 def _aggregate(graph: EdgeGraph, scores: np.ndarray, names: list[list[str]]) -> dict[str, float]:
@@ -171,9 +199,29 @@ def _theirs(d: dict[str, float]) -> dict[str, float]:
     """auto-circuit's scores with each head's K and V edges joined, as kvnotes' KV node has them."""
     out: dict[str, float] = {}
     for name, v in d.items():
-        key = name[:-2] + ".KV" if name.endswith((".K", ".V")) else name
+        key = _joined(name)
         out[key] = out.get(key, 0.0) + v
     return out
+
+
+def _per_position(
+    site: EdgeSite, ours: np.ndarray, theirs: dict[str, float]
+) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """kvnotes' per-position residual scores (`position_scores` times the effect) and auto-circuit's
+    on the same edges (`NAME@POSITION`, K+V joined), with the largest |EAP| auto-circuit gives an
+    edge before the field and one from the field on that kvnotes' graph leaves out."""
+    gr, t_pos = site.graph, _theirs(theirs)
+    keys, mine = [], []
+    for r, w, t in zip(*np.nonzero(position_edges(site))):
+        keys.append(f"{_writer_name(gr, int(w))}->{_joined(_reader_names(gr, int(r))[0])}@{int(site.pos[t])}")
+        mine.append(ours[r, w, t])
+    if missing := [k for k in keys if k not in t_pos]:
+        raise MissingDependency(f"per-position edges kvnotes has and auto-circuit lacks: {missing[:5]}")
+    start, used = int(site.pos[0]), set(keys)
+    rest = [(int(k.rpartition("@")[2]), abs(v)) for k, v in t_pos.items() if k not in used]
+    prefix = max([v for p, v in rest if p < start], default=0.0)
+    outside = max([v for p, v in rest if p >= start], default=0.0)
+    return np.array(mine), np.array([t_pos[k] for k in keys]), prefix, outside
 
 
 def export(model: KVModel, pairs: list[Pair], folder: Path, *, samples: int, repeats: int) -> None:
@@ -254,16 +302,22 @@ def peer_pairs(
         peer = run_peer(python, folder)
     per: list[PeerPair] = []
     for p, theirs in zip(pairs, peer["pairs"]):
-        times: dict[str, list[float]] = {"eap": [], "ig": []}
+        ways = {
+            "eap": lambda site: score_edges(site, "eap").scores,
+            "ig": lambda site: score_edges(site, "eap-ig", steps=steps).scores,
+            "eap-positions": position_scores,
+        }
+        times: dict[str, list[float]] = {k: [] for k in ways}
         got = {}
         for _ in range(repeats):
-            for m, name in (("eap", "eap"), ("eap-ig", "ig")):
+            for name, way in ways.items():
                 t0 = time.perf_counter()
                 site = edge_site(model, p)  # our way pays its prefill and both runs, as theirs does
-                got[m] = score_edges(site, m, steps=steps)
+                got[name] = way(site)
                 times[name].append(time.perf_counter() - t0)
         names = _our_names(site.graph)
-        ours = {m: _aggregate(site.graph, got[m].scores * site.effect, names) for m in got}
+        ours = {m: _aggregate(site.graph, got[m] * site.effect, names) for m in ("eap", "ig")}
+        pos = _per_position(site, got["eap-positions"] * site.effect, theirs["eap-positions"])
         t_eap, t_ig = _theirs(theirs["eap-plain"]), _theirs(theirs["ig-plain"])
         keys = sorted(ours["eap"])
         if set(keys) - set(t_eap):
@@ -285,10 +339,14 @@ def peer_pairs(
                     if "eap-cached" in theirs
                     else None
                 ),
-                ours_ig=np.array([ours["eap-ig"][k] for k in keys]),
+                ours_ig=np.array([ours["ig"][k] for k in keys]),
                 theirs_ig=np.array([t_ig[k] for k in keys]),
                 seconds=secs,
                 outside=outside,
+                ours_pos=pos[0],
+                theirs_pos=pos[1],
+                prefix_pos=pos[2],
+                outside_pos=pos[3],
             )
         )
     return per, peer
@@ -296,7 +354,8 @@ def peer_pairs(
 
 def summarise(per: list[PeerPair], peer: dict) -> dict:
     """ρ between the tools per pair (median), EAP's largest difference relative to the largest
-    score, and median seconds a pair for each way."""
+    score, and median seconds a pair for each way; the same for EAP per token position
+    (`positions`)."""
     if not per:
         return {}
 
@@ -318,4 +377,13 @@ def summarise(per: list[PeerPair], peer: dict) -> dict:
         "ig_rho": statistics.median(spearman(p.ours_ig.tolist(), p.theirs_ig.tolist()) for p in per),
         "seconds": {w: statistics.median(p.seconds[w] for p in per if w in p.seconds) for w in ways},
         "build_s": peer["build_s"],
+        "positions": {
+            "edges": [len(p.ours_pos) for p in per],
+            "auto_circuit_edges": [int(n) for n in peer["n_edges_positions"].values()],
+            "eap_rho": statistics.median(spearman(p.ours_pos.tolist(), p.theirs_pos.tolist()) for p in per),
+            "eap_max_rel_diff": max(rel(p.ours_pos, p.theirs_pos) for p in per),
+            "prefix_max": max(p.prefix_pos for p in per),
+            "outside_max": max(p.outside_pos for p in per),
+            "build_s": peer["build_positions_s"],
+        },
     }

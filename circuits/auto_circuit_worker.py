@@ -13,7 +13,14 @@ of auto-circuit's factorized graph on each pair: edge attribution patching (`mas
 and its integrated gradients over the edge masks (`integrated_grad_samples`), each timed `repeats`
 times, both as a plain run over the whole prompt and with the shared prefix in a frozen
 TransformerLens KV cache (auto-circuit's `kv_cache`/`diverge_idx`: the strongest way it offers).
-It writes `scores.json`.
+Then EAP once more on a graph with an edge per token position (`patchable_model(..., seq_len=...)`,
+the prompt's length: one graph per length among the pairs, whose two prompts must be aligned), plain,
+for kvnotes' per-position residual edges. That graph still has no edge from a key position to a query position
+(a head's K and V inputs are patched at the key's own position, not as read by each query), so
+kvnotes' attention edges have no counterpart at any level; nor is its integrated gradients one
+(it interpolates every edge mask together, kvnotes' EAP-IG the field's embeddings). It writes
+`scores.json`: per pair, its scores by edge name (`eap-plain`, ...) and, per position,
+`eap-positions` by `NAME@POSITION` (the prompt position).
 """
 
 from __future__ import annotations
@@ -92,7 +99,9 @@ def _tl_version() -> str:
     return version("transformer_lens")
 
 
-def _loader(p: dict, cache=None):
+def _loader(p: dict, cache=None, seq_len: int | None = None):
+    """One pair as auto-circuit's loader: from the divergence on when the prefix is in `cache`;
+    `seq_len` (the prompt's length) for a graph with token positions."""
     import torch
     from auto_circuit.data import PromptDataLoader, PromptDataset
 
@@ -103,7 +112,7 @@ def _loader(p: dict, cache=None):
         [torch.tensor([p["answer"]])],
         [torch.tensor([p["wrong"]])],
     )
-    return PromptDataLoader(ds, seq_len=None, diverge_idx=start, kv_cache=cache, batch_size=1)
+    return PromptDataLoader(ds, seq_len=seq_len, diverge_idx=start, kv_cache=cache, batch_size=1)
 
 
 def _prefix_cache(model, p: dict):
@@ -117,10 +126,21 @@ def _prefix_cache(model, p: dict):
     return cache
 
 
+def _positions(pm, loader) -> dict[str, float]:
+    """EAP of every edge at every token position, keyed `NAME@POSITION`."""
+    ps = _prune_scores(pm, loader, None)
+    return {f"{e.name}@{e.seq_idx}": float(ps[e.dest.module_name][e.patch_idx]) for e in pm.edges}
+
+
 def _scores(pm, loader, samples: int | None) -> dict[str, float]:
+    ps = _prune_scores(pm, loader, samples)
+    return {e.name: float(ps[e.dest.module_name][e.patch_idx]) for e in pm.edges}
+
+
+def _prune_scores(pm, loader, samples: int | None):
     from auto_circuit.prune_algos.mask_gradient import mask_gradient_prune_scores
 
-    ps = mask_gradient_prune_scores(
+    return mask_gradient_prune_scores(
         pm,
         loader,
         None,
@@ -129,7 +149,6 @@ def _scores(pm, loader, samples: int | None) -> dict[str, float]:
         mask_val=None if samples else 0.0,
         integrated_grad_samples=samples,
     )
-    return {e.name: float(ps[e.dest.module_name][e.patch_idx]) for e in pm.edges}
 
 
 def main(folder: str) -> None:
@@ -157,6 +176,28 @@ def main(folder: str) -> None:
     out["n_edges"] = len(pm.edges)
     samples = conf["samples"]
     for p in pairs:
+        if len(p["clean"]) != len(p["corrupt"]):
+            raise SystemExit(
+                f"auto-circuit worker: a pair's prompts have {len(p['clean'])} and {len(p['corrupt'])} "
+                "tokens; a graph with token positions needs aligned prompts"
+            )
+    # its graph with an edge per position, one per prompt length (`seq_len` fixes the masks' shape),
+    # each on a model of its own, as a patchable model wraps its model in place
+    t0 = time.perf_counter()
+    lengths = sorted({len(p["clean"]) for p in pairs})
+    by_len = {
+        n: patchable_model(
+            _model(conf["cfg"], weights, tokenizer),
+            factorized=True,
+            slice_output="last_seq",
+            seq_len=n,
+            separate_qkv=True,
+        )
+        for n in lengths
+    }
+    out["build_positions_s"] = (time.perf_counter() - t0) / max(len(lengths), 1)
+    out["n_edges_positions"] = {str(n): len(pm.edges) for n, pm in by_len.items()}
+    for p in pairs:
         row: dict = {"seconds": {}}
         for way in ("plain", "cached"):
             if way == "cached" and p["start"] < 1:
@@ -182,6 +223,14 @@ def main(folder: str) -> None:
                     times.append(time.perf_counter() - t0)
                 row["seconds"][f"{name}-{way}"] = statistics.median(times) + prep
                 row.setdefault(f"{name}-{way}", got)
+        times = []
+        for _ in range(conf["repeats"]):
+            loader = _loader(p, seq_len=len(p["clean"]))
+            t0 = time.perf_counter()
+            got = _positions(by_len[len(p["clean"])], loader)
+            times.append(time.perf_counter() - t0)
+        row["seconds"]["eap-positions"] = statistics.median(times)
+        row["eap-positions"] = got
         out["pairs"].append(row)
     (root / "scores.json").write_text(json.dumps(out))
 

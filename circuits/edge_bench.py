@@ -137,15 +137,23 @@ def _peer_lines(p: dict) -> list[str]:
         f"  EAP: rho {p['eap_rho']:.4f}, largest difference {p['eap_max_rel_diff']:.1e} of the largest "
         f"score; IG (theirs over edge masks, ours over the input): rho {p['ig_rho']:.3f}",
     ]
-    for m in ("eap", "ig"):
-        ours = s.get(f"ours-{m}")
-        for way in ("plain", "cached"):
-            theirs = s.get(f"theirs-{m}-{way}")
-            if ours and theirs:
-                out.append(
-                    f"  {m:<4}{way:<8}kvnotes {ours:.3f} s/pair, auto-circuit {theirs:.3f} s/pair: "
-                    f"{theirs / ours:.2f}x"
-                )
+    if pos := p.get("positions"):  # reports from before the per-position comparison lack it
+        out.append(
+            f"  EAP per token position ({max(pos['edges'])} of our residual edges a pair, each at its "
+            f"position; its graph with positions has {max(pos['auto_circuit_edges'])}): rho "
+            f"{pos['eap_rho']:.4f}, largest difference {pos['eap_max_rel_diff']:.1e}; its edges before "
+            f"the field (we have none: the prompts are the same there) at most {pos['prefix_max']:.1e}"
+        )
+    out.append("  not comparable: attention edges (its graph does not split a head's keys by position)")
+    ways = [(f"{m} {way}", f"{m}-{way}", m) for m in ("eap", "ig") for way in ("plain", "cached")]
+    ways.append(("eap positions", "eap-positions", "eap-positions"))
+    for label, theirs_way, ours_way in ways:
+        ours, theirs = s.get(f"ours-{ours_way}"), s.get(f"theirs-{theirs_way}")
+        if ours and theirs:
+            out.append(
+                f"  {label:<14}kvnotes {ours:.3f} s/pair, auto-circuit {theirs:.3f} s/pair: "
+                f"{theirs / ours:.2f}x"
+            )
     return out
 
 

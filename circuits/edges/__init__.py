@@ -46,8 +46,9 @@ Scores, in recovery units (the share of ld_new - ld_old that corrupting the edge
 
 Modules, one idea each: `graph` (the nodes and edges), `site` (one pair's two runs and the patching
 forward), `scores` (EAP, EAP-IG, AtP*, GradDrop), `qk` (AtP*'s exact softmax for keys and queries),
-`choose` (top, greedy and matched random circuits) and `faithfulness` (cross-fitted curves, CPR and
-CMD both ways, AtP*'s block bound).
+`choose` (top, greedy and matched random circuits), `faithfulness` (cross-fitted curves, CPR and
+CMD both ways, AtP*'s block bound) and `positions` (EAP per token position, for peers whose graph
+has one).
 """
 
 from circuits.edges.graph import (

@@ -4,7 +4,8 @@ auto-circuit runs from its own environment: set KVNOTES_AUTO_CIRCUIT_PYTHON to i
 auto-circuit-env DIR` makes one; `.ci/run` makes it in the background and points
 KVNOTES_AUTO_CIRCUIT_ENV_DONE at a file holding its exit code). Without it the comparison is skipped,
 unless KVNOTES_REQUIRE_AUTO_CIRCUIT=1 (CI), where that is a failure. The checks that need no peer
-(refusals before any compute, the edge-name mapping) always run.
+(refusals before any compute, the edge-name mapping, kvnotes' per-position EAP summing to its group
+scores) always run.
 """
 
 from __future__ import annotations
@@ -18,15 +19,24 @@ import numpy as np
 import pytest
 
 from circuits.auto_circuit_peer import _our_names, check_peer, peer_pairs, summarise
-from circuits.edges import RESIDUAL, edge_graph
+from circuits.edges import GROUPS, RESIDUAL, edge_graph, edge_site, score_edges
+from circuits.edges.positions import position_edges, position_scores
 from kvnotes import load_model
 from kvnotes.errors import BadArgument
+from kvnotes.tasks import load_task
+from kvnotes.tasks.sampler import sample
 from probes.causal import split_by_effect
 from probes.trials import MIN_EFFECT, make_trials
 
 # EAP is one linearisation computed by both tools in float32 over the same weights: they differ
 # only in summation order (measured 3.5e-6 of the largest score on tiny-llama)
 EAP_REL_TOL = 1e-4
+# kvnotes' per-position EAP and its group scores are the same float64 products of the same float32
+# gradients, summed in another order: measured ≤ 4.4e-16 of scores ≤ 1.8 (tiny-llama, -gqa, -gemma3)
+SUM_REL_TOL = 1e-12
+# before the field the two prompts are the same tokens, so auto-circuit's clean - corrupt difference
+# there is the same float32 ops on the same inputs: measured exactly 0 on tiny-llama
+PREFIX_TOL = 1e-7
 
 
 def _peer_python() -> str:
@@ -91,6 +101,20 @@ def test_every_residual_edge_maps_to_auto_circuits_names_and_only_those():
     assert flat == want
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gqa", "tiny-gemma3"])
+def test_per_position_eap_sums_to_the_group_scores(name):
+    model = load_model(name)
+    site = edge_site(model, sample(load_task("order-cancel"), model, 1, seed=0)[0])
+    per_pos = position_scores(site)
+    assert not per_pos[~position_edges(site)].any()  # nothing where the graph has no edge
+    gr = site.graph
+    r = np.flatnonzero(gr.kind == RESIDUAL)
+    onehot = np.eye(len(GROUPS))[site.groups.numpy()]  # [T, groups]
+    summed = np.einsum("rwt,tg->rwg", per_pos, onehot)[gr.b[r], gr.a[r], gr.c[r]]
+    want = score_edges(site, "eap").scores[r]
+    assert np.abs(summed - want).max() <= SUM_REL_TOL * np.abs(want).max()
+
+
 @pytest.fixture(scope="module")
 def compared():
     python = _peer_python()
@@ -111,7 +135,18 @@ def test_kvnotes_eap_is_auto_circuits_on_the_same_pairs(compared):
     assert set(s["seconds"]) >= {"ours-eap", "ours-ig", "theirs-eap-plain", "theirs-eap-cached"}
 
 
+def test_kvnotes_eap_is_auto_circuits_at_each_token_position(compared):
+    per, peer = compared
+    s = summarise(per, peer)["positions"]
+    assert s["eap_max_rel_diff"] < EAP_REL_TOL and s["eap_rho"] > 0.999, s
+    assert s["prefix_max"] < PREFIX_TOL, s  # before the field: edges there, but nothing changes
+    assert s["outside_max"] < PREFIX_TOL, s  # from the field on, what kvnotes leaves out carries nothing
+    assert all(n > 1000 for n in s["edges"]), s  # every residual edge at every position, not the groups
+
+
 def test_the_agreement_check_fails_on_a_misaligned_edge(compared):
     per, peer = compared
     planted = [replace(p, ours_eap=np.roll(p.ours_eap, 1)) for p in per]  # every score one edge over
     assert summarise(planted, peer)["eap_max_rel_diff"] > 0.1
+    planted = [replace(p, ours_pos=np.roll(p.ours_pos, 1)) for p in per]  # and per position
+    assert summarise(planted, peer)["positions"]["eap_max_rel_diff"] > 0.1

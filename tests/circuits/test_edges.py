@@ -13,7 +13,8 @@ import torch
 
 import circuits.edges as E
 from circuits.edge_circuits import EdgeCircuits, analyse_edges
-from circuits.edges import qk, scores, site as site_module
+from circuits.edges import qk, scores
+from circuits.edges import site as site_module
 from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, sizes_for
 from kvnotes.cli import main
 from kvnotes.engine import run
@@ -138,11 +139,18 @@ def mixed_sites(request):
     return share, [E.edge_site(m, p) for p in sample(load_task("mixed-organism"), m, 4, seed=1)]
 
 
+# Measured on these 4 pairs of each organism: exact patching within 2.4e-8 of every designed weight
+# (float32 rounding of a decision of +-8 logits), EAP-IG at 16 steps within 7.4e-4 (-25) and 2.2e-3
+# (-75: the midpoint rule on the saturated softmaxes). Held to 1e-6 and 4e-3.
+EXACT_DESIGNED, IG_DESIGNED = 1e-6, 4e-3
+
+
 def test_exact_patching_and_eap_ig_find_the_designed_circuit(mixed_sites):
     share, sites = mixed_sites
     for site in sites:
-        assert designed_failures(site.graph, site.exact(), share) == []
-        assert designed_failures(site.graph, E.score_edges(site, "eap-ig", steps=16).scores, share) == []
+        assert designed_failures(site.graph, site.exact(), share, tol=EXACT_DESIGNED) == []
+        ig = E.score_edges(site, "eap-ig", steps=16).scores
+        assert designed_failures(site.graph, ig, share, tol=IG_DESIGNED) == []
 
 
 def test_atp_star_finds_the_circuit_and_underweights_only_what_feeds_a_key_through_a_head(mixed_sites):
