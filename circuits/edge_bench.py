@@ -202,128 +202,169 @@ def edge_bench(
         else {}
     )
     rng = np.random.default_rng(seed)
-    secs: dict[str, list[float]] = {m: [] for m in BENCH_METHODS}
-    passes: dict[str, tuple[int, int]] = {}
-    rho: dict[str, list] = {m: [] for m in BENCH_METHODS}
-    recall: dict[str, list] = {m: [] for m in BENCH_METHODS}
-    full_s, tokens, exact_n = [], 0, 0
-    whole_s, keys_diff, keys_scale = [], 0.0, 0.0  # AtP* with every key recomputed, beside atp*
-    fn = {"verified": 2 * top, "rows": 0, "sampled": 0, "missed": 0, "violations": 0}
-    ruled, theta_all, largest = [], [], 0.0
-    projected = False
-    n_edges = 0
+    tally = _Tally(top)
     for t in tqdm(used, desc="edge bench", unit="pair", disable=not progress):
         site = edge_site(t.model, t.pair, metric=t.metric)
-        E = n_edges = len(site.graph)
-        tokens = max(tokens, site.n_tokens)
+        tally.n_edges, tally.tokens = len(site.graph), max(tally.tokens, site.n_tokens)
+        got = tally.time_methods(site, steps, repeats)
+        tally.projected = len(site.graph) > exhaustive
+        idx, sample, ex = tally.against_exact(site, got, exact if tally.projected else None, rng)
+        tally.bound_check(site, got["atp*"].scores, idx, sample, ex, levels, rng)
+    return tally.report(model, task, used, repeats=repeats, steps=steps, peer=peer, seed=seed)
+
+
+@dataclass
+class _Tally:
+    """What the bench gathers pair by pair (each step a method), and the report it makes of it."""
+
+    top: int
+    secs: dict = field(default_factory=lambda: {m: [] for m in BENCH_METHODS})
+    passes: dict = field(default_factory=dict)
+    rho: dict = field(default_factory=lambda: {m: [] for m in BENCH_METHODS})
+    recall: dict = field(default_factory=lambda: {m: [] for m in BENCH_METHODS})
+    full_s: list = field(default_factory=list)
+    whole_s: list = field(default_factory=list)  # AtP* with every key recomputed, beside atp*
+    keys_diff: float = 0.0
+    keys_scale: float = 0.0
+    fn: dict = field(default_factory=dict)
+    ruled: list = field(default_factory=list)
+    theta: list = field(default_factory=list)
+    largest: float = 0.0
+    n_edges: int = 0
+    tokens: int = 0
+    exact_n: int = 0
+    projected: bool = False
+
+    def __post_init__(self):
+        self.fn = {"verified": 2 * self.top, "rows": 0, "sampled": 0, "missed": 0, "violations": 0}
+
+    def time_methods(self, site, steps: int, repeats: int) -> dict:
+        """Every method (and AtP* the whole-softmax way) timed in turn, each repeat; the scores."""
         score_edges(site, "eap")  # warm-up: the first gradient run pays one-off costs
         times: dict[str, list[float]] = {m: [] for m in (*BENCH_METHODS, WHOLE)}
         got = {}
         for _ in range(repeats):
             for m in (*BENCH_METHODS, WHOLE):  # side by side, in turn, each repeat
                 t0 = time.perf_counter()
+                whole = m == WHOLE
                 got[m] = (
-                    score_edges(site, "atp*", keys="whole")
-                    if m == WHOLE
-                    else score_edges(site, m, steps=steps)
+                    score_edges(site, "atp*", keys="whole") if whole else score_edges(site, m, steps=steps)
                 )
                 times[m].append(time.perf_counter() - t0)
-        whole_s.append(statistics.median(times[WHOLE]))
-        keys_diff = max(keys_diff, float(np.abs(got[WHOLE].scores - got["atp*"].scores).max()))
-        keys_scale = max(keys_scale, float(np.abs(got["atp*"].scores).max()))
+        self.whole_s.append(statistics.median(times[WHOLE]))
+        self.keys_diff = max(self.keys_diff, float(np.abs(got[WHOLE].scores - got["atp*"].scores).max()))
+        self.keys_scale = max(self.keys_scale, float(np.abs(got["atp*"].scores).max()))
         for m in BENCH_METHODS:
-            secs[m].append(statistics.median(times[m]))
-            passes[m] = (got[m].forwards, got[m].backwards)
-        projected = E > exhaustive
-        if projected:
-            sample = rng.choice(E, size=min(exact, E), replace=False)
-            tops = [np.argsort(-np.abs(got[m].scores), kind="stable")[: 2 * top] for m in BENCH_METHODS]
-            idx = np.unique(np.concatenate([sample, *tops]))
-        else:
+            self.secs[m].append(statistics.median(times[m]))
+            self.passes[m] = (got[m].forwards, got[m].backwards)
+        return got
+
+    def against_exact(self, site, got: dict, exact: int | None, rng):
+        """Exact patching of every edge (`exact` None) or of a random `exact` plus each method's
+        top 2k; each method's rho on the random sample and recall@k. Returns the edges patched, the
+        sample, and their exact effects."""
+        E = len(site.graph)
+        if exact is None:
             idx = sample = np.arange(E)
+        else:
+            sample = rng.choice(E, size=min(exact, E), replace=False)
+            tops = [np.argsort(-np.abs(got[m].scores), kind="stable")[: 2 * self.top] for m in BENCH_METHODS]
+            idx = np.unique(np.concatenate([sample, *tops]))
         t0 = time.perf_counter()
         ex = site.exact(idx)
-        full_s.append((time.perf_counter() - t0) / len(idx) * E)
-        exact_n = len(idx)
+        self.full_s.append((time.perf_counter() - t0) / len(idx) * E)
+        self.exact_n = len(idx)
         in_sample = np.isin(idx, sample)
-        k = min(top, len(idx))
+        k = min(self.top, len(idx))
         best = set(idx[np.argsort(-np.abs(ex), kind="stable")[:k]].tolist())
         for m in BENCH_METHODS:
             s = got[m].scores
             target = np.abs(ex) if m == "atp*-gd" else ex
-            rho[m].append(spearman(s[idx[in_sample]].tolist(), target[in_sample].tolist()))
-            recall[m].append(len(set(np.argsort(-np.abs(s), kind="stable")[:k].tolist()) & best) / k)
-        # AtP*'s false-negative diagnostic, against the exact effects of the sampled unverified edges
-        bb = block_bound(site, got["atp*"].scores, 2 * top, rng, levels=levels)
+            self.rho[m].append(spearman(s[idx[in_sample]].tolist(), target[in_sample].tolist()))
+            self.recall[m].append(len(set(np.argsort(-np.abs(s), kind="stable")[:k].tolist()) & best) / k)
+        return idx, sample, ex
+
+    def bound_check(self, site, atp: np.ndarray, idx, sample, ex, levels: int, rng) -> None:
+        """AtP*'s false-negative diagnostic, against the exact effects of the sampled unverified edges."""
+        k = min(self.top, len(idx))
+        bb = block_bound(site, atp, 2 * self.top, rng, levels=levels)
         exact_of = dict(zip(idx.tolist(), np.abs(ex).tolist()))
         verified = [exact_of[e] for e in bb.verified.tolist() if e in exact_of]
         theta = sorted(verified, reverse=True)[min(k, len(verified)) - 1] if verified else float("inf")
-        theta_all.append(theta)
-        ruled.append(bb.ruled_out(theta))
+        self.theta.append(theta)
+        self.ruled.append(bb.ruled_out(theta))
         where = {e: i for i, e in enumerate(bb.unverified.tolist())}
         for e in sample.tolist():
             if e in where:
-                fn["sampled"] += 1
+                self.fn["sampled"] += 1
                 x = exact_of[e]
-                fn["missed"] += int(x >= theta)
-                fn["violations"] += int(x > bb.bound[where[e]] + BOUND_TOL)
-                largest = max(largest, x)
-        fn["rows"] = bb.rows
-    ex_med = statistics.median(full_s) if full_s else 0.0
-    points = []
-    for m in BENCH_METHODS:
-        r, c = Estimate.of(rho[m], seed=seed), Estimate.of(recall[m], seed=seed)
-        sec = statistics.median(secs[m]) if secs[m] else 0.0
-        points.append(
-            EdgeMethodPoint(
-                method=m,
-                seconds=sec,
-                forwards=passes.get(m, (0, 0))[0],
-                backwards=passes.get(m, (0, 0))[1],
-                rho=r.mean,
-                rho_ci=r.ci,
-                recall=c.mean,
-                recall_ci=c.ci,
-                speedup=ex_med / sec if sec else 0.0,
+                self.fn["missed"] += int(x >= theta)
+                self.fn["violations"] += int(x > bb.bound[where[e]] + BOUND_TOL)
+                self.largest = max(self.largest, x)
+        self.fn["rows"] = bb.rows
+
+    def points(self, seed: int) -> list[EdgeMethodPoint]:
+        ex_med = statistics.median(self.full_s) if self.full_s else 0.0
+        out = []
+        for m in BENCH_METHODS:
+            r, c = Estimate.of(self.rho[m], seed=seed), Estimate.of(self.recall[m], seed=seed)
+            sec = statistics.median(self.secs[m]) if self.secs[m] else 0.0
+            fwd, bwd = self.passes.get(m, (0, 0))
+            out.append(
+                EdgeMethodPoint(
+                    method=m,
+                    seconds=sec,
+                    forwards=fwd,
+                    backwards=bwd,
+                    rho=r.mean,
+                    rho_ci=r.ci,
+                    recall=c.mean,
+                    recall_ci=c.ci,
+                    speedup=ex_med / sec if sec else 0.0,
+                )
             )
-        )
-    bound = {}
-    if used:
-        bound = {
-            **fn,
-            "theta": float(statistics.median(theta_all)),
-            "ruled_out": float(np.mean(ruled)),
-            "missed_rate": fn["missed"] / fn["sampled"] if fn["sampled"] else 0.0,
-            "missed_upper": _upper(fn["missed"], fn["sampled"]),
-            "largest_missed": largest,
-        }
-    return EdgeBenchReport(
-        model=model.name,
-        task=str(task),
-        machine=machine(),
-        results=points,
-        pairs=len(used),
-        n_edges=n_edges,
-        prompt_tokens=tokens,
-        repeats=repeats,
-        top=top,
-        exact_edges=exact_n,
-        exhaustive_s=ex_med,
-        projected=projected,
-        steps=steps,
-        bound=bound,
-        peer=peer,
-        exact_keys=(
+        return out
+
+    def report(
+        self, model, task, used, *, repeats: int, steps: int, peer: dict, seed: int
+    ) -> EdgeBenchReport:
+        fn = self.fn
+        bound = (
             {
-                "whole_s": statistics.median(whole_s),
-                "changed_s": statistics.median(secs["atp*"]),
-                "max_diff": keys_diff,
-                "max_score": keys_scale,
+                **fn,
+                "theta": float(statistics.median(self.theta)),
+                "ruled_out": float(np.mean(self.ruled)),
+                "missed_rate": fn["missed"] / fn["sampled"] if fn["sampled"] else 0.0,
+                "missed_upper": _upper(fn["missed"], fn["sampled"]),
+                "largest_missed": self.largest,
             }
-            if whole_s
+            if used
             else {}
-        ),
-    )
+        )
+        keys = {
+            "whole_s": statistics.median(self.whole_s) if self.whole_s else 0.0,
+            "changed_s": statistics.median(self.secs["atp*"]) if self.whole_s else 0.0,
+            "max_diff": self.keys_diff,
+            "max_score": self.keys_scale,
+        }
+        return EdgeBenchReport(
+            model=model.name,
+            task=str(task),
+            machine=machine(),
+            results=self.points(seed),
+            pairs=len(used),
+            n_edges=self.n_edges,
+            prompt_tokens=self.tokens,
+            repeats=repeats,
+            top=self.top,
+            exact_edges=self.exact_n,
+            exhaustive_s=statistics.median(self.full_s) if self.full_s else 0.0,
+            projected=self.projected,
+            steps=steps,
+            bound=bound,
+            peer=peer,
+            exact_keys=keys if self.whole_s else {},
+        )
 
 
 @dataclass(frozen=True)
