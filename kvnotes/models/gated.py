@@ -196,7 +196,7 @@ def designed_edges() -> dict[str, float]:
     embedding into the KV head both routes read at 1. Every other edge moves nothing.
 
     >>> w = designed_edges()
-    >>> w["L0H1@decision->L1H1@decision"], w["EMB@field->KV0.0@field"]
+    >>> round(w["L0H1@decision->L1H1@decision"], 12), round(w["EMB@field->KV0.0@field"], 12)
     (0.4, 1.0)
     """
     a, b = NOTE_SHARE, 1.0 - NOTE_SHARE
