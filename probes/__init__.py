@@ -56,6 +56,7 @@ from probes.compose import seam_repair  # noqa: E402
 from probes.controls import dissociation, false_note_injection, knockout  # noqa: E402
 from probes.cot import cot_refresh  # noqa: E402
 from probes.edit import edit_methods  # noqa: E402
+from probes.keystone import keystone  # noqa: E402
 from probes.memory import memory_blocks  # noqa: E402
 from probes.regime import regime  # noqa: E402
 from probes.trials import Trial, make_trials  # noqa: E402
@@ -109,6 +110,7 @@ __all__ = [
     "UnknownProbeError",
     "MIN_EFFECT",
     "edit_methods",
+    "keystone",
     "seam_repair",
     "agent_loop",
     "cot_refresh",
