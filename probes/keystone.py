@@ -12,12 +12,16 @@ the gating field, and the request. Three old notebooks of the hosted old prompt:
   (the ablation that must leave the diagonal).
 
 Then the field changes, and every editing method of `probes.edit` (`refresh`, `selective_causal@K`,
-`selective_deviation@K`, `suffix`, `erratum`, the `hoist` oracle and `full`) fixes each notebook.
-A method's recovery on a notebook is (ld - ld_old) / (ld_full - ld_old) with that notebook's own
-old decision and the same target, the hosted new prompt prefilled whole; the selective rankings
-read the slots' changes against that same new notebook. So each method gives a point (recomputed
-recovery, composed recovery); on the diagonal, composing changed nothing about editing. The
-distance from the diagonal is each pair's composed minus recomputed recovery: a mean with its CI.
+`selective_deviation@K`, `suffix`, `erratum`, the `hoist` oracle and `full`) fixes each notebook. A
+method's recovery on any of the three is (ld - ld_old) / (ld_full - ld_old) on one scale per pair:
+ld_old the recomputed old decision, ld_full the hosted new prompt prefilled whole (every method's
+target). One scale, because a composed notebook's own old decision differs from the recomputed one
+by the composition's error, and a denominator taken from it can shrink or flip sign: on that scale a
+stale composed notebook scores its composition error, and full recompute 1 on every side. The
+selective rankings read the slots' changes against that same new notebook. So each method gives a
+point (recomputed recovery, composed recovery); on the diagonal, composing changed nothing about
+editing. The distance from the diagonal is each pair's composed minus recomputed recovery: a mean
+with its CI.
 """
 
 from __future__ import annotations
@@ -144,7 +148,8 @@ def keystone(
             excluded.append({"seed": pair.seed, "reason": f"decision moved < {min_effect}"})
             continue
         sizes.append(pair.old.span("decision").start - skill0)
-        rec = {side: _recoveries(t, budgets, erratum) for side, t in trials.items()}
+        base = trials["recomputed"]
+        rec = {side: _recoveries(t, base, budgets, erratum) for side, t in trials.items()}
         for m, full in rec["recomputed"].items():
             got = {
                 **{f"{side}.{m}": rec[side][m] for side in SIDES},
@@ -173,9 +178,9 @@ def keystone(
     )
 
 
-def _recoveries(t: Trial, budgets: Sequence[int], erratum: str) -> dict[str, float]:
-    """Each method's recovery on trial `t`'s old notebook."""
-    return {m: float(t.recovery(ld)) for m, (ld, _, _) in methods(t, budgets, erratum).items()}
+def _recoveries(t: Trial, base: Trial, budgets: Sequence[int], erratum: str) -> dict[str, float]:
+    """Each method's recovery on trial `t`'s old notebook, on `base`'s scale (the recomputed pair)."""
+    return {m: float(base.recovery(ld)) for m, (ld, _, _) in methods(t, budgets, erratum).items()}
 
 
 def _farthest(parts: dict[str, Estimate], names: Sequence[str], prefix: str) -> dict:
