@@ -58,6 +58,7 @@ from probes.cot import cot_refresh  # noqa: E402
 from probes.edit import edit_methods  # noqa: E402
 from probes.keystone import keystone  # noqa: E402
 from probes.memory import memory_blocks  # noqa: E402
+from probes.placement import memory_placement  # noqa: E402
 from probes.regime import regime  # noqa: E402
 from probes.trials import Trial, make_trials  # noqa: E402
 from probes.weights import weight_edit  # noqa: E402
@@ -115,5 +116,6 @@ __all__ = [
     "agent_loop",
     "cot_refresh",
     "memory_blocks",
+    "memory_placement",
     "weight_edit",
 ]

@@ -195,7 +195,7 @@ def choose(command: str, names: Sequence[str] | str | None, flags: Sequence[str]
     avail = {a.name: a for a in for_command(command)}
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
-    names = list(names or [])
+    names = [n.replace("-", "_") for n in names or []]  # `memory-placement` names `memory_placement`
     if names in ([], ["all"]):
         names = [n for n, a in avail.items() if a.default]
     bad = [n for n in names if n not in avail]
