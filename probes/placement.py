@@ -48,7 +48,7 @@ from kvnotes.errors import OutOfRange, TaskError
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, precompile, prefill, recompute, splice
-from kvnotes.tasks.memory import ATTRIBUTES, MemoryEpisode, Question, memory_episode
+from kvnotes.tasks.memory import ATTRIBUTES, MemoryEpisode, Question, memory_episode, overhead
 
 SIDES = ("early", "late", "full")
 METHODS = ("erratum", "refresh")
@@ -167,16 +167,15 @@ def _edits(
     return out
 
 
-def _room(model: KVModel, facts: int) -> int:
-    """The most memory tokens an episode with `facts` facts can have in the model's context."""
-    probe = memory_episode(lambda s: model.encode(s, bos=False), size=10**6, seed=0, index=0, facts=facts)
-    return model.n_ctx - probe.overhead - 8  # 8: the overhead varies by a few tokens between episodes
+def _room(model: KVModel) -> int:
+    """The most memory tokens an episode can have in the model's context."""
+    return model.n_ctx - overhead(lambda s: model.encode(s, bos=False))
 
 
-def check_fits(model: KVModel, sizes: Sequence[int], facts: int) -> None:
+def check_fits(model: KVModel, sizes: Sequence[int]) -> None:
     """Refuse a memory size whose episode (BOS, memory, conversation, erratum, question) would not
     fit the model's context, naming the largest that does; before any forward."""
-    room = _room(model, facts)
+    room = _room(model)
     over = [s for s in sizes if s > room]
     if over:
         raise OutOfRange(
@@ -190,7 +189,7 @@ def fit_preset(
 ) -> tuple[tuple[int, ...], int, tuple[str, ...]]:
     """A preset's sizes cut to those that fit the model, or the largest that fits where none does,
     with as many of the `facts` as that room holds; and a note per size left out."""
-    room = _room(model, facts)
+    room = _room(model)
     keep = tuple(s for s in sizes if s <= room) or (room,)
     encode = lambda s: model.encode(s, bos=False)  # noqa: E731
     while facts > 2:
@@ -223,7 +222,7 @@ def memory_placement(
 ) -> MemoryPlacement:
     """Early, late and fully recomputed memory at each size over `n` episodes, and one fact edited
     under each placement (module docstring). Every size is checked against the context first."""
-    check_fits(model, sizes, facts)
+    check_fits(model, sizes)
     encode = lambda s: model.encode(s, bos=False)  # noqa: E731
     episodes = {
         s: [memory_episode(encode, size=s, seed=seed, index=i, facts=facts) for i in range(n)] for s in sizes

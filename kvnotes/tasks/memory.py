@@ -207,6 +207,19 @@ def usable_values(encode: Encode, attribute: Attribute) -> tuple[tuple[int, ...]
     return best
 
 
+def overhead(encode: Encode) -> int:
+    """The most tokens an episode needs beside its memory, under `encode`: BOS, the conversation, the
+    longest erratum and the longest question (any attribute, any value)."""
+    errata = [
+        len(encode(ERRATUM.format(statement=a.before + v + a.after))) for a in ATTRIBUTES for v in a.values
+    ]
+    questions = [
+        len(encode(f"\nQuestion: {a.question}\nAnswer: {a.cloze}")) + len(usable_values(encode, a)[0])
+        for a in ATTRIBUTES
+    ]
+    return 1 + len(encode(CONVERSATION)) + max(errata) + max(questions)
+
+
 def _edit_choice(rng: random.Random, encode: Encode, values: dict) -> tuple[str, int, int]:
     """The attribute to edit, its old and its new value: two values of one token count, so that the
     edit keeps every later position."""

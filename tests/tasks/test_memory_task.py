@@ -8,7 +8,7 @@ import pytest
 
 from kvnotes.errors import TaskError
 from kvnotes.models import load_model
-from kvnotes.tasks.memory import ATTRIBUTES, SMALL_TALK, UPDATE, memory_episode, usable_values
+from kvnotes.tasks.memory import ATTRIBUTES, SMALL_TALK, UPDATE, memory_episode, overhead, usable_values
 
 ATTR = {a.name: a for a in ATTRIBUTES}
 
@@ -73,6 +73,16 @@ def test_a_character_level_tokenizer_reads_the_token_that_tells_values_apart():
     assert len(prefix) == 1 and len(values) >= 5
     firsts = [m.encode(v, bos=False)[1] for v in values]
     assert len(set(firsts)) == len(firsts)
+
+
+def test_the_overhead_bounds_every_episode_s(encode):
+    """What a probe checks the context against: no episode needs more beside its memory."""
+    worst = max(
+        memory_episode(encode, size=600, seed=s, index=i, facts=2).overhead
+        for s in range(3)
+        for i in range(8)
+    )
+    assert worst <= overhead(encode) <= worst + 20
 
 
 def test_bad_sizes_and_fact_counts_are_refused(encode):
