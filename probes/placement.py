@@ -293,7 +293,9 @@ class PlacementConfig(Options):
     placement_seam: int = option(
         8, "memory-placement: memory tokens recomputed in context at the seam", least=0
     )
-    margin: float = option(MARGIN, "memory-placement: TOST equivalence margin (accuracy)", least=1e-6)
+    margin: float = option(
+        MARGIN, "memory-placement: TOST equivalence margin (accuracy)", least=1e-6, most=1.0
+    )
 
 
 @analysis(
