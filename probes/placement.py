@@ -45,6 +45,7 @@ from kvnotes.analysis.equivalence import Equivalence, tost
 from kvnotes.analysis.registry import Context, Options, Section, analysis, option, register_section
 from kvnotes.analysis.results import Estimate, ProbeResult, machine
 from kvnotes.errors import OutOfRange, TaskError
+from kvnotes.metrics import recovery
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, precompile, prefill, recompute, splice
@@ -157,10 +158,10 @@ def _edits(
                 lambda nb=nb, ids=new_ids, pos=in_place: _read(model, recompute(model, nb, ids, pos), q)
             ),
         }
-        span = ld(target) - ld(old)
+        usable = abs(ld(target) - ld(old)) >= min_effect  # else recovery is noise (or 0 / 0)
         for m, (logits, t) in fixed.items():
-            usable = abs(span) >= min_effect
-            out[f"recovery@{size}.{place}.{m}"] = (ld(logits) - ld(old)) / span if usable else None
+            rec = float(recovery(ld(logits), ld(old), ld(target), undefined="nan"))
+            out[f"recovery@{size}.{place}.{m}"] = rec if usable else None
             out[f"edited@{size}.{place}.{m}"] = wins(logits)
             out[f"ttft@{size}.{place}.{m}"] = t + extra
         out[f"edited@{size}.{place}.full"] = wins(target)

@@ -464,7 +464,7 @@ def run_report(
     ...                          tokens=0)
     >>> r = run_report(load_model("tiny-llama"), ["order-cancel"], tempfile.mkdtemp(), cfg, progress=False)
     >>> [k.split("/")[1] for k in r.parts]  # no per-model benches: they were sized 0
-    ['probes', 'regime', 'circuits', 'edit', 'compose']
+    ['probes', 'regime', 'circuits', 'edit', 'compose', 'memory']
     """
     cfg = cfg or ReportConfig.full()
     out = Path(out)

@@ -15,7 +15,7 @@ from kvnotes.cli import main
 from tests.waiting import until
 
 ARGS = ["report", "--model", "tiny-llama", "--task", "order-cancel", "--quick", "--n", "2"]
-ARGS += ["--skip", "memory_blocks,agent_loop,ttft,edit_cost,regime,sae"]
+ARGS += ["--skip", "memory_blocks,memory_placement,agent_loop,ttft,edit_cost,regime,sae"]
 
 # The real `kvnotes report`, with its circuits part held until the test kills the process: the
 # probes part (the first) has finished and been saved by then.

@@ -54,6 +54,7 @@ def test_every_part_is_there_with_its_type(report_dir):
         "order-cancel/circuits": CircuitReport,
         "order-cancel/edit": ProbeReport,
         "order-cancel/compose": ProbeReport,
+        "order-cancel/memory": ProbeReport,
         "model/ttft": TTFTReport,
         "model/edit_cost": EditCostReport,
     }

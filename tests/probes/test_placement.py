@@ -71,6 +71,11 @@ def test_the_organism_reads_no_memory_so_its_edits_are_undefined(organism_run):
     r = organism_run
     e = r.part("recovery@300.late.refresh")
     assert e.mean is None and e.dropped == 3
+    # with no minimum effect (as reports on tiny models run) an edit that moves nothing is 0 / 0:
+    # undefined, not an error
+    m = load_model("notes-organism")
+    r0 = P.memory_placement(m, sizes=(260,), n=2, facts=2, min_effect=0.0, progress=False)
+    assert r0.part("recovery@260.early.erratum").mean is None
 
 
 def test_sizes_over_the_context_are_refused_before_any_forward(monkeypatch):
