@@ -14,27 +14,43 @@ from kvnotes.errors import OutOfRange
 from kvnotes.types import Float, Int, Tensor
 
 
+def rotary_dim(attn) -> int:
+    """How many of a head's dimensions this layer rotates: 0 where positions are learned and
+    added at the input (GPT-2, tracr), so that rotation is the identity there."""
+    return (attn.cfg.rotary_dim or 0) if attn.cfg.positional_embedding_type == "rotary" else 0
+
+
 def tables(attn, positions: Int[Tensor, " n"]) -> tuple[Tensor, Tensor]:
-    """cos and sin rows `[n, rotary_dim]` for `positions` from `attn`'s own RoPE tables."""
-    if positions.numel() == 0:
-        rd = attn.cfg.rotary_dim
-        return attn.rotary_cos[:0, :rd], attn.rotary_sin[:0, :rd]
+    """cos and sin rows `[n, rotary_dim]` for `positions` from `attn`'s own RoPE tables (`[n, 0]`
+    where the layer rotates nothing)."""
+    rd = rotary_dim(attn)
+    if positions.numel() == 0 or rd == 0:
+        _check_range(attn, positions)
+        empty = attn.W_Q.new_zeros(positions.numel(), 0)
+        return (attn.rotary_cos[:0, :rd], attn.rotary_sin[:0, :rd]) if rd else (empty, empty)
+    _check_range(attn, positions)
     need = int(positions.max()) + 1
-    if int(positions.min()) < 0 or need > attn.cfg.n_ctx:
-        raise OutOfRange(
-            f"position {int(positions.min()) if int(positions.min()) < 0 else need - 1} is out of "
-            f"range: this model's context is 0..{attn.cfg.n_ctx - 1} (n_ctx={attn.cfg.n_ctx})"
-        )
     if need > attn.rotary_cos.shape[0]:  # grow the table the way the model's own forward does
         attn._extend_rotary_embeddings(min(attn.cfg.n_ctx, max(need, 2 * attn.rotary_cos.shape[0])))
     positions = positions.to(attn.rotary_cos.device)
     return attn.rotary_cos[positions], attn.rotary_sin[positions]
 
 
+def _check_range(attn, positions: Tensor) -> None:
+    if positions.numel() == 0:
+        return
+    need = int(positions.max()) + 1
+    if int(positions.min()) < 0 or need > attn.cfg.n_ctx:
+        raise OutOfRange(
+            f"position {int(positions.min()) if int(positions.min()) < 0 else need - 1} is out of "
+            f"range: this model's context is 0..{attn.cfg.n_ctx - 1} (n_ctx={attn.cfg.n_ctx})"
+        )
+
+
 def rotate(attn, x: Float[Tensor, "*b n d_head"], positions: Int[Tensor, " n"]) -> Tensor:
     """Apply RoPE to `x` (positions along the second-to-last axis)."""
     cos, sin = tables(attn, positions)
-    rd = attn.cfg.rotary_dim
+    rd = cos.shape[-1]
     x_rot, x_pass = x[..., :rd], x[..., rd:]
     return torch.cat([x_rot * cos + attn.rotate_every_two(x_rot) * sin, x_pass], dim=-1)
 
@@ -42,7 +58,7 @@ def rotate(attn, x: Float[Tensor, "*b n d_head"], positions: Int[Tensor, " n"]) 
 def unrotate(attn, x: Float[Tensor, "*b n d_head"], positions: Int[Tensor, " n"]) -> Tensor:
     """Invert `rotate`: R(-p) applied to post-RoPE `x`."""
     cos, sin = tables(attn, positions)
-    rd = attn.cfg.rotary_dim
+    rd = cos.shape[-1]
     x_rot, x_pass = x[..., :rd], x[..., rd:]
     return torch.cat([x_rot * cos - attn.rotate_every_two(x_rot) * sin, x_pass], dim=-1)
 

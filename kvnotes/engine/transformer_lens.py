@@ -114,6 +114,8 @@ def _forward(
     fresh_v: list[Tensor | None] = [None] * start
     if resume is None:
         resid = tl.hook_embed(tl.embed(tok.to(device)))  # [batch, pos, d_model]
+        if cfg.positional_embedding_type == "standard":  # learned positions, added at the input
+            resid = resid + tl.hook_pos_embed(tl.pos_embed.W_pos[pos.to(device)][None])
     else:
         resid = resume.resid.to(device).expand(tok.shape[0], -1, -1)
     for l in range(start, len(tl.blocks)):
@@ -133,10 +135,13 @@ def _forward(
         if cfg.use_normalization_before_and_after:
             attn_out = block.ln1_post(attn_out)
         attn_out = block.hook_attn_out(attn_out)
-        # 3) the MLP, as TransformerLens's block runs it
-        resid_mid = block.hook_resid_mid(resid + attn_out)
-        mlp_in = block.hook_mlp_in(resid_mid.clone()) if cfg.use_hook_mlp_in else resid_mid
-        resid = block.hook_resid_post(resid_mid + block.apply_mlp(block.ln2(mlp_in)))
+        # 3) the MLP, as TransformerLens's block runs it (none in an attention-only model)
+        if cfg.attn_only:
+            resid = block.hook_resid_post(resid + attn_out)
+        else:
+            resid_mid = block.hook_resid_mid(resid + attn_out)
+            mlp_in = block.hook_mlp_in(resid_mid.clone()) if cfg.use_hook_mlp_in else resid_mid
+            resid = block.hook_resid_post(resid_mid + block.apply_mlp(block.ln2(mlp_in)))
         fresh_k.append(k)
         fresh_v.append(v)
     return fresh_k, fresh_v, resid
@@ -160,8 +165,8 @@ def _attention(
     """
     attn, cfg = model.tl.blocks[layer].attn, model.cfg
     q, k, v = _qkv(attn, cfg, x)  # hook_q/k/v fire: [batch, pos, head, d_head]
-    q = attn.hook_rot_q(rotated(attn, q, pos))
-    k = attn.hook_rot_k(rotated(attn, k, pos))
+    q = _through(attn, "hook_rot_q", rotated(attn, q, pos))  # rotation: the identity for learned
+    k = _through(attn, "hook_rot_k", rotated(attn, k, pos))  # positions, which have no such hooks
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # -> [batch, kv_head, pos, d_head] (notebook layout)
     b, n, h, d = q.shape
     kvh = k.shape[1]
@@ -189,6 +194,12 @@ def _attention(
         w = _packed(attn, "o", (attn.W_O,), _output_layout)
         out = F.linear(z.reshape(b, n, h * d), w, attn.b_O)
     return out, k, v
+
+
+def _through(module, hook: str, t: Tensor) -> Tensor:
+    """`t` through `module`'s hook point `hook`, where the module has one."""
+    point = getattr(module, hook, None)
+    return t if point is None else point(t)
 
 
 def _output_layout(w: Tensor) -> Tensor:

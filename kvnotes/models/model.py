@@ -91,6 +91,9 @@ class ModelFacts:
     output_logits_soft_cap: float | None  # None: no softcap on the logits
     norm_after_sublayers: bool  # a norm after each sublayer too (Gemma 2/3's sandwich)
     model_type: str  # the architecture, as its source names it ("llama", "Gemma3ForCausalLM", ...)
+    # "rotary": keys carry their position (RoPE); "learned": a position embedding is added to the
+    # residual stream at the input (GPT-2, tracr), keys carry none, and no chunk can be moved
+    positions: str = "rotary"
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -125,7 +128,7 @@ class KVModel:
             p.requires_grad_(False)
         check_supported(tl)
         for block in tl.blocks:
-            if type(block.mlp) is GatedMLP:
+            if type(getattr(block, "mlp", None)) is GatedMLP:
                 block.mlp.__class__ = ViewsGatedMLP
         return TransformerLensModel(
             name=name,
@@ -179,7 +182,17 @@ class KVModel:
         raise NotImplementedError
 
     def rerotate(self, layer: int, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE `keys` `[..., slot, d_head]` of `layer` moved from positions `old` to `new`."""
+        """Post-RoPE `keys` `[..., slot, d_head]` of `layer` moved from positions `old` to `new`.
+
+        A model with learned positions refuses any move: its keys hold no rotation to undo, the
+        position is mixed into the residual stream every later layer reads."""
+        if self.facts.positions != "rotary" and not torch.equal(torch.as_tensor(old), torch.as_tensor(new)):
+            raise UnsupportedArchitecture(
+                f"{self.name} has learned absolute positions (added to the residual stream at the "
+                "input), so its keys carry no rotation to undo: a chunk cannot be moved to another "
+                "position. Recompute it at its new positions instead (`kvnotes.ops.prefill` of the "
+                "whole prompt, or `run` of the chunk's tokens at the positions it goes to)"
+            )
         return self.backend.rerotate(self, layer, keys, old, new)
 
     def full_logits(self, ids) -> torch.Tensor:
@@ -242,24 +255,26 @@ class TransformerLensModel(KVModel):
 
 def _tl_facts(tl: HookedTransformer) -> ModelFacts:
     c = tl.cfg
+    rotary = c.positional_embedding_type == "rotary"
     return ModelFacts(
         n_layers=c.n_layers,
         n_heads=c.n_heads,
         n_kv_heads=c.n_key_value_heads or c.n_heads,
         d_head=c.d_head,
         d_model=c.d_model,
-        d_mlp=c.d_mlp,
-        gated_mlp=bool(c.gated_mlp),
+        d_mlp=None if c.attn_only else c.d_mlp,
+        gated_mlp=bool(c.gated_mlp) and not c.attn_only,
         d_vocab=c.d_vocab,
         d_vocab_out=c.d_vocab_out,
         n_ctx=c.n_ctx,
         windows=tuple(c.window_size if b.attn.attn_type == "local" else None for b in tl.blocks),
-        rope_bases=tuple(float(b.attn._rotary_base()) for b in tl.blocks),
-        rotary_dims=(c.rotary_dim,) * c.n_layers,
+        rope_bases=tuple(float(b.attn._rotary_base()) if rotary else 0.0 for b in tl.blocks),
+        rotary_dims=((c.rotary_dim or 0) if rotary else 0,) * c.n_layers,
         attn_scores_soft_cap=c.attn_scores_soft_cap if (c.attn_scores_soft_cap or 0) > 0 else None,
         output_logits_soft_cap=c.output_logits_soft_cap if (c.output_logits_soft_cap or 0) > 0 else None,
         norm_after_sublayers=bool(c.use_normalization_before_and_after),
         model_type=c.original_architecture or "",
+        positions="rotary" if rotary else "learned",
     )
 
 
@@ -267,15 +282,16 @@ def check_supported(tl: HookedTransformer) -> None:
     """Refuse configs whose attention the engine cannot reproduce exactly, with the reason."""
     c = tl.cfg
     problems = []
-    if c.positional_embedding_type != "rotary":
-        problems.append(f"positional_embedding_type={c.positional_embedding_type!r} (RoPE only)")
+    if c.positional_embedding_type not in ("rotary", "standard"):
+        problems.append(
+            f"positional_embedding_type={c.positional_embedding_type!r} (RoPE or learned absolute only)"
+        )
     for flag in (
         "use_dynamic_ntk_rope",
         "use_logn_attn",
         "use_attn_in",
         "use_split_qkv_input",
         "parallel_attn_mlp",
-        "attn_only",
         "use_attention_sinks",
         "load_in_4bit",
         "scale_attn_by_inverse_layer_idx",
@@ -293,18 +309,23 @@ def check_supported(tl: HookedTransformer) -> None:
         raise UnsupportedArchitecture(
             "the notebook engine cannot represent this model's attention exactly: "
             + "; ".join(problems)
-            + ". Supported: pre-norm decoder-only RoPE models (Llama, Mistral, Qwen2/3, Gemma 1-3)."
+            + ". Supported: pre-norm (or norm-free) decoder-only models with RoPE (Llama, Mistral, "
+            "Qwen2/3, Gemma 1-3) or learned absolute positions (GPT-2, tracr's compiled programs)."
         )
 
 
 def _fingerprint(tl: HookedTransformer, tokenizer: PreTrainedTokenizerBase) -> str:
     h = hashlib.sha256()
     cfg = {k: getattr(tl.cfg, k, None) for k in _FINGERPRINT_FIELDS}
+    for k in ("positional_embedding_type", "attn_only"):  # entered only where they differ from
+        if getattr(tl.cfg, k) not in ("rotary", False):  # RoPE models', whose fingerprints stand
+            cfg[k] = getattr(tl.cfg, k)
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     vocab = tokenizer.get_vocab()
     h.update(json.dumps(sorted(vocab.items())[:: max(1, len(vocab) // 4096)]).encode())
     h.update(str(len(vocab)).encode())
     with torch.no_grad():
-        for t in (tl.embed.W_E[:4], tl.blocks[0].attn.W_Q[0, :4], tl.blocks[-1].mlp.W_out[:4]):
+        last = tl.blocks[-1].attn.W_O[0, :4] if tl.cfg.attn_only else tl.blocks[-1].mlp.W_out[:4]
+        for t in (tl.embed.W_E[:4], tl.blocks[0].attn.W_Q[0, :4], last):
             h.update(t.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()

@@ -11,6 +11,7 @@ They exist for fast exactness tests: each builds in well under a second, determi
 | tiny-gemma2   | alternating sliding-window / global layers, attention and logit softcaps |
 | tiny-gemma3   | per-layer RoPE bases (local 1e4, global 1e6), sliding windows, qk-norm, |
 |               | one KV head, norms before and after each sublayer                      |
+| tiny-attn-only| learned absolute positions, no norms, attention-only blocks (tracr's shape) |
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ TINY_CONFIGS: dict[str, dict] = {
         n_layers=4,
         rotary_base=1_000_000,
         rotary_base_local=10_000,
+    ),
+    "tiny-attn-only": dict(
+        positional_embedding_type="standard",
+        normalization_type=None,
+        final_rms=False,
+        attn_only=True,
+        gated_mlp=False,
+        act_fn="relu",
     ),
 }
 
