@@ -115,3 +115,11 @@ class BadOption(KVNotesError):
 
 class MissingCapability(UnsupportedArchitecture, BadArgument):
     """An operation the model's backend cannot do (weight edits on nnsight); names a backend that can."""
+
+
+class PairsError(KVNotesError):
+    """A pair dataset (JSONL) line that is malformed or does not fit the model's tokenizer."""
+
+
+class NeedUnmet(KVNotesError):
+    """An analysis refused before any compute: its task or model lacks what it needs (a rule, rotary keys)."""

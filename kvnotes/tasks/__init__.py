@@ -1,5 +1,7 @@
-"""Gated-decision tasks (built in, or from a TOML file) and their aligned prompt pairs."""
+"""Gated-decision tasks (built in, or from a TOML file) and their aligned prompt pairs; pair
+datasets (clean/corrupt prompts with per-pair answers, from JSONL) that stand in for a task."""
 
+from kvnotes.tasks.pairs import PairRecord, PairSet, load_pairs
 from kvnotes.tasks.sampler import GATE, RULE, Pair, render, sample
 from kvnotes.tasks.task import (
     Digits,
@@ -28,4 +30,7 @@ __all__ = [
     "render",
     "GATE",
     "RULE",
+    "PairSet",
+    "PairRecord",
+    "load_pairs",
 ]

@@ -6,8 +6,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvnotes.errors import BadArgument
+from kvnotes.errors import BadArgument, NeedUnmet
 from kvnotes.prompt import Prompt, Template
+from kvnotes.tasks.pairs import PAIRS, PairSet, is_pairs
 from kvnotes.tasks.task import Digits, Task, TaskError
 
 GATE, RULE = "gate", "rule"
@@ -166,6 +167,8 @@ def sample(
     ...     load_model("tiny-llama"), 2, template=1)]
     ([0, 1], [1, 1])
     """
+    if is_pairs(task):  # a pair dataset's pairs are its lines (kvnotes.tasks.pairs)
+        return _pairs_of(task, model, n, seed=seed, kind=kind, filler=filler, template=template)
     _check_request(task, n, kind, filler)
     cycle = list(range(task.n_templates)) if template is None else [template]
     wordings = [task.with_template(k) for k in cycle]  # a bad index fails here, naming the count
@@ -195,6 +198,23 @@ def sample(
             )
         )
     return pairs
+
+
+def _pairs_of(
+    ps: PairSet, model, n: int, *, seed: int, kind: str, filler: str, template: int | None
+) -> list[Pair]:
+    """`n` pairs of a pair dataset: it has no rule to flip and no {filler} to fill."""
+    if kind not in (GATE, PAIRS):
+        raise NeedUnmet(
+            f"{ps.source} is a pair dataset: it has no rule to flip (kind={kind!r}); "
+            "run what needs a rule with a task (--task NAME or a task .toml)"
+        )
+    if filler:
+        raise NeedUnmet(
+            f"{ps.source} is a pair dataset: it has no {{filler}} field to put text into; "
+            "run what needs one with a task (--task NAME or a task .toml)"
+        )
+    return ps.sample(model, n, seed=seed, template=template)
 
 
 def _check_request(task: Task, n: int, kind: str, filler: str) -> None:

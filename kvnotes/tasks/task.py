@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvnotes.errors import TaskError, UnknownTaskError
 from kvnotes.prompt import Template
+from kvnotes.tasks.pairs import PairSet, is_pairs, load_pairs
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 RESERVED = ("shots", "filler")  # template fields the sampler fills itself
@@ -162,16 +163,19 @@ def builtin_tasks() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
 
 
-def load_task(name_or_path: str | Path | Task) -> Task:
-    """A built-in task by name (`builtin_tasks()`), or a task from a TOML file.
+def load_task(name_or_path: str | Path | Task | PairSet) -> Task | PairSet:
+    """A built-in task by name (`builtin_tasks()`), or a task from a TOML file; a `.jsonl` path is
+    a pair dataset (`kvnotes.tasks.pairs.load_pairs`), and a Task or PairSet is returned as it is.
 
     >>> [t for t in builtin_tasks() if not t.endswith("organism")]
     ['account-access', 'order-cancel', 'refund-window']
     """
-    if isinstance(name_or_path, Task):
+    if isinstance(name_or_path, Task) or is_pairs(name_or_path):  # a PairSet stands where a Task does
         return name_or_path
     s = str(name_or_path)
     path = Path(s).expanduser()
+    if s.endswith(".jsonl"):  # a pair dataset (docs/tasks.md, Pair datasets)
+        return load_pairs(path)
     if not s.endswith(".toml"):
         if (BUILTIN_DIR / f"{s}.toml").is_file():
             path = BUILTIN_DIR / f"{s}.toml"
