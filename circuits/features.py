@@ -66,7 +66,7 @@ from circuits.sae import (
     load_sae,
     train_sae,
 )
-from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
 from kvnotes.errors import BadArgument
 from kvnotes.tasks import Task, load_task, sample
@@ -568,6 +568,7 @@ class SAEOptions(Pairs):
     SAEFeatures,
     quick={"n": 6, "sae_train_pairs": 48, "sae_eval_pairs": 16, "sae_samples": 24_000},
     order=5,
+    requires=(Need.TEMPLATE,),
 )
 def _run_sae(ctx: Context, cfg: SAEOptions) -> SAEFeatures:
     """SAE features: which decode the conclusion, which carry it."""

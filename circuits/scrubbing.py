@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from circuits.heads import Head, all_heads, cross_fitted_heads, masks_for
-from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
@@ -335,6 +335,7 @@ class ScrubbingConfig(Pairs):
     needs=("read_heads",),
     quick={"n": 6, "k_max": 8},
     order=3,
+    requires=(Need.TEMPLATE,),
 )
 def _run_scrubbing(ctx: Context, cfg: ScrubbingConfig) -> Scrubbing:
     """Causal scrubbing: keep the note slots and read heads from the new run, resample everything else."""

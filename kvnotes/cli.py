@@ -139,10 +139,17 @@ def add_analysis_commands(sub) -> None:
         p.add_argument(
             "--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir"
         )
-        p.add_argument(
+        source = p.add_mutually_exclusive_group()
+        source.add_argument(
             "--task",
             help="a built-in task name or a task.toml file (default: the model's own task "
             "for an organism, else order-cancel)",
+        )
+        source.add_argument(
+            "--pairs",
+            metavar="FILE",
+            help="a pair dataset (.jsonl of clean/corrupt prompts and answers, docs/tasks.md) in place "
+            "of --task; analyses that need a task's rule or template are left out",
         )
         p.add_argument("--seed", type=SEED, default=0)
         p.add_argument(
@@ -180,11 +187,37 @@ def _configs(names: list[str], args, n_ctx: int | None = None) -> dict:
     return configs
 
 
+def _task(args):
+    """The task `--task` names (or the model's default), or the pair dataset `--pairs` names."""
+    from kvnotes.models import default_task
+    from kvnotes.tasks import load_pairs, load_task
+
+    return (
+        load_pairs(args.pairs)
+        if getattr(args, "pairs", None)
+        else load_task(args.task or default_task(args.model))
+    )
+
+
+def _runnable(names: list[str], task, named: bool) -> list[str]:
+    """`names` less those the task cannot serve: refused in one line when the user named them, left
+    out with a note when they are the command's defaults (a pair dataset has no rule to flip)."""
+    from kvnotes.analysis.registry import get, refuse_unmet, unmet
+
+    left = [n for n in names if unmet(get(n), task=task)]
+    if named or len(left) == len(names):
+        refuse_unmet(names, task=task)
+    if left:
+        print(
+            f"kvnotes: {task.source} is a pair dataset; left out {', '.join(left)} (they need a task)",
+            file=sys.stderr,
+        )
+    return [n for n in names if n not in left]
+
+
 def cmd_task_analyses(args) -> int:
     from kvnotes.analysis.registry import choose
     from kvnotes.analysis.runner import collect
-    from kvnotes.models import default_task
-    from kvnotes.tasks import load_task
 
     names = choose(
         args.command_name,
@@ -192,7 +225,9 @@ def cmd_task_analyses(args) -> int:
         flags=[f for f in args.flags if getattr(args, f.replace("-", "_"))],
     )
     configs = _configs(names, args)  # bad option values fail here, before the (slow) model load
-    task = load_task(args.task or default_task(args.model))
+    task = _task(args)  # a bad task or pair file fails here too
+    names = _runnable(names, task, named=bool(args.names or args.only))
+    configs = {n: configs[n] for n in names}
     model = _load(args)
     configs = _configs(names, args, model.n_ctx)  # and lengths against the model as loaded
     report = collect(model, task, names, configs=configs, seed=args.seed, min_effect=args.min_effect)
@@ -200,13 +235,14 @@ def cmd_task_analyses(args) -> int:
 
 
 def cmd_model_analysis(args) -> int:
-    from kvnotes.analysis.registry import Context, context_fields, get
+    from kvnotes.analysis.registry import Context, context_fields, get, refuse_unmet
     from kvnotes.errors import KVNotesError
 
     a = get(args.analysis)
     cfg = _configs([a.name], args)[a.name]
     model = _load(args) if a.needs_model else None
     if model is not None:
+        refuse_unmet([a.name], model=model)  # before any compute: a splice on learned positions
         cfg = _configs([a.name], args, model.n_ctx)[a.name]
     # lengths left at their defaults are fitted by the analysis too, to what its own layout leaves
     fit = not context_fields(a.config) & set(_given(args))
@@ -268,10 +304,11 @@ def cmd_report(args) -> int:
     from dashboards.render import write_report
     from kvnotes.analysis.report import ReportConfig, run_report
     from kvnotes.models import default_task
-    from kvnotes.tasks import load_task
+    from kvnotes.tasks import load_pairs, load_task
 
-    tasks = args.task or [default_task(args.model)]
-    tasks = [load_task(t) for t in tasks]  # before the (slow) model load: a bad task file fails now
+    tasks = args.task or ([] if args.pairs else [default_task(args.model)])
+    # before the (slow) model load: a bad task or pair file fails now
+    tasks = [load_task(t) for t in tasks] + [load_pairs(p) for p in args.pairs or []]
     skip = tuple(x for x in (args.skip or "").split(",") if x)
     sizes = {k: v for k, v in {"n": args.n, "seed": args.seed, "skip": skip}.items() if v}
     cfg = ReportConfig.quick(**sizes) if args.quick else ReportConfig.full(**sizes)
@@ -481,6 +518,13 @@ def _add_report(sub) -> None:
         action="append",
         help="a built-in task or a task.toml; repeat for several "
         "(default: the organism's own, else order-cancel)",
+    )
+    rp.add_argument(
+        "--pairs",
+        action="append",
+        metavar="FILE",
+        help="a pair dataset (.jsonl, docs/tasks.md) reported like a task, beside or in place of --task; "
+        "repeat for several (its sections leave out what needs a task's rule or template)",
     )
     rp.add_argument(
         "--out",

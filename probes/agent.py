@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.registry import Context, Need, Options, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
@@ -122,7 +122,15 @@ class AgentConfig(Options):
     seam: int = option(4, "chunk tokens recomputed at the seam", least=0)
 
 
-@analysis("agent_loop", "compose", AgentConfig, AgentLoop, quick={"turns": 6}, order=3)
+@analysis(
+    "agent_loop",
+    "compose",
+    AgentConfig,
+    AgentLoop,
+    quick={"turns": 6},
+    order=3,
+    requires=(Need.RULE, Need.MOVING_CHUNKS),
+)
 def _run_agent_loop(ctx: Context, cfg: AgentConfig) -> AgentLoop | None:
     """A spliced policy kept current by one erratum per turn, against recomputing every turn."""
     if not cfg.turns:

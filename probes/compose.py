@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.analysis.registry import Context, Options, Section, analysis, option, register_section
+from kvnotes.analysis.registry import Context, Need, Options, Section, analysis, option, register_section
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.errors import TaskError
@@ -149,6 +149,7 @@ register_section(
     SeamRepair,
     quick={"n": 2, "seams": (0, 2, 8), "offsets": (32,)},
     order=1,
+    requires=(Need.RULE, Need.MOVING_CHUNKS),
 )
 def _run_seam_repair(ctx: Context, cfg: SeamConfig) -> SeamRepair:
     """Splice a precompiled chunk after a host context, repair the seam, compare to prefill."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.batches import sharing_enabled
 from kvnotes.errors import BadArgument
@@ -467,7 +467,7 @@ class InjectConfig(Pairs):
     ks: tuple[int, ...] = option(INJECT_K, "numbers of note slots injected", least=1)
 
 
-@analysis("dissociation", "probes", Pairs, Dissociation, quick={"n": 6}, order=5)
+@analysis("dissociation", "probes", Pairs, Dissociation, quick={"n": 6}, order=5, requires=(Need.RULE,))
 def _run_dissociation(ctx: Context, cfg: Pairs) -> Dissociation:
     """Flip the rule, keep the field: do the notes carry the flipped conclusion?"""
     if ctx.task.rule is None:
@@ -494,7 +494,15 @@ def _run_knockout(ctx: Context, cfg: KnockoutConfig) -> Knockout:
     )
 
 
-@analysis("false_note_injection", "probes", InjectConfig, FalseNoteInjection, quick={"n": 6}, order=6)
+@analysis(
+    "false_note_injection",
+    "probes",
+    InjectConfig,
+    FalseNoteInjection,
+    quick={"n": 6},
+    order=6,
+    requires=(Need.RULE,),
+)
 def _run_false_note_injection(ctx: Context, cfg: InjectConfig) -> FalseNoteInjection:
     """Write the opposite conclusion into the top-k notes (vs k random slots)."""
     return false_note_injection(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import run
 from kvnotes.metrics import recovery
@@ -107,7 +107,17 @@ class CotConfig(Pairs):
     cot_tokens: int = option(48, "longest reasoning chain (tokens)", least=1, tokens=True)
 
 
-@analysis("cot_refresh", "edit", CotConfig, CotRefresh, default=False, in_report=False, flag="cot", order=3)
+@analysis(
+    "cot_refresh",
+    "edit",
+    CotConfig,
+    CotRefresh,
+    default=False,
+    in_report=False,
+    flag="cot",
+    order=3,
+    requires=(Need.RULE,),
+)
 def _run_cot_refresh(ctx: Context, cfg: CotConfig) -> CotRefresh:
     """Decode a greedy reasoning chain from the refreshed and a clean cache."""
     return cot_refresh(

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnotes.analysis.registry import Context, Section, analysis, option, register_section
+from kvnotes.analysis.registry import Context, Need, Section, analysis, option, register_section
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, refresh
 from kvnotes.serving.manager import ERRATUM  # the one erratum line, shared with the serving prompt manager
@@ -156,7 +156,7 @@ register_section(
 )
 
 
-@analysis("edit_methods", "edit", EditConfig, EditMethods, quick={"n": 6}, order=1)
+@analysis("edit_methods", "edit", EditConfig, EditMethods, quick={"n": 6}, order=1, requires=(Need.RULE,))
 def _run_edit_methods(ctx: Context, cfg: EditConfig) -> EditMethods:
     """One changed field: every editing method against full recompute."""
     return edit_methods(shared_trials(ctx, cfg.n, template=cfg.template), erratum=cfg.erratum)

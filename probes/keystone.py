@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.registry import Context, Need, Options, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.errors import BadOption, TaskError
 from kvnotes.models.model import KVModel
@@ -212,6 +212,7 @@ class KeystoneConfig(Options):
     order=4,
     default=False,  # `kvnotes compose keystone` (alone) or `--keystone` (with the rest); reports run it
     flag="keystone",
+    requires=(Need.RULE, Need.MOVING_CHUNKS),
 )
 def _run_keystone(ctx: Context, cfg: KeystoneConfig) -> Keystone:
     """Every editing method on a composed cache against a recomputed one, and without re-rotation."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.registry import Context, Need, Options, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
@@ -91,7 +91,15 @@ class MemoryConfig(Options):
     seam: int = option(2, "block tokens recomputed in context at each seam", least=0)
 
 
-@analysis("memory_blocks", "compose", MemoryConfig, MemoryBlocks, quick={"questions": 4}, order=2)
+@analysis(
+    "memory_blocks",
+    "compose",
+    MemoryConfig,
+    MemoryBlocks,
+    quick={"questions": 4},
+    order=2,
+    requires=(Need.MOVING_CHUNKS,),
+)
 def _run_memory_blocks(ctx: Context, cfg: MemoryConfig) -> MemoryBlocks:
     """Two-hop questions over facts precompiled together vs in separate blocks."""
     return memory_blocks(ctx.model, n=cfg.questions, people=cfg.people, seam=cfg.seam, **ctx.common)

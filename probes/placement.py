@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.equivalence import Equivalence, tost
-from kvnotes.analysis.registry import Context, Options, Section, analysis, option, register_section
+from kvnotes.analysis.registry import Context, Need, Options, Section, analysis, option, register_section
 from kvnotes.analysis.results import Estimate, ProbeResult, machine
 from kvnotes.errors import OutOfRange, TaskError
 from kvnotes.metrics import recovery
@@ -305,7 +305,8 @@ class PlacementConfig(Options):
     PlacementConfig,
     MemoryPlacement,
     quick={"memory_sizes": QUICK_SIZES, "episodes": 2},
-    default=False,  # `kvnotes probe memory_placement`; reports run it
+    default=False,  # `kvnotes probe memory_placement`; reports run it,
+    requires=(Need.MOVING_CHUNKS,),
 )
 def _run_memory_placement(ctx: Context, cfg: PlacementConfig) -> MemoryPlacement:
     """Memory placed early or late (spliced) against full recompute, and a fact edited under each."""

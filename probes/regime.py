@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
@@ -113,7 +113,15 @@ class RegimeConfig(Pairs):
     )
 
 
-@analysis("regime", "regime", RegimeConfig, Regime, quick={"n": 3, "distances": (0, 64, 256)}, default=False)
+@analysis(
+    "regime",
+    "regime",
+    RegimeConfig,
+    Regime,
+    quick={"n": 3, "distances": (0, 64, 256)},
+    default=False,
+    requires=(Need.TEMPLATE,),
+)
 def _run_regime(ctx: Context, cfg: RegimeConfig) -> Regime:
     """Field-only refresh vs notes transplant as filler moves the field away from the decision."""
     return regime(

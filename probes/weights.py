@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnotes.analysis.registry import Context, analysis, option
+from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, ProbeResult
 from kvnotes.engine import Readout
 from kvnotes.errors import KVNotesError
@@ -359,7 +359,15 @@ class WeightConfig(Pairs):
 
 
 @analysis(
-    "weight_edit", "edit", WeightConfig, WeightEdit, default=False, in_report=False, flag="weights", order=2
+    "weight_edit",
+    "edit",
+    WeightConfig,
+    WeightEdit,
+    default=False,
+    in_report=False,
+    flag="weights",
+    order=2,
+    requires=(Need.RULE,),
 )
 def _run_weight_edit(ctx: Context, cfg: WeightConfig) -> WeightEdit:
     """The weight-edit baseline: a rank-one MLP edit per pair, its contamination, drift and cost."""
@@ -387,7 +395,15 @@ class RomeConfig(WeightConfig):
 
 
 @analysis(
-    "weight_edit_rome", "edit", RomeConfig, WeightEdit, default=False, in_report=False, flag="rome", order=2
+    "weight_edit_rome",
+    "edit",
+    RomeConfig,
+    WeightEdit,
+    default=False,
+    in_report=False,
+    flag="rome",
+    order=2,
+    requires=(Need.RULE,),
 )
 def _run_weight_edit_rome(ctx: Context, cfg: RomeConfig) -> WeightEdit:
     """ROME beside the weight-edit baseline: keyed at the changed field, data covariance, optimised value."""

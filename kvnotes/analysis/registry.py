@@ -22,15 +22,61 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cache
 from importlib.metadata import entry_points
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tqdm.auto import tqdm
 
-from kvnotes.errors import BadOption, KVNotesError, OutOfRange, UnknownAnalysisError
+from kvnotes.errors import BadOption, KVNotesError, NeedUnmet, OutOfRange, UnknownAnalysisError
+from kvnotes.tasks.pairs import is_pairs
+
+
+class Need(Enum):
+    """What an analysis needs beyond a model and prompt pairs, declared with `@analysis(...,
+    requires=(Need.RULE,))`; `refuse_unmet` checks every one before anything runs."""
+
+    RULE = "a task with a gated rule"  # a rule to flip, a gate field to edit or rewrite
+    TEMPLATE = "a task template to draw fresh prompts from"  # resamples, SAE training pairs, filler
+    MOVING_CHUNKS = "keys that carry their positions (rotary)"  # splices, re-rotation, compose
+
+    def refusal(self, name: str, task: Any = None, model: Any = None) -> str | None:
+        """Why analysis `name` cannot run on `task` and `model` (None where it can, or where what
+        this need is about is not known yet: the model before it loads)."""
+        if self is Need.MOVING_CHUNKS:
+            positions = getattr(getattr(model, "facts", None), "positions", "rotary")
+            if positions == "rotary":
+                return None
+            return (
+                f"{name} moves chunks of the cache to other positions, and {model.name} has learned "
+                f"absolute positions ({positions}): positions live in the residual stream, not in the "
+                "keys, so a moved chunk cannot be re-rotated; run it on a model with rotary positions "
+                "(gemma-3-270m, a tiny-* model)"
+            )
+        if not is_pairs(task):
+            return None
+        return (
+            f"{name} needs {self.value}; {task.source} is a pair dataset: run it with --task "
+            "(a built-in task or a task .toml, docs/tasks.md)"
+        )
+
+
+def refuse_unmet(names: Iterable[str], *, task: Any = None, model: Any = None) -> None:
+    """Refuse, in one line and before any compute, analyses whose `requires` the task or model does
+    not meet (`NeedUnmet`, naming the first and the way out)."""
+    for name in names:
+        why = unmet(get(name), task=task, model=model)
+        if why:
+            raise NeedUnmet(why)
+
+
+def unmet(a: Analysis, *, task: Any = None, model: Any = None) -> str | None:
+    """Why `a` cannot run on `task` and `model`, or None."""
+    return next((w for need in a.requires if (w := need.refusal(a.name, task, model))), None)
+
 
 MIN_EFFECT = 0.1  # logits: pairs whose decision moves less are excluded (recovery would be noise)
 TASK, MODEL = "task", "model"
@@ -60,9 +106,10 @@ class Analysis:
 
     `run(ctx, cfg)` returns an instance of `result` (or None when `cfg` sizes it to nothing);
     `needs` are analyses of the same section whose results it reads from `ctx.results` (they run
-    first). `default`: run when a command is given no names; `in_report`: a part of `kvnotes report`;
-    `flag`: a CLI switch that also turns it on (`kvnotes edit --weights`); `quick`: the config
-    fields `ReportConfig.quick()` changes."""
+    first); `requires` what it needs of the task and model (`Need`: a gated rule, a template,
+    moving chunks), refused before anything runs. `default`: run when a command is given no names;
+    `in_report`: a part of `kvnotes report`; `flag`: a CLI switch that also turns it on
+    (`kvnotes edit --weights`); `quick`: the config fields `ReportConfig.quick()` changes."""
 
     name: str
     section: str
@@ -79,6 +126,7 @@ class Analysis:
     order: int = 100  # place within its section (runs, pages and JSON follow it)
     needs_model: bool = True  # False: run gets ctx.model None and ctx.model_name (a server does the work)
     command: str = ""  # a model-level analysis's `kvnotes bench` subcommand (default: its name, - for _)
+    requires: tuple[Need, ...] = ()  # what it needs of the task and model, checked before any compute
 
     def __post_init__(self):
         if not dataclasses.is_dataclass(self.config):

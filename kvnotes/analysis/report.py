@@ -37,8 +37,10 @@ from kvnotes.analysis.registry import (
     analyses,
     config_from_dict,
     config_to_dict,
+    refuse_unmet,
     report_analyses,
     sections,
+    unmet,
 )
 from kvnotes.analysis.results import ResultSchemaError, SectionReport
 from kvnotes.analysis.runner import collect, run_meta
@@ -354,9 +356,11 @@ def plan_parts(
     secs = sections()
     for task in tasks:
         memo: dict = {}  # the task's sections share its prompt pairs and what was computed on them
-        todo = [s for s in secs.values() if s.level == TASK and any(a.section == s.name for a in run_)]
+        # what this task and model cannot serve is left out (a pair dataset has no rule to flip)
+        fits = [a for a in run_ if not unmet(a, task=task, model=model)]
+        todo = [s for s in secs.values() if s.level == TASK and any(a.section == s.name for a in fits)]
         for i, sec in enumerate(todo):
-            names = [a.name for a in run_ if a.section == sec.name]
+            names = [a.name for a in fits if a.section == sec.name]
             shared = memo if sharing_enabled() else {}  # unshared: each section on its own
             last = i == len(todo) - 1  # the task's last section lets its pairs go after it
             part = partial(_task_part, model, task, sec, names, cfg, progress, shared, last)
@@ -396,6 +400,7 @@ def _task_part(
 
 
 def _model_part(model: KVModel, a: Analysis, cfg: ReportConfig, progress: bool) -> Any:
+    refuse_unmet([a.name], model=model)  # the part is skipped, saying why, before any compute
     ctx = Context(model=model, seed=cfg.seed, min_effect=cfg.min_effect, progress=progress, fit_context=True)
     return a.run(ctx, cfg.config(a.name))
 

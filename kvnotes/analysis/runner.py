@@ -24,6 +24,7 @@ from kvnotes.analysis.registry import (
     choose,
     config_to_dict,
     get,
+    refuse_unmet,
 )
 from kvnotes.analysis.results import SectionReport
 from kvnotes.engine.profile import label
@@ -64,12 +65,15 @@ def run_meta() -> dict:
 def run(
     ctx: Context, names: Sequence[str], configs: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict]:
-    """Run the named analyses (and what they need, first) in registry order on one context.
+    """Run the named analyses (and what they need, first) in registry order on one context; any
+    the context's task or model cannot serve (`Analysis.requires`) is refused before the first runs.
 
     Returns the results (by name; an analysis sized to nothing is left out) and the run's meta:
     `run_meta()`, the seed and minimum effect, and seconds per analysis and in all."""
     configs = dict(configs or {})
     wanted = _with_needs(names)
+    # before anything runs: what the task or model cannot give (a pair dataset has no rule to flip)
+    refuse_unmet([n for n in analyses() if n in wanted], task=ctx.task, model=ctx.model)
     if ctx.model is not None:  # before anything runs: a bad layer fails now, not after the prefills
         for n in wanted:
             check_layers(configs.get(n) or get(n).make_config(), ctx.model)

@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
-from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.registry import Context, Need, Options, analysis, option
 from kvnotes.bench.common import BenchReport, growth_exponent, header, machine, text_ids
 from kvnotes.bench.edit_cost import EditCostReport, edit_cost  # noqa: F401 - their old address
 from kvnotes.bench.multihost import (
@@ -372,6 +372,7 @@ class TTFTConfig(Options):
     quick={"lengths": QUICK_LENGTHS, "repeats": 1},
     title="Time to first token",
     order=20,
+    requires=(Need.MOVING_CHUNKS,),
 )
 def _run_ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
     """Time to first token: full prefill, prefix caching and a spliced precompiled chunk, after one
