@@ -415,6 +415,17 @@ def cmd_sweep(args) -> int:
     return code
 
 
+def cmd_pairs(args) -> int:
+    from kvnotes.tasks.generate import GENERATORS
+
+    make = GENERATORS[args.kind]
+    ps = make(_load(args), args.n, seed=args.seed, name=Path(args.out).stem)
+    print(
+        f"wrote {ps.write(args.out)}: {len(ps)} {args.kind} pairs for {args.model} ({len(ps.groups)} groups)"
+    )
+    return 0
+
+
 def cmd_vllm_env(args) -> int:
     from kvnotes.serving.vllm import make_vllm_env
 
@@ -442,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dashboard(sub)
     _add_export(sub)
     _add_sweep(sub)
+    _add_pairs(sub)
     _add_vllm_env(sub)
     _add_auto_circuit_env(sub)
     add_analysis_commands(sub)
@@ -631,6 +643,23 @@ def _add_sweep(sub) -> None:
     sw.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
     sw.add_argument("--html", type=OUT_FILE, metavar="FILE", help="also write the result's panel as a page")
     sw.set_defaults(func=cmd_sweep)
+
+
+def _add_pairs(sub) -> None:
+    """`kvnotes pairs ioi|greater-than`: a pair dataset from templates, fitted to the model's tokenizer."""
+    from kvnotes.args import OUT_FILE, SEED, Bounded
+
+    pp = sub.add_parser(
+        "pairs",
+        help="write a pair dataset (IOI or greater-than, from templates) for --pairs, its names and "
+        "answers checked to be one token under the model's tokenizer (docs/tasks.md)",
+    )
+    pp.add_argument("kind", choices=["ioi", "greater-than"], help="which dataset")
+    pp.add_argument("--n", type=Bounded(int, least=1), default=64, help="pairs (default 64)")
+    pp.add_argument("--out", type=OUT_FILE, required=True, metavar="FILE", help="the .jsonl to write")
+    pp.add_argument("--model", default="gemma-3-270m", help="the model whose tokenizer the pairs must fit")
+    pp.add_argument("--seed", type=SEED, default=0)
+    pp.set_defaults(func=cmd_pairs)
 
 
 def _add_vllm_env(sub) -> None:

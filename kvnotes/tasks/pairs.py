@@ -14,11 +14,11 @@ analysis that needs a task's gated rule or its template refuses a PairSet before
 (`kvnotes.analysis.registry.Need`).
 
     >>> from kvnotes import load_model
-    >>> ps = PairSet.from_records([{"clean": "a b", "corrupt": "a c", "correct": " cancel",
-    ...     "wrong": " deny"}], name="toy")
+    >>> ps = PairSet.from_records([{"clean": "Status: pending. Reply:", "corrupt": "Status: shipped. Reply:",
+    ...     "correct": " cancel", "wrong": " deny"}], name="toy")
     >>> pair = ps.sample(load_model("tiny-llama"), 1)[0]
-    >>> pair.new.text, pair.old.text, pair.expected
-    ('a b', 'a c', (1, 0))
+    >>> pair.old.text, pair.new.spans, pair.expected
+    ('Status: shipped. Reply:', {'changed': (4, 5), 'decision': (10, 11)}, (1, 0))
 """
 
 from __future__ import annotations
