@@ -73,6 +73,9 @@ class VerifyReport(Displayable):
     max_window: int | None
     skipped: dict[str, str] = field(default_factory=dict)  # invariant name -> why it did not run
     reference: str | None = None  # the Hugging Face reference the hf invariants ran against
+    # invariant name -> why it does not apply to this architecture (neither run nor passed: a
+    # model with learned positions cannot move a chunk, and `ops.rerotate` refuses to)
+    not_applicable: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +90,7 @@ class VerifyReport(Displayable):
             invariants=[InvariantResult(**r) for r in d["invariants"]],
             skipped=d.get("skipped", {}),
             reference=d.get("reference"),
+            not_applicable=d.get("not_applicable", {}),
         )
 
     def table(self) -> str:
@@ -106,11 +110,16 @@ class VerifyReport(Displayable):
                 f"{i:<3}{r.name:34}{r.max_abs_error:>14.3e}{r.tolerance:>12.1e}{units:>10}  "
                 f"{'pass' if r.passed else 'FAIL':6}  {r.worst}"
             )
+        for name, why in self.not_applicable.items():
+            lines.append(f"{'-':3}{name:34}{'n/a':>14}  {why}")
         for name, why in self.skipped.items():
             lines.append(f"{'-':3}{name:34}{'skipped':>14}  {why}")
         verdict = "all invariants pass" if self.passed else "SOME INVARIANTS FAIL"
-        if self.skipped:
-            verdict += f" ({len(self.invariants)} ran, {len(self.skipped)} skipped)"
+        if self.skipped or self.not_applicable:
+            left = [f"{len(self.invariants)} ran"]
+            left += [f"{len(self.not_applicable)} not applicable"] if self.not_applicable else []
+            left += [f"{len(self.skipped)} skipped"] if self.skipped else []
+            verdict += f" ({', '.join(left)})"
         lines.append(verdict)
         return "\n".join(lines)
 
@@ -427,6 +436,23 @@ DESCRIPTIONS = {
     "logits_equal_transformers": "logits at every position = Hugging Face transformers' forward",
 }
 EXACT = {"kv_deviation_before_field_is_zero", "patch_all_reproduces_source"}
+MOVES_KEYS = ("rerotation_equals_offset_prefill",)  # the invariants that move a chunk's keys
+
+
+def not_applicable(model: KVModel) -> dict[str, str]:
+    """The invariants that cannot apply to `model`'s architecture, each with the reason: on a model
+    with learned absolute positions no chunk can be moved (its position is in the residual stream
+    every later layer read, not in a rotation of the keys), so `ops.rerotate` refuses any move."""
+    if model.facts.positions == "rotary":
+        return {}
+    why = (
+        f"not applicable: {model.name} has {model.facts.positions} absolute positions, added to the "
+        "residual stream at the input, so its keys carry no rotation and no chunk can be moved "
+        "(ops.rerotate and ops.splice refuse any move with UnsupportedArchitecture)"
+    )
+    return dict.fromkeys(MOVES_KEYS, why)
+
+
 HF_INVARIANTS = ("prefill_kv_equals_transformers", "logits_equal_transformers")
 SELF_INVARIANTS = tuple(n for n in DESCRIPTIONS if n not in HF_INVARIANTS)
 
@@ -451,6 +477,7 @@ def verify(
         raise BadArgument(f"unknown invariant(s) {unknown}; the invariants are {list(DESCRIPTIONS)}")
     prompts = verification_prompts(model)
     skipped: dict[str, str] = {}
+    moot = {n: why for n, why in not_applicable(model).items() if n in names}
     wants_hf = [n for n in names if n in HF_INVARIANTS]
     if wants_hf and reference is None:
         if model.hf_source is None:
@@ -468,7 +495,9 @@ def verify(
                 f"the reference was computed on other prompts ({mismatch}) than verify uses for "
                 f"{model.name}; compute it with hf_reference(model) for this model"
             )
-    errors: dict[str, dict[str, list[Measure]]] = {n: {} for n in names if n in SELF_INVARIANTS}
+    errors: dict[str, dict[str, list[Measure]]] = {
+        n: {} for n in names if n in SELF_INVARIANTS and n not in moot
+    }
     measures: dict[str, list[tuple[str, float, float]]] = {n: [] for n in wants_hf if n not in skipped}
     with torch.no_grad():
         bar = tqdm(list(prompts.items()), desc=f"verify {model.name}", disable=not progress, unit="prompt")
@@ -491,6 +520,7 @@ def verify(
         max_window=model.max_window,
         skipped=skipped,
         reference=reference.source if measures else None,
+        not_applicable=moot,
     )
 
 
