@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import MODEL_NAMES, WINDOWED, Case, get_model, make_case
+from tests.helpers import LEARNED_NAMES, MODEL_NAMES, ROTARY_NAMES, WINDOWED, Case, get_model, make_case
 
 
 def pytest_configure(config):
@@ -23,7 +23,20 @@ def _seed():
 
 @pytest.fixture(scope="session", params=MODEL_NAMES, ids=MODEL_NAMES)
 def model(request):
-    """Every tiny model variant (full/partial rotary, GPT-J pairs, GQA, sliding windows, ...)."""
+    """Every tiny model variant (full/partial rotary, GPT-J pairs, GQA, sliding windows, learned
+    positions, attention-only, a converted transformers GPT-2)."""
+    return get_model(request.param)
+
+
+@pytest.fixture(scope="session", params=ROTARY_NAMES, ids=ROTARY_NAMES)
+def rotary_model(request):
+    """The tiny models whose keys carry RoPE: the ones re-rotation and splices can move."""
+    return get_model(request.param)
+
+
+@pytest.fixture(scope="session", params=LEARNED_NAMES, ids=LEARNED_NAMES)
+def learned_model(request):
+    """The tiny models with learned absolute positions (tiny-attn-only, tiny-gpt2)."""
     return get_model(request.param)
 
 
@@ -42,6 +55,11 @@ def gemma3():
 @pytest.fixture(scope="session")
 def case(model) -> Case:
     return make_case(model)
+
+
+@pytest.fixture(scope="session")
+def rotary_case(rotary_model) -> Case:
+    return make_case(rotary_model)
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,19 @@ import torch
 
 from kvnotes.fixtures import FILLER, POLICY, QUERY, STATE  # the task verify uses
 from kvnotes.models import load_model
-from kvnotes.models.tiny import TINY_CONFIGS, TINY_WINDOW
+from kvnotes.models.tiny import TINY_BASE, TINY_CONFIGS, TINY_HF, TINY_WINDOW
 from kvnotes.notebook import Notebook
 from kvnotes.ops import prefill
 from kvnotes.prompt import Prompt, Template
 
-MODEL_NAMES: tuple[str, ...] = tuple(TINY_CONFIGS)
+MODEL_NAMES: tuple[str, ...] = (*TINY_CONFIGS, *TINY_HF)
+# Keys that carry their position (RoPE): re-rotation and splices move them. The learned-position
+# models (tiny-attn-only, tiny-gpt2) add positions to the residual stream at the input, so moving
+# a chunk refuses there by design; their own tests say so (tests/engine/test_learned_positions.py).
+ROTARY_NAMES: tuple[str, ...] = tuple(
+    n for n, c in TINY_CONFIGS.items() if {**TINY_BASE, **c}["positional_embedding_type"] == "rotary"
+)
+LEARNED_NAMES: tuple[str, ...] = tuple(n for n in MODEL_NAMES if n not in ROTARY_NAMES)
 WINDOWED: tuple[str, ...] = tuple(n for n, c in TINY_CONFIGS.items() if c.get("use_local_attn"))
 
 # (rtol, atol) per dtype. The atol is relative-ish: it is scaled by the reference tensor's largest

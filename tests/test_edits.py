@@ -72,7 +72,9 @@ def test_recompute_suffix_from_a_position(case):
 
 # --- re-rotation ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("q", [3, 40, 400], ids=lambda q: f"q={q}")
-def test_rerotate_round_trip_restores_keys_and_never_touches_values(case, q):
+def test_rerotate_round_trip_restores_keys_and_never_touches_values(rotary_case, q):
+    """RoPE models only: a learned-position model refuses the move (test_learned_positions.py)."""
+    case = rotary_case
     model, nb = case.model, case.nb_old
     there = rerotate(model, nb, q)
     back = rerotate(model, there, nb.positions)
@@ -86,7 +88,8 @@ def test_rerotate_round_trip_restores_keys_and_never_touches_values(case, q):
     assert torch.equal(there.tokens, nb.tokens)
 
 
-def test_rerotate_by_int_equals_explicit_positions(case):
+def test_rerotate_by_int_equals_explicit_positions(rotary_case):
+    case = rotary_case
     nb = case.nb_old.truncate(10)
     a = rerotate(case.model, nb, 5)
     b = rerotate(case.model, nb, torch.arange(5, 15))
@@ -105,7 +108,8 @@ def test_rerotate_keeps_partial_rotary_dims_fixed():
 
 # --- splice --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("offset", [None, 100], ids=["after-host", "offset-100"])
-def test_splice_positions_are_contiguous_after_the_host(case, offset):
+def test_splice_positions_are_contiguous_after_the_host(rotary_case, offset):
+    case = rotary_case
     model = case.model
     host = prefill(model, case.ids[:10])
     chunk = prefill(model, case.old, upto="order_status", offset=0)  # a chunk with spans
@@ -118,7 +122,8 @@ def test_splice_positions_are_contiguous_after_the_host(case, offset):
     assert out.spans["policy"] == (a - 1 + start, b - 1 + start)
 
 
-def test_splice_seam_recomputes_exactly_the_first_b_tokens(case):
+def test_splice_seam_recomputes_exactly_the_first_b_tokens(rotary_case):
+    case = rotary_case
     model = case.model
     host, chunk = prefill(model, case.ids[:10]), prefill(model, case.ids[10:30])
     s0, s3 = splice(model, host, chunk), splice(model, host, chunk, seam=3)

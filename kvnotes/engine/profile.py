@@ -43,7 +43,8 @@ class Call:
 
 def matmul_flops(facts, rows: int, tokens: int, slots: int, blocks: int, reads: int, cols: int) -> float:
     """Floating-point operations of one forward's matmuls: per computed token and block run, the
-    Q/K/V and output projections, the MLP (three matrices when gated, else two) and attention's
+    Q/K/V and output projections, the MLP (three matrices when gated, else two; none in an
+    attention-only model, `d_mlp` None) and attention's
     scores and mix over the slots and the causal half of the computed tokens; per read position,
     the unembedding of `cols` columns. Norms, RoPE and elementwise work are left out (a few percent
     of a block). `facts`: a `ModelFacts`.
@@ -56,7 +57,7 @@ def matmul_flops(facts, rows: int, tokens: int, slots: int, blocks: int, reads: 
     """
     f = facts
     proj = f.d_model * (f.n_heads + 2 * f.n_kv_heads) * f.d_head + f.n_heads * f.d_head * f.d_model
-    mlp = (3 if f.gated_mlp else 2) * f.d_model * (f.d_mlp or 4 * f.d_model)
+    mlp = 0 if f.d_mlp is None else (3 if f.gated_mlp else 2) * f.d_model * f.d_mlp  # None: attention-only
     attn = 2 * f.n_heads * f.d_head * (slots + (tokens + 1) / 2)
     return 2.0 * rows * (tokens * blocks * (proj + mlp + attn) + reads * cols * f.d_model)
 

@@ -26,6 +26,7 @@ from kvnotes import rope
 from kvnotes.engine import plan as planning
 from kvnotes.engine.backend import register
 from kvnotes.engine.plan import Fresh, Hook, Plan, Resume, SlotKeys, saver, softcap, take_slots
+from kvnotes.errors import BadArgument
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Int, Tensor
 
@@ -53,6 +54,7 @@ class TransformerLensBackend:
 
     def forward(self, model: KVModel, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]) -> Fresh:
         """Fresh K/V and logits at the read positions, with `hooks` and the capture savers on."""
+        _check_hook_names(model, [*capture, *(t for t, _ in hooks if isinstance(t, str))])
         captured: dict[str, Tensor] = {}
         capture_hooks = [(name, saver(captured)) for name in capture]
         with model.tl.hooks(fwd_hooks=list(hooks) + capture_hooks):
@@ -82,6 +84,23 @@ class TransformerLensBackend:
 
 
 TRANSFORMER_LENS = register(TransformerLensBackend())
+
+
+def _check_hook_names(model: KVModel, names: Sequence[str]) -> None:
+    """Refuse a hook name the model has no point for, or one its forward never reaches (an
+    attention-only block's MLP points, which TransformerLens creates but never fires)."""
+    cfg = model.cfg
+    for name in names:
+        mlp = cfg.attn_only and any(s in name for s in (".mlp.", "hook_mlp_", "hook_resid_mid", ".ln2."))
+        if mlp:
+            raise BadArgument(
+                f"{model.name} has no hook point {name!r} that fires (it is attention-only: its "
+                "blocks have no MLP); hook hook_attn_out or hook_resid_post instead"
+            )
+        if name not in model.tl.hook_dict:
+            raise BadArgument(
+                f"{model.name} has no hook point {name!r}; model.backend.hook_names(model) lists its points"
+            )
 
 
 def _observed(point) -> bool:
@@ -115,7 +134,7 @@ def _forward(
     if resume is None:
         resid = tl.hook_embed(tl.embed(tok.to(device)))  # [batch, pos, d_model]
         if cfg.positional_embedding_type == "standard":  # learned positions, added at the input
-            resid = resid + tl.hook_pos_embed(tl.pos_embed.W_pos[pos.to(device)][None])
+            resid = resid + tl.hook_pos_embed(position_embedding(tl, pos.to(device)))
     else:
         resid = resume.resid.to(device).expand(tok.shape[0], -1, -1)
     for l in range(start, len(tl.blocks)):
@@ -165,8 +184,10 @@ def _attention(
     """
     attn, cfg = model.tl.blocks[layer].attn, model.cfg
     q, k, v = _qkv(attn, cfg, x)  # hook_q/k/v fire: [batch, pos, head, d_head]
-    q = _through(attn, "hook_rot_q", rotated(attn, q, pos))  # rotation: the identity for learned
-    k = _through(attn, "hook_rot_k", rotated(attn, k, pos))  # positions, which have no such hooks
+    # rotation is the identity for learned positions; hook_rot_q/k fire there too, with q and k as
+    # they are (TransformerLens's own forward leaves them silent), so rotation hooks need no branch
+    q = _through(attn, "hook_rot_q", rotated(attn, q, pos))
+    k = _through(attn, "hook_rot_k", rotated(attn, k, pos))
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # -> [batch, kv_head, pos, d_head] (notebook layout)
     b, n, h, d = q.shape
     kvh = k.shape[1]
@@ -194,6 +215,12 @@ def _attention(
         w = _packed(attn, "o", (attn.W_O,), _output_layout)
         out = F.linear(z.reshape(b, n, h * d), w, attn.b_O)
     return out, k, v
+
+
+def position_embedding(tl, pos: Int[Tensor, " pos"]) -> Float[Tensor, "1 pos d_model"]:
+    """The learned absolute position embedding of each computed token (GPT-2, tracr): `W_pos`'s
+    rows at the tokens' own positions, added to the residual stream at the input."""
+    return tl.pos_embed.W_pos[pos][None]
 
 
 def _through(module, hook: str, t: Tensor) -> Tensor:

@@ -79,7 +79,7 @@ class ModelFacts:
     n_kv_heads: int  # key/value heads (fewer under grouped-query attention)
     d_head: int
     d_model: int
-    d_mlp: int | None
+    d_mlp: int | None  # None: no MLP (an attention-only model)
     gated_mlp: bool = True  # a gated MLP (three matrices: gate, in, out), as Llama's and Gemma's
     d_vocab: int  # token ids the embedding takes
     d_vocab_out: int  # logits the unembedding gives
@@ -127,6 +127,7 @@ class KVModel:
         for p in tl.parameters():
             p.requires_grad_(False)
         check_supported(tl)
+        _rotation_hooks(tl)
         for block in tl.blocks:
             if type(getattr(block, "mlp", None)) is GatedMLP:
                 block.mlp.__class__ = ViewsGatedMLP
@@ -276,6 +277,21 @@ def _tl_facts(tl: HookedTransformer) -> ModelFacts:
         model_type=c.original_architecture or "",
         positions="rotary" if rotary else "learned",
     )
+
+
+def _rotation_hooks(tl: HookedTransformer) -> None:
+    """Give learned-position models the `hook_rot_q`/`hook_rot_k` points RoPE models have: their
+    rotation is the identity, so the points fire with the queries and keys as they are, and code
+    that reads the keys a notebook stores reads them by one name on every model."""
+    if tl.cfg.positional_embedding_type == "rotary":
+        return
+    from transformer_lens.hook_points import HookPoint
+
+    for block in tl.blocks:
+        for name in ("hook_rot_q", "hook_rot_k"):
+            if not hasattr(block.attn, name):
+                setattr(block.attn, name, HookPoint())
+    tl.setup()
 
 
 def check_supported(tl: HookedTransformer) -> None:

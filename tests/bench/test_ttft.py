@@ -31,7 +31,9 @@ from kvnotes.ops import decide, precompile, prefill
 from tests.helpers import assert_close, assert_notebooks_close, get_model
 
 
-def test_composed_context_with_a_full_seam_equals_full_prefill(model):
+def test_composed_context_with_a_full_seam_equals_full_prefill(rotary_model):
+    """The composed path splices a moved chunk: RoPE models only (learned positions refuse it)."""
+    model = rotary_model
     chunk = text_ids(model, 40)
     suffix, query = model.encode(SUFFIX, bos=False), model.encode(QUERY, bos=False)
     host = model.encode(HOST)

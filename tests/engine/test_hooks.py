@@ -23,6 +23,12 @@ def test_fired_hook_names_are_transformer_lens_names(case):
         hooks=[(lambda name: True, lambda act, hook: fired.append(hook.name))],
     )
     assert set(fired) <= set(model.tl.hook_dict), set(fired) - set(model.tl.hook_dict)
+    # the points TransformerLens's own forward fires, fire; beside them, under learned positions,
+    # hook_rot_q/k fire too, with q and k as they are (rotation is the identity there; TransformerLens
+    # leaves them silent); an attention-only model's MLP points fire in neither
+    _, cache = model.tl.run_with_cache(torch.tensor([case.ids]))
+    learned = model.facts.positions == "learned"
+    assert ("hook_pos_embed" in fired) == learned == ("hook_pos_embed" in cache)
     for l in range(model.n_layers):
         for name in (
             "attn.hook_q",
@@ -38,7 +44,8 @@ def test_fired_hook_names_are_transformer_lens_names(case):
             "hook_resid_mid",
             "hook_resid_post",
         ):
-            assert f"blocks.{l}.{name}" in fired, f"blocks.{l}.{name} did not fire"
+            extra = learned and "hook_rot_" in name
+            assert (f"blocks.{l}.{name}" in fired) == (f"blocks.{l}.{name}" in cache or extra), name
     assert len(fired) == len(set(fired)), "a hook point fired twice in one run"
 
 
@@ -119,12 +126,19 @@ def test_zeroing_hook_z_matches_full_forward_hooked_at_computed_positions(case, 
 )
 def test_capture_equals_full_forward_cache_at_computed_positions(case, name):
     model, ids = case.model, case.ids
+    if model.cfg.attn_only and "mlp" in name:  # TransformerLens never fires it: refused by name
+        with pytest.raises(BadArgument, match=r"attention-only: its blocks have no MLP"):
+            run(model, prefill(model, ids[:5]), ids[5:], capture=[name])
+        return
     k = case.field - 1
     _, out = run(model, prefill(model, ids, upto=k), ids[k:], capture=[name])
-    _, cache = model.tl.run_with_cache(torch.tensor([ids]), names_filter=[name])
+    # learned positions: TransformerLens rotates nothing and fires no hook_rot_k; the engine fires
+    # it with the keys as they are, which are TransformerLens's hook_k
+    same = name.replace("hook_rot_", "hook_") if model.facts.positions == "learned" else name
+    _, cache = model.tl.run_with_cache(torch.tensor([ids]), names_filter=[same])
     act = out.activations[name]
     assert act.shape[:2] == (1, len(ids) - k)
-    assert_close(act, cache[name][:, k:], what=name)
+    assert_close(act, cache[same][:, k:], what=name)
 
 
 def test_capture_does_not_change_logits(case):
@@ -137,6 +151,9 @@ def test_hook_name_gives_transformer_lens_names(model):
     last = model.n_layers - 1
     for site in SITES:
         assert hook_name(last, site) == f"blocks.{last}.{site}"
+        if site == "mlp.hook_post" and model.cfg.attn_only:  # no MLP module to hook
+            assert hook_name(last, site) not in model.tl.hook_dict
+            continue
         assert hook_name(last, site) in model.tl.hook_dict, site
     with pytest.raises(BadArgument) as e:
         hook_name(0, "attn.hook_zz")

@@ -132,7 +132,9 @@ def test_patch_all_reproduces_source_decision(case):
 
 # --- 6. re-rotation of an isolated chunk == prefill at offset q ----------------------------------
 @pytest.mark.parametrize("q", [1, 5, WINDOW + 3, 100, 400], ids=lambda q: f"q={q}")
-def test_rerotate_chunk_equals_prefill_at_offset(case, q):
+def test_rerotate_chunk_equals_prefill_at_offset(rotary_case, q):
+    """RoPE models only: a learned-position model refuses the move (test_learned_positions.py)."""
+    case = rotary_case
     model = case.model
     chunk = case.ids[1 : case.stop]  # the prompt without BOS, as a chunk
     moved = rerotate(model, prefill(model, chunk), q)
@@ -227,7 +229,8 @@ def _host_and_chunk(case) -> tuple[list[int], list[int]]:
     return ids[:cut], ids[cut : case.stop]
 
 
-def test_splice_seam0_chunk_slots_equal_isolated_prefill_at_target(case):
+def test_splice_seam0_chunk_slots_equal_isolated_prefill_at_target(rotary_case):
+    case = rotary_case
     model = case.model
     host_ids, chunk_ids = _host_and_chunk(case)
     host = prefill(model, host_ids)
@@ -238,14 +241,16 @@ def test_splice_seam0_chunk_slots_equal_isolated_prefill_at_target(case):
     assert_notebooks_close(chunk_part, prefill(model, chunk_ids, offset=h), what="spliced chunk")
 
 
-def test_splice_full_seam_equals_prefill_of_host_plus_chunk(case):
+def test_splice_full_seam_equals_prefill_of_host_plus_chunk(rotary_case):
+    case = rotary_case
     model = case.model
     host_ids, chunk_ids = _host_and_chunk(case)
     spliced = splice(model, prefill(model, host_ids), prefill(model, chunk_ids), seam=len(chunk_ids))
     assert_notebooks_close(spliced, prefill(model, host_ids + chunk_ids), what="full-seam splice")
 
 
-def test_splice_without_rerotation_visibly_differs(case):
+def test_splice_without_rerotation_visibly_differs(rotary_case):
+    case = rotary_case
     model = case.model
     host_ids, chunk_ids = _host_and_chunk(case)
     host, chunk = prefill(model, host_ids), prefill(model, chunk_ids)

@@ -162,7 +162,7 @@ def test_the_profile_files_each_call_under_its_operation_and_analysis(case):
     per_token_block = 2 * (
         f.d_model * (f.n_heads + 2 * f.n_kv_heads) * f.d_head
         + f.n_heads * f.d_head * f.d_model
-        + (3 if f.gated_mlp else 2) * f.d_model * f.d_mlp
+        + (0 if f.d_mlp is None else (3 if f.gated_mlp else 2) * f.d_model * f.d_mlp)  # None: no MLP
     )
     blocks = p.calls[0].tokens * f.n_layers * per_token_block / 1e9
     assert 1.0 < p.calls[0].gflop / blocks < 1.5, (p.calls[0].gflop, blocks)
