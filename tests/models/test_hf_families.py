@@ -115,11 +115,19 @@ def test_directory_without_checkpoint(tmp_path):
 
 
 def test_unsupported_model_type(tmp_path):
-    with pytest.raises(UnsupportedArchitecture, match="gpt2.*supported: gemma"):
-        tl_config_from_hf(tf.GPT2Config())
-    tf.GPT2Config(n_layer=1).save_pretrained(tmp_path)  # refused before any weights are read
-    with pytest.raises(UnsupportedArchitecture, match="gpt2"):
+    with pytest.raises(UnsupportedArchitecture, match="bloom.*supported: gemma"):  # ALiBi
+        tl_config_from_hf(tf.BloomConfig())
+    tf.BloomConfig(n_layer=1).save_pretrained(tmp_path)  # refused before any weights are read
+    with pytest.raises(UnsupportedArchitecture, match="bloom"):
         load_hf(str(tmp_path))
+
+
+def test_gpt2_variants_the_engine_cannot_reproduce_are_refused():
+    """GPT-2 loads (tests/engine/test_learned_positions.py); its per-layer attention scaling and
+    cross-attention do not, with the field named."""
+    for field in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+        with pytest.raises(UnsupportedArchitecture, match=field):
+            tl_config_from_hf(tf.GPT2Config(n_layer=1, **{field: True}))
 
 
 def test_unsupported_rope_scaling():
