@@ -307,8 +307,9 @@ def _traced(model, ids: Tensor, kwargs: dict, plan: _HookPlan) -> Tensor:
     feed.kwargs = kwargs
     try:
         with lm.trace(ids):
+            layers = model.layout.layer_list(lm)
             for l in sorted(plan.per_layer):
-                layer = lm.model.layers[l]
+                layer = layers[l]
                 for _, site, fns in plan.per_layer[l]:
                     envoy = layer
                     for part in filter(None, site.path.split(".")):
@@ -336,6 +337,8 @@ def _rerotate(model, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tens
     at `old`, apply the one at `new`, each from the model's own cos/sin at those positions, so
     a moved key equals the key a prefill at `new` writes. A scaled RoPE's magnitude factor
     (`attention_scaling`: YaRN, LongRoPE) is divided out of both, so only the angle moves."""
+    if model.facts.positions != "rotary":  # learned positions: rotation is the identity (a move of
+        return keys  # zero; `KVModel.rerotate` refuses any other)
     cfg_rope = getattr(model.text_config, "rope_parameters", None) or {}
     kinds = {v.get("rope_type") for v in cfg_rope.values() if isinstance(v, dict)} | {
         cfg_rope.get("rope_type")

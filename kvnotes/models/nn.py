@@ -11,6 +11,10 @@ says what a model is (its facts, windows, RoPE, and which hook names it answers 
 Hook names are TransformerLens's (`blocks.{l}.attn.hook_z`, `blocks.{l}.hook_resid_post`, ...),
 mapped per family to nnsight module paths in `kvnotes.models.sites.MODULE_SITES`: the same analysis
 code runs on both backends.
+
+Where a family keeps its layers and its positions is a `Layout`: RoPE decoders (`model.layers`, a
+`model.rotary_emb`) and GPT-2 (`transformer.h`, learned positions `wpe` added at the input, which
+the forward takes as `position_ids`, so a notebook runs there exactly; moving a chunk refuses).
 """
 
 from __future__ import annotations
@@ -56,6 +60,30 @@ _NOT_KV = {
 }
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a transformers family keeps its decoder layers, and how it keeps positions."""
+
+    decoder: str  # the decoder module under the causal LM ("model", "transformer")
+    layers: str  # its list of layers ("layers", "h")
+    positions: str  # "rotary" (a `rotary_emb` beside the layers) or "learned" (added at the input)
+    probes: tuple[str, str]  # a weight of the first layer and one of the last, for the fingerprint
+    gated_mlp: bool = True
+
+    def layer_list(self, hf):
+        return getattr(getattr(hf, self.decoder), self.layers)
+
+
+_ROPE = Layout("model", "layers", "rotary", ("self_attn.q_proj.weight", "mlp.down_proj.weight"))
+LAYOUTS: dict[str, Layout] = {  # model_type -> layout; every other family: `_ROPE`
+    "gpt2": Layout("transformer", "h", "learned", ("attn.c_attn.weight", "mlp.c_proj.weight"), False),
+}
+
+
+def layout(config) -> Layout:
+    return LAYOUTS.get(getattr(config.get_text_config(), "model_type", ""), _ROPE)
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class NNsightModel(KVModel):
     """A `KVModel` on nnsight: a Hugging Face causal LM (`hf`) wrapped by nnsight (`lm`).
@@ -77,8 +105,12 @@ class NNsightModel(KVModel):
         return self.hf.config.get_text_config()
 
     @property
+    def layout(self) -> Layout:
+        return layout(self.hf.config)
+
+    @property
     def layers(self):
-        return self.hf.model.layers
+        return self.layout.layer_list(self.hf)
 
     @property
     def device(self) -> torch.device:
@@ -87,10 +119,6 @@ class NNsightModel(KVModel):
     @property
     def dtype(self) -> torch.dtype:
         return self.hf.get_input_embeddings().weight.dtype
-
-    def rerotate(self, layer: int, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE `keys` `[..., slot, d_head]` of `layer` moved from positions `old` to `new`."""
-        return self.backend.rerotate(self, layer, keys, old, new)
 
     def site(self, name: str) -> tuple[int, str, Site | None]:
         """(layer, site name, Site) for a hook name such as `blocks.3.attn.hook_z`; Site is None
@@ -170,24 +198,27 @@ def _facts(hf, c, types: tuple[str, ...]) -> ModelFacts:
     n_heads = c.num_attention_heads
     d_head = getattr(c, "head_dim", None) or c.hidden_size // n_heads
     n = c.num_hidden_layers
+    kind = layout(hf.config)
+    rotary = kind.positions == "rotary"
     return ModelFacts(
         n_layers=n,
         n_heads=n_heads,
         n_kv_heads=getattr(c, "num_key_value_heads", None) or n_heads,
         d_head=d_head,
         d_model=c.hidden_size,
-        d_mlp=c.intermediate_size,
-        gated_mlp=True,  # the architectures this backend loads (Llama, Qwen, Gemma) gate their MLPs
+        d_mlp=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
+        gated_mlp=kind.gated_mlp,  # Llama, Qwen and Gemma gate their MLPs; GPT-2 does not
         d_vocab=c.vocab_size,
         d_vocab_out=hf.get_output_embeddings().weight.shape[0],
         n_ctx=getattr(c, "max_position_embeddings", 2048),
         windows=_windows(c, types),
-        rope_bases=tuple(_rope_base(c, types, l) for l in range(n)),
-        rotary_dims=(int(d_head * getattr(c, "partial_rotary_factor", 1.0)),) * n,
+        rope_bases=tuple(_rope_base(c, types, l) if rotary else 0.0 for l in range(n)),
+        rotary_dims=(int(d_head * getattr(c, "partial_rotary_factor", 1.0)) if rotary else 0,) * n,
         attn_scores_soft_cap=getattr(c, "attn_logit_softcapping", None) or None,
         output_logits_soft_cap=getattr(c, "final_logit_softcapping", None) or None,
         norm_after_sublayers=c.model_type in ("gemma2", "gemma3_text", "gemma3"),
         model_type=c.model_type,
+        positions=kind.positions,
     )
 
 
@@ -204,13 +235,11 @@ def _fingerprint(hf, tokenizer) -> str:
     h.update(hf.config.get_text_config().to_json_string(use_diff=False).encode())
     vocab = tokenizer.get_vocab()
     h.update(json.dumps(sorted(vocab.items())[:: max(1, len(vocab) // 4096)]).encode())
-    layers = hf.model.layers
+    kind = layout(hf.config)
+    layers = kind.layer_list(hf)
+    first, last = (layers[i].get_parameter(p) for i, p in zip((0, -1), kind.probes))
     with torch.no_grad():
-        for t in (
-            hf.get_input_embeddings().weight[:4],
-            layers[0].self_attn.q_proj.weight[:4],
-            layers[-1].mlp.down_proj.weight[:, :4],
-        ):
+        for t in (hf.get_input_embeddings().weight[:4], first[:4], last[:, :4]):
             h.update(t.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
 
@@ -249,6 +278,11 @@ def load_nnsight(
     path = Path(name).expanduser()
     if path.is_dir():
         return _from_dir(str(path), name, dtype=dtype, attn=attn, local=True)
+    from kvnotes.models.tiny import TINY_HF, tiny_gpt2_hf, tiny_tokenizer
+
+    if name in TINY_HF:  # built by transformers in-process: its own module runs here
+        reference = HFSource(what=f"transformers' GPT2LMHeadModel ({name}, rebuilt)", load=tiny_gpt2_hf)
+        return _from_module(tiny_gpt2_hf().to(dtype), tiny_tokenizer(), name, name, reference, attn or "sdpa")
     if name in builtin_names():
         raise UnknownModelError(
             f"{name} is a TransformerLens-only model (it has no Hugging Face checkpoint); run it on "
@@ -281,7 +315,6 @@ def gemma_checkpoint() -> Path:
 
 
 def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, local: bool) -> NNsightModel:
-    from nnsight.modeling.transformers import TransformersModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvnotes.models.hf import _fetch
@@ -290,23 +323,38 @@ def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, l
     types = check_plain_kv(config)  # before any weights load
     tokenizer = _fetch(AutoTokenizer.from_pretrained, source, local)
     hf = _fetch(AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation=attn)
-    hf.eval()
-    for p in hf.parameters():
-        p.requires_grad_(False)
-    if not hasattr(getattr(hf, "model", None), "layers") or not hasattr(hf.model, "rotary_emb"):
-        raise UnsupportedArchitecture(
-            f"{type(hf).__name__} keeps its decoder layers or rotary embedding elsewhere than "
-            "model.layers / model.rotary_emb; kvnotes' nnsight backend needs both to read the cache"
-        )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lm = TransformersModel(hf, tokenizer=tokenizer, task="text-generation")
     reference = HFSource(
         what=f"transformers' {type(hf).__name__} from {source}",
         load=lambda: _fetch(
             AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation="eager"
         ),
     )
+    return _from_module(hf, tokenizer, name, source, reference, None, types)
+
+
+def _from_module(hf, tokenizer, name: str, source: str, reference, attn, types=None) -> NNsightModel:
+    """A loaded transformers causal LM as an `NNsightModel` (attn: switch its attention first)."""
+    from nnsight.modeling.transformers import TransformersModel
+
+    types = check_plain_kv(hf.config) if types is None else types
+    if attn is not None:
+        hf.set_attn_implementation(attn)
+    hf.eval()
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    kind = layout(hf.config)
+    decoder = getattr(hf, kind.decoder, None)
+    if not hasattr(decoder, kind.layers) or (
+        kind.positions == "rotary" and not hasattr(decoder, "rotary_emb")
+    ):
+        raise UnsupportedArchitecture(
+            f"{type(hf).__name__} keeps its decoder layers or rotary embedding elsewhere than "
+            f"{kind.decoder}.{kind.layers} / {kind.decoder}.rotary_emb; kvnotes' nnsight backend "
+            "needs both to read the cache"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = TransformersModel(hf, tokenizer=tokenizer, task="text-generation")
     return _wrap(name, source, lm, tokenizer, types, _fingerprint(hf, tokenizer), reference)
 
 
