@@ -514,7 +514,10 @@ def append(
 def rerotate(model: KVModel, notebook: Notebook, positions: Sequence[int] | Tensor | int) -> Notebook:
     """Move every slot to new `positions` (or shift all by an int offset) by re-rotating keys.
 
-    Values are position-free and are shared; each layer's keys turn with that layer's RoPE.
+    Values are position-free and are shared; each layer's keys turn with that layer's RoPE. A model
+    with learned absolute positions (GPT-2, tracr) refuses any move with `UnsupportedArchitecture`
+    before computing anything (its positions are in the residual stream, not in its keys); a move of
+    zero returns the same keys.
     """
     notebook.check_model(model)
     if isinstance(positions, int):
@@ -552,7 +555,10 @@ def splice(
     model: KVModel, host: Notebook, chunk: Notebook, *, offset: int | None = None, seam: int = 0
 ) -> Notebook:
     """Place a precompiled `chunk` after `host` (at `offset`, default right after it), re-rotated,
-    then repair the seam by recomputing the chunk's first `seam` tokens in context."""
+    then repair the seam by recomputing the chunk's first `seam` tokens in context.
+
+    On learned absolute positions a chunk that must move is refused (`rerotate`); one prefilled at
+    its target positions (`prefill(model, ids, offset=...)`) splices without a move."""
     host.check_compatible(chunk)
     start = host.next_position if offset is None else offset
     if host.n_slots and start <= int(host.positions.max()):
