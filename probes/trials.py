@@ -21,7 +21,7 @@ from kvnotes.models import default_task
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, Prefixes, PromptLike, decide, decide_patched, prefill
-from kvnotes.tasks import GATE, Pair, Task, load_task, sample
+from kvnotes.tasks import GATE, Pair, TaskSource, load_task, sample
 from kvnotes.types import Float, Tensor
 
 
@@ -158,7 +158,7 @@ def read_decision(
 
 def make_trials(
     model: KVModel,
-    task: Task | str,
+    task: TaskSource | str,
     n: int,
     *,
     seed: int = 0,

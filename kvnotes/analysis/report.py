@@ -48,7 +48,7 @@ from kvnotes.batches import sharing_enabled
 from kvnotes.display import Displayable
 from kvnotes.errors import KVNotesError, ReportFileError
 from kvnotes.models.model import KVModel
-from kvnotes.tasks import Task, load_task
+from kvnotes.tasks import TaskSource, load_task
 
 SCHEMA = "kvnotes.report/3"
 # /1 is migrated on load (its config was flat); /2 wrote a circuits section in a layout of its own
@@ -348,7 +348,7 @@ class Report(Displayable):
 
 
 def plan_parts(
-    model: KVModel, tasks: Sequence[Task], cfg: ReportConfig, *, progress: bool = True
+    model: KVModel, tasks: Sequence[TaskSource], cfg: ReportConfig, *, progress: bool = True
 ) -> list[tuple[str, Callable]]:
     """The parts of a report in run order: per task each section, then each model-level analysis."""
     out: list[tuple[str, Callable]] = []
@@ -373,7 +373,7 @@ def plan_parts(
 
 def _task_part(
     model: KVModel,
-    task: Task,
+    task: TaskSource,
     section: Section,
     names: list[str],
     cfg: ReportConfig,
@@ -445,7 +445,7 @@ def model_info(model: KVModel) -> dict:
 
 def run_report(
     model: KVModel,
-    tasks: Sequence[Task | str],
+    tasks: Sequence[TaskSource | str],
     out: str | Path,
     cfg: ReportConfig | None = None,
     *,
@@ -514,7 +514,7 @@ def run_report(
     return report  # the one saved last
 
 
-def _distinct_tasks(tasks: Sequence[Task | str]) -> list[Task]:
+def _distinct_tasks(tasks: Sequence[TaskSource | str]) -> list[TaskSource]:
     """The report's tasks, loaded; at least one, none twice."""
     tasks = [load_task(t) for t in tasks]
     if not tasks:

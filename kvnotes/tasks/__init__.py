@@ -10,6 +10,7 @@ from kvnotes.tasks.task import (
     Shots,
     Task,
     TaskError,
+    TaskSource,
     Variant,
     builtin_tasks,
     load_task,
@@ -17,6 +18,7 @@ from kvnotes.tasks.task import (
 
 __all__ = [
     "Task",
+    "TaskSource",
     "Gate",
     "Rule",
     "Shots",

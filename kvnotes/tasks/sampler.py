@@ -138,7 +138,7 @@ def template_of(i: int, n_templates: int) -> int:
 
 
 def sample(
-    task: Task,
+    task: Task | PairSet,
     model,
     n: int,
     *,

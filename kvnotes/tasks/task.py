@@ -163,7 +163,10 @@ def builtin_tasks() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
 
 
-def load_task(name_or_path: str | Path | Task | PairSet) -> Task | PairSet:
+TaskSource = Task | PairSet  # what the trial-based analyses take: a gated-decision task or a pair dataset
+
+
+def load_task(name_or_path: str | Path | TaskSource) -> TaskSource:
     """A built-in task by name (`builtin_tasks()`), or a task from a TOML file; a `.jsonl` path is
     a pair dataset (`kvnotes.tasks.pairs.load_pairs`), and a Task or PairSet is returned as it is.
 
