@@ -52,6 +52,7 @@ from circuits.attribution import Attribution, attribute, attribution  # noqa: E4
 from circuits.edge_bench import EdgeBenchReport, edge_bench  # noqa: E402  (`kvnotes bench edges`)
 from circuits.edge_circuits import EdgeCircuits, analyse_edges  # noqa: E402
 from circuits.features import sae_analysis  # noqa: E402
+from circuits.ground_truth import GroundTruthReport, ground_truth_bench  # noqa: E402  (`kvnotes bench ground-truth`)
 from circuits.heads import Head, all_heads, read_sweep, write_sweep  # noqa: E402
 from circuits.prompt_attribution import PromptAttribution, attribute_prompt  # noqa: E402
 from circuits.read_write import read_heads, write_heads  # noqa: E402
@@ -114,7 +115,9 @@ __all__ = [
     "analyse_edges",
     "EdgeCircuits",
     "EdgeBenchReport",
+    "GroundTruthReport",
     "edge_bench",
+    "ground_truth_bench",
     "PromptAttribution",
     "Head",
     "all_heads",

@@ -28,6 +28,9 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
     - "gated-organism": a compiled model with RMSNorm, a gated MLP that writes the notes, grouped
       queries and a decision query that reads the field, its edge circuit designed
       (`kvnotes.models.gated`)
+    - "tracr-reverse", "tracr-hist", "tracr-count", "tracr-dyck", "tracr-dyck2", "tracr-pattern":
+      programs of tracr's library compiled to weights, their circuits known (`kvnotes.models.tracr`;
+      the tracr extra)
     - a local Hugging Face checkpoint directory, or a hub name (Llama, Mistral, Qwen2/3, Gemma 1-3,
       GPT-2)
 
@@ -62,6 +65,10 @@ def load_model(name: str, *, backend: str = "transformer-lens", **kwargs):
         return load_gated_organism(name)
     if name in NULL_ORGANISMS:
         return load_null_organism(name)
+    if name.startswith("tracr-"):
+        from kvnotes.models.tracr import load_tracr
+
+        return load_tracr(name)
     if Path(name).expanduser().is_dir() or "/" in name:
         from kvnotes.models.hf import load_hf
 

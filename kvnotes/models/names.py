@@ -14,11 +14,13 @@ N_CTX_CAP = 8192
 
 
 def builtin_names() -> list[str]:
-    """Every name `load_model` knows without a checkpoint: the embedded model, tiny models, organisms."""
+    """Every name `load_model` knows without a checkpoint: the embedded model, tiny models, organisms,
+    tracr's compiled programs."""
     from kvnotes.models.gated import GATED_ORGANISMS
     from kvnotes.models.mixed import MIXED_ORGANISMS
     from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS
     from kvnotes.models.tiny import TINY_CONFIGS, TINY_HF
+    from kvnotes.models.tracr import library_names
 
     return [
         EMBEDDED,
@@ -28,6 +30,7 @@ def builtin_names() -> list[str]:
         *MIXED_ORGANISMS,
         *GATED_ORGANISMS,
         *NULL_ORGANISMS,
+        *library_names(),  # tracr's compiled programs (the tracr extra)
     ]
 
 

@@ -1,0 +1,168 @@
+"""tracr's compiled programs as models: the conversion against tracr's own JAX model, the known
+circuit against patching, and the ground-truth bench's scoring on programs small enough for CI."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tracr", reason="the tracr extra: pip install -e '.[tracr]'")
+
+from circuits.edges import edge_site  # noqa: E402
+from circuits.ground_truth import (  # noqa: E402
+    auroc,
+    ground_truth_bench,
+    known_edges,
+    known_nodes,
+    precision_recall,
+)
+from kvnotes.errors import BadArgument, UnknownModelError  # noqa: E402
+from kvnotes.models.tracr import (  # noqa: E402
+    TRACR_PROGRAMS,
+    compile_program,
+    input_pairs,
+    load_tracr,
+    pairs,
+)
+from kvnotes.ops import decide, prefill  # noqa: E402
+
+# tracr's weights are exact one-hot reads and large-scale softmaxes; float32 against JAX's float32
+# differs by rounding only (observed < 1e-5); 1e-4 leaves room for summation order
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("short", TRACR_PROGRAMS)
+def test_a_compiled_program_computes_what_tracr_and_rasp_compute(short):
+    """Every position's output logits equal tracr's own (causal) model's, and the answer at the
+    last position is the RASP program's answer on the whole input, on random inputs."""
+    model = load_tracr(f"tracr-{short}")
+    rng = random.Random(0)
+    out_values = list(model.reference.output_encoder.encoding_map)
+    cols = [model.answer_token(str(v)) for v in out_values]
+    for _ in range(2):  # tracr's JAX model runs op by op (seconds a call): a few inputs, full length
+        inputs = [rng.choice(model.vocab) for _ in range(model.max_seq_len)]
+        ids = model.encode(model.text(inputs))
+        ours = model.full_logits(ids)[:, cols].double().numpy()
+        ref = model.reference.apply(["BOS", *inputs])
+        theirs = np.asarray(ref.transformer_output)[0] @ _unembed(model, out_values)
+        np.testing.assert_allclose(ours[1:], theirs[1:], atol=TOL)
+        assert out_values[int(ours[-1].argmax())] == model.evaluate(inputs)[-1]
+
+
+def _unembed(model, out_values) -> np.ndarray:
+    labels = model.reference.residual_labels
+    w = np.zeros((len(labels), len(out_values)))
+    for j, v in enumerate(out_values):
+        w[labels.index(f"{model.circuit.output}:{v}"), j] = 1.0
+    return w
+
+
+def test_the_notebook_decides_as_the_full_forward_on_a_tracr_model():
+    """Invariant 1 on a compiled program: prefill, then decide, equals one full forward."""
+    model = load_tracr("tracr-reverse")
+    pair = pairs(model, 1, seed=3)[0]
+    nb = prefill(model, pair.new)
+    got = decide(model, nb, pair.new).last[0].double()
+    want = model.full_logits(pair.new.ids)[-1].double()
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)  # float32 rounding
+
+
+def test_the_known_circuit_is_exported_as_json_with_every_step_placed(tmp_path):
+    model = load_tracr("tracr-reverse")
+    d = json.loads(json.dumps(model.circuit.to_dict()))
+    kinds = {(s["op"], s["kind"]) for s in d["steps"]}
+    assert ("Aggregate", "head") in kinds and ("SelectorWidth", "head") in kinds
+    assert ("SequenceMap", "mlp") in kinds or ("Map", "mlp") in kinds
+    for s in d["steps"]:
+        assert 0 <= s["layer"] < model.n_layers
+        assert s["kind"] == "mlp" or 0 <= s["head"] < model.n_heads
+    # the reverse head reads the token at the selected key through its value
+    last = [s for s in d["steps"] if s["op"] == "Aggregate"][-1]
+    assert "tokens" in last["reads"]["value"] and last["expr"] == d["output"]
+
+
+@pytest.mark.parametrize("short", ["reverse", "hist", "count", "pattern", "dyck"])
+def test_the_known_circuit_alone_reproduces_the_clean_decision(short):
+    """Only the known edges carry the clean prompt's values (every other edge the corrupt one's):
+    the decision is the clean one. Without the known edges into the logit it is the corrupt one:
+    the known circuit is what carries the change, so this check can fail."""
+    model = load_tracr(f"tracr-{short}")
+    for pair in pairs(model, 2, seed=1):
+        site = edge_site(model, pair)
+        truth = known_edges(model, site)
+        assert truth.any()
+        cut = truth.copy()
+        cut[[i for i, lab in enumerate(site.graph.labels) if lab.endswith("->LOGIT")]] = False
+        full, none = site.patch(np.stack([truth, cut]))
+        assert full == pytest.approx(1.0, abs=1e-3)  # recovery; tracr's MLPs are exact to ~1e-6
+        assert none == pytest.approx(0.0, abs=1e-3)
+
+
+def test_exact_patching_finds_the_reverse_circuit_and_scores_are_reported():
+    """On `reverse` the change reaches the answer through one head's read of the first token
+    only; exact edge patching ranks exactly those edges first."""
+    model = load_tracr("tracr-reverse")
+    site = edge_site(model, pairs(model, 1, seed=0)[0])
+    truth = known_edges(model, site)
+    labels = {site.graph.labels[i] for i in np.flatnonzero(truth)}
+    head = [s for s in model.circuit.steps if s.op == "Aggregate"][-1]
+    assert f"L{head.layer}H{head.head}@decision->LOGIT" in labels
+    assert known_nodes(site, truth) == {f"L{head.layer}H{head.head}"}
+    ex = np.abs(site.exact())
+    assert precision_recall(ex, truth) == (1.0, 1.0)
+    assert auroc(ex, truth) == pytest.approx(1.0, abs=1e-12)  # ranks: exact arithmetic
+
+
+def test_auroc_and_precision_are_right_on_hand_cases():
+    truth = np.array([True, False, True, False])
+    assert auroc(np.array([4.0, 3.0, 2.0, 1.0]), truth) == pytest.approx(0.75, abs=1e-12)
+    assert auroc(np.array([1.0, 1.0, 1.0, 1.0]), truth) == pytest.approx(0.5, abs=1e-12)
+    assert auroc(np.ones(2), np.array([True, True])) is None
+    assert precision_recall(np.array([4.0, 3.0, 2.0, 1.0]), truth) == (0.5, 0.5)
+
+
+def test_the_ground_truth_bench_runs_and_reports_every_method(capsys):
+    r = ground_truth_bench(["reverse", "count"], n=1, steps=2, progress=False)
+    got = {(p.program, p.method, p.level) for p in r.results}
+    for prog in ("reverse", "count"):
+        for m in ("eap", "eap-ig", "atp*", "exact"):
+            assert (prog, m, "edge") in got and (prog, m, "node") in got
+    assert r.programs["reverse"]["faithfulness"] == pytest.approx(1.0, abs=1e-3)
+    exact = next(p for p in r.results if (p.program, p.method, p.level) == ("reverse", "exact", "edge"))
+    assert exact.auroc == pytest.approx(1.0, abs=1e-9)
+    assert "reverse" in r.table() and type(r).from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+def test_a_user_written_program_compiles_and_is_scored():
+    """A RASP program written here (not from tracr's library): is the first token the same as
+    the last? One head reads the first token at the last position; one MLP compares."""
+    from tracr.rasp import rasp
+
+    zero = rasp.Map(lambda i: 0, rasp.indices).named("zero")
+    at_first = rasp.Select(rasp.indices, zero, rasp.Comparison.EQ).named("at_first")
+    first = rasp.Aggregate(at_first, rasp.tokens).named("first")
+    same = rasp.SequenceMap(lambda a, b: a == b, first, rasp.tokens).named("same_ends")
+    model = compile_program(same, vocab=["x", "y", "z"], max_seq_len=5, name="tracr-same-ends")
+    assert model.evaluate(["x", "y", "x"])[-1] is True
+    ps = input_pairs(model, 3, seed=0)
+    assert all(p.position == 0 for p in ps)  # only the first token can change the answer
+    site = edge_site(model, pairs(model, 1, seed=0)[0])
+    truth = known_edges(model, site)
+    assert site.patch(truth[None])[0] == pytest.approx(1.0, abs=1e-3)
+    nodes = known_nodes(site, truth)
+    assert any(n.startswith("L") for n in nodes) and any(n.startswith("MLP") for n in nodes)
+
+
+def test_bad_programs_and_names_are_refused_before_compiling():
+    from tracr.compiler import lib
+    from tracr.rasp import rasp
+
+    with pytest.raises(UnknownModelError, match="tracr-reverse"):
+        load_tracr("tracr-nonesuch")
+    with pytest.raises(BadArgument, match="single words"):
+        compile_program(lib.make_hist(), vocab=["a b", "c"], max_seq_len=4)
+    with pytest.raises(BadArgument, match="numerical"):
+        compile_program(lib.make_frac_prevs(rasp.tokens == "a"), vocab=["a", "b"], max_seq_len=4)
