@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from kvnotes import rope
-from kvnotes.cli import main
 from kvnotes.conformance import HF_INVARIANTS, verify
 from kvnotes.engine.profile import profile
 from kvnotes.errors import BadArgument, UnsupportedArchitecture
@@ -137,6 +136,8 @@ def test_a_gpt2_checkpoint_directory_loads_and_verifies(tmp_path, backend):
 
 
 def test_cli_verify_runs_tiny_gpt2_against_transformers(tmp_path, capsys):
+    from kvnotes.cli import main  # here: the rest of this file does not need the command line
+
     out = tmp_path / "v.json"
     assert main(["verify", "--model", "tiny-gpt2", "--json", str(out)]) == 0
     text = capsys.readouterr().out
