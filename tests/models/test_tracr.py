@@ -115,7 +115,7 @@ def test_exact_patching_finds_the_reverse_circuit_and_scores_are_reported():
     assert f"L{head.layer}H{head.head}@decision->LOGIT" in labels
     assert known_nodes(site, truth) == {f"L{head.layer}H{head.head}"}
     ex = np.abs(site.exact())
-    assert precision_recall(ex, truth) == (1.0, 1.0)
+    assert precision_recall(ex, truth) == (1.0, 1.0)  # exact: hits / k, both counts
     assert auroc(ex, truth) == pytest.approx(1.0, abs=1e-12)  # ranks: exact arithmetic
 
 
@@ -124,7 +124,7 @@ def test_auroc_and_precision_are_right_on_hand_cases():
     assert auroc(np.array([4.0, 3.0, 2.0, 1.0]), truth) == pytest.approx(0.75, abs=1e-12)
     assert auroc(np.array([1.0, 1.0, 1.0, 1.0]), truth) == pytest.approx(0.5, abs=1e-12)
     assert auroc(np.ones(2), np.array([True, True])) is None
-    assert precision_recall(np.array([4.0, 3.0, 2.0, 1.0]), truth) == (0.5, 0.5)
+    assert precision_recall(np.array([4.0, 3.0, 2.0, 1.0]), truth) == (0.5, 0.5)  # exact: 1 hit of 2
 
 
 def test_the_ground_truth_bench_runs_and_reports_every_method(capsys):
