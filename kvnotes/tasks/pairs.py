@@ -32,6 +32,7 @@ from typing import Any
 
 from kvnotes.errors import BadArgument, PairsError
 from kvnotes.prompt import Prompt, Template, _tokenize
+from kvnotes.tasks.pair import Pair
 
 PAIRS = "pairs"  # the `kind` of a pair read from a pair dataset (a task's pairs are "gate" or "rule")
 CHANGED, DECISION = "changed", "decision"  # the spans every pair has, computed from its prompts
@@ -238,10 +239,8 @@ def _spans(spans: Any, at: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _pair(ps: PairSet, r: PairRecord, model):
+def _pair(ps: PairSet, r: PairRecord, model) -> Pair:
     """Record `r` as a `Pair` under `model`'s tokenizer; a `PairsError` naming its line otherwise."""
-    from kvnotes.tasks.sampler import Pair
-
     at = f"pair dataset {ps.source}, line {r.line}"
     clean, corrupt = (_prompt(model, text) for text in (r.clean, r.corrupt))
     if len(clean.ids) != len(corrupt.ids):
