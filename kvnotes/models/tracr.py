@@ -572,6 +572,25 @@ def to_pair(model: TracrModel, p: InputPair, *, seed: int = 0):
     )
 
 
+def pair_set(model: TracrModel, n: int, *, seed: int = 0, lengths: tuple[int, int] | None = None):
+    """`model`'s pair task as a pair dataset (`kvnotes.tasks.pairs.PairSet`), which every analysis
+    that needs no gated rule runs on (`kvnotes circuits ... --pairs FILE` after `.write(FILE)`);
+    each pair's group is its input length."""
+    from kvnotes.tasks.pairs import PairSet
+
+    records = [
+        {
+            "clean": model.text(p.clean),
+            "corrupt": model.text(p.corrupt),
+            "correct": str(p.correct),
+            "wrong": str(p.wrong),
+            "group": f"length {len(p.clean)}",
+        }
+        for p in input_pairs(model, n, seed=seed, lengths=lengths)
+    ]
+    return PairSet.from_records(records, name=f"{model.name}-pairs")
+
+
 __all__ = [
     "TRACR_PROGRAMS",
     "InputPair",
@@ -583,6 +602,7 @@ __all__ = [
     "input_pairs",
     "library_names",
     "load_tracr",
+    "pair_set",
     "pairs",
     "to_pair",
 ]

@@ -169,3 +169,25 @@ def test_bad_programs_and_names_are_refused_before_compiling():
         compile_program(lib.make_hist(), vocab=["a b", "c"], max_seq_len=4)
     with pytest.raises(BadArgument, match="numerical"):
         compile_program(lib.make_frac_prevs(rasp.tokens == "a"), vocab=["a", "b"], max_seq_len=4)
+
+
+@pytest.mark.parametrize("short", ["reverse", "dyck"])
+def test_every_analysis_that_needs_no_rule_runs_on_a_program_s_pair_task(short, tmp_path):
+    """The pair task as a pair dataset: every task-level analysis whose needs it meets runs on it
+    (quick sizes), the rest are the rule-, template- and chunk-moving ones, refused by name; and
+    the dataset round-trips through the JSONL file the CLI reads."""
+    from kvnotes.analysis.registry import analyses, sections, unmet
+    from kvnotes.analysis.runner import collect
+    from kvnotes.models.tracr import pair_set
+    from kvnotes.tasks.pairs import load_pairs
+
+    model = load_tracr(f"tracr-{short}")
+    ps = load_pairs(pair_set(model, 4, seed=0).write(tmp_path / "pairs.jsonl"))
+    task_level = {k: a for k, a in analyses().items() if sections()[a.section].level == "task"}
+    runs = [k for k, a in task_level.items() if unmet(a, task=ps, model=model) is None]
+    assert {"note_map", "read_heads", "edges", "attribution"} <= set(runs)
+    refused = set(task_level) - set(runs)
+    assert {"dissociation", "false_note_injection", "memory_placement"} <= refused
+    for name in runs:
+        report = collect(model, ps, [name], preset="quick", n=4, min_effect=0.0, progress=False)
+        assert report.results[name] is not None, name
