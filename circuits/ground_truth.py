@@ -345,4 +345,5 @@ __all__ = [
     "known_nodes",
     "node_scores",
     "precision_recall",
+    "score_program",
 ]

@@ -184,10 +184,11 @@ def _attention(
     """
     attn, cfg = model.tl.blocks[layer].attn, model.cfg
     q, k, v = _qkv(attn, cfg, x)  # hook_q/k/v fire: [batch, pos, head, d_head]
-    # rotation is the identity for learned positions; hook_rot_q/k fire there too, with q and k as
-    # they are (TransformerLens's own forward leaves them silent), so rotation hooks need no branch
-    q = _through(attn, "hook_rot_q", rotated(attn, q, pos))
-    k = _through(attn, "hook_rot_k", rotated(attn, k, pos))
+    # rotation is the identity for learned positions; hook_rot_q/k fire there too (`KVModel.wrap`
+    # gives those models the points), with q and k as they are (TransformerLens's own forward
+    # leaves them silent), so rotation hooks need no branch
+    q = attn.hook_rot_q(rotated(attn, q, pos))
+    k = attn.hook_rot_k(rotated(attn, k, pos))
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # -> [batch, kv_head, pos, d_head] (notebook layout)
     b, n, h, d = q.shape
     kvh = k.shape[1]
@@ -221,12 +222,6 @@ def position_embedding(tl, pos: Int[Tensor, " pos"]) -> Float[Tensor, "1 pos d_m
     """The learned absolute position embedding of each computed token (GPT-2, tracr): `W_pos`'s
     rows at the tokens' own positions, added to the residual stream at the input."""
     return tl.pos_embed.W_pos[pos][None]
-
-
-def _through(module, hook: str, t: Tensor) -> Tensor:
-    """`t` through `module`'s hook point `hook`, where the module has one."""
-    point = getattr(module, hook, None)
-    return t if point is None else point(t)
 
 
 def _output_layout(w: Tensor) -> Tensor:
