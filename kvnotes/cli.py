@@ -654,12 +654,16 @@ def _add_pairs(sub) -> None:
         help="write a pair dataset (IOI or greater-than, from templates) for --pairs, its names and "
         "answers checked to be one token under the model's tokenizer (docs/tasks.md)",
     )
-    pp.add_argument("kind", choices=["ioi", "greater-than"], help="which dataset")
-    pp.add_argument("--n", type=Bounded(int, least=1), default=64, help="pairs (default 64)")
-    pp.add_argument("--out", type=OUT_FILE, required=True, metavar="FILE", help="the .jsonl to write")
-    pp.add_argument("--model", default="gemma-3-270m", help="the model whose tokenizer the pairs must fit")
-    pp.add_argument("--seed", type=SEED, default=0)
-    pp.set_defaults(func=cmd_pairs)
+    kinds = pp.add_subparsers(dest="kind", required=True)
+    for kind, what in (("ioi", "indirect-object identification"), ("greater-than", "greater-than years")):
+        sp = kinds.add_parser(kind, help=f"{what} pairs (docs/tasks.md, Generated pair datasets)")
+        sp.add_argument("--n", type=Bounded(int, least=1), default=64, help="pairs (default 64)")
+        sp.add_argument("--out", type=OUT_FILE, required=True, metavar="FILE", help="the .jsonl to write")
+        sp.add_argument(
+            "--model", default="gemma-3-270m", help="the model whose tokenizer the pairs must fit"
+        )
+        sp.add_argument("--seed", type=SEED, default=0)
+        sp.set_defaults(func=cmd_pairs)
 
 
 def _add_vllm_env(sub) -> None:
