@@ -418,6 +418,20 @@ def cmd_sweep(args) -> int:
 def cmd_pairs(args) -> int:
     from kvnotes.tasks.generate import GENERATORS
 
+    if args.kind == "tracr":
+        from kvnotes.errors import BadArgument
+        from kvnotes.models.tracr import TracrModel, pair_set
+
+        if not args.model.startswith("tracr-"):  # refused before any load
+            raise BadArgument(
+                f"{args.model} is not a tracr program; name one (tracr-reverse, tracr-dyck, ...) "
+                "or use `kvnotes pairs ioi|greater-than` for a language model"
+            )
+        model = _load(args)
+        assert isinstance(model, TracrModel)
+        ps = pair_set(model, args.n, seed=args.seed)
+        print(f"wrote {ps.write(args.out)}: {len(ps)} pairs of {args.model}'s pair task")
+        return 0
     make = GENERATORS[args.kind]
     ps = make(_load(args), args.n, seed=args.seed, name=Path(args.out).stem)
     print(
@@ -655,8 +669,12 @@ def _add_pairs(sub) -> None:
         "answers checked to be one token under the model's tokenizer (docs/tasks.md)",
     )
     kinds = pp.add_subparsers(dest="kind", required=True)
-    for kind, what in (("ioi", "indirect-object identification"), ("greater-than", "greater-than years")):
-        sp = kinds.add_parser(kind, help=f"{what} pairs (docs/tasks.md, Generated pair datasets)")
+    for kind, what in (
+        ("ioi", "indirect-object identification pairs (docs/tasks.md, Generated pair datasets)"),
+        ("greater-than", "greater-than years pairs (docs/tasks.md, Generated pair datasets)"),
+        ("tracr", "a tracr program's pair task (--model tracr-reverse, ...; docs/circuits.md)"),
+    ):
+        sp = kinds.add_parser(kind, help=what)
         sp.add_argument("--n", type=Bounded(int, least=1), default=64, help="pairs (default 64)")
         sp.add_argument("--out", type=OUT_FILE, required=True, metavar="FILE", help="the .jsonl to write")
         sp.add_argument(

@@ -191,3 +191,18 @@ def test_every_analysis_that_needs_no_rule_runs_on_a_program_s_pair_task(short, 
     for name in runs:
         report = collect(model, ps, [name], preset="quick", n=4, min_effect=0.0, progress=False)
         assert report.results[name] is not None, name
+
+
+def test_the_command_line_writes_a_program_s_pairs_and_runs_edges_on_them(tmp_path, capsys):
+    from kvnotes.cli import main
+
+    pairs_file, out = tmp_path / "rev.jsonl", tmp_path / "edges.json"
+    assert main(["pairs", "tracr", "--model", "tracr-reverse", "--n", "3", "--out", str(pairs_file)]) == 0
+    assert len(pairs_file.read_text().splitlines()) == 3
+    rc = main(
+        ["circuits", "edges", "--model", "tracr-reverse", "--pairs", str(pairs_file), "--n", "3"]
+        + ["--json", str(out)]
+    )
+    assert rc == 0 and "edges" in json.loads(out.read_text())["probes"]  # every section keys "probes"
+    assert main(["pairs", "tracr", "--model", "tiny-llama", "--n", "3", "--out", str(pairs_file)]) == 2
+    assert "not a tracr program" in capsys.readouterr().err
