@@ -52,7 +52,7 @@ class Need(Enum):
                 return None
             return (
                 f"{name} moves chunks of the cache to other positions, and {model.name} has learned "
-                f"absolute positions ({positions}): positions live in the residual stream, not in the "
+                "absolute positions: positions live in the residual stream, not in the "
                 "keys, so a moved chunk cannot be re-rotated; run it on a model with rotary positions "
                 "(gemma-3-270m, a tiny-* model)"
             )

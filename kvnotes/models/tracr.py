@@ -588,7 +588,7 @@ def pair_set(model: TracrModel, n: int, *, seed: int = 0, lengths: tuple[int, in
         }
         for p in input_pairs(model, n, seed=seed, lengths=lengths)
     ]
-    return PairSet.from_records(records, name=f"{model.name}-pairs")
+    return PairSet.from_records(records, name=f"{model.name}-pairs", source=f"{model.name}'s pair task")
 
 
 __all__ = [
