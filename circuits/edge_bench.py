@@ -31,7 +31,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from circuits.auto_circuit_peer import check_peer, compare
-from circuits.edges import edge_site, score_edges
+from circuits.edges import edge_graph, edge_site, score_edges
 from circuits.edges.faithfulness import block_bound
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
@@ -193,6 +193,7 @@ def edge_bench(
 ) -> EdgeBenchReport:
     """Time and check every method against exact edge patching on `n` pairs of `task`; with
     `peer_python`, auto-circuit's EAP and IG on the same pairs too (run first: its checks fail fast)."""
+    edge_graph(model)  # a model the graph cannot describe is refused before the prefills
     if peer_python:
         check_peer(model, peer_python)
     used, _ = split_by_effect(make_trials(model, task, n, seed=seed, progress=False), MIN_EFFECT)

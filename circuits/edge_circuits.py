@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from circuits.edges import ATTENTION, GROUPS, METHODS, EdgeGraph, EdgeSite, edge_site, score_edges
+from circuits.edges import ATTENTION, GROUPS, METHODS, EdgeGraph, EdgeSite, edge_graph, edge_site, score_edges
 from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, sizes_for, top_circuit
 from circuits.edges.faithfulness import area, cross_fit, dataset_areas
 from kvnotes.analysis.registry import Context, analysis, option
@@ -380,6 +380,7 @@ class EdgesConfig(Pairs):
 )
 def _run_edges(ctx: Context, cfg: EdgesConfig) -> EdgeCircuits:
     """Edge-level circuits over the notebook: EAP-IG and AtP* against exact edge patching, faithfulness."""
+    edge_graph(ctx.model)  # a model the graph cannot describe is refused before the prefills
     return analyse_edges(
         shared_trials(ctx, cfg.n, template=cfg.template),
         steps=cfg.ig_steps,

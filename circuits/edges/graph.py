@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvnotes.errors import BadArgument
+from kvnotes.errors import BadArgument, UnsupportedArchitecture
 from kvnotes.models.model import KVModel
 
 GROUPS = ("field", "notes", "decision", "other")
@@ -123,7 +123,13 @@ class EdgeGraph:
 
 
 def edge_graph(model: KVModel) -> EdgeGraph:
-    """The model's edge graph (cached on the model)."""
+    """The model's edge graph (cached on the model). Refused for a model without MLPs: the graph has
+    an MLP node in every block (a reader and a writer), which an attention-only model never runs."""
+    if model.facts.d_mlp is None:
+        raise UnsupportedArchitecture(
+            f"edge circuits need an MLP in every block and {model.name} is attention-only; run the "
+            "head circuits (kvnotes circuits read_heads,write_heads) or attribution on it instead"
+        )
     key = ("edge_graph", model.n_layers, model.n_heads, model.n_kv_heads)
     memo = model.__dict__.setdefault("_kvnotes_memo", {})
     if key not in memo:

@@ -112,14 +112,17 @@ def test_edge_patching_is_exact_on_every_variant(name):
     _check_exact(_site(get_model(name)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="circuits/edges builds an MLP node per block and hooks hook_resid_mid/hook_mlp_out, which "
-    "an attention-only model never fires: attention-only models are not yet supported by the edge "
-    "circuits (strict: reported once they are)",
-)
-def test_edge_patching_on_an_attention_only_model():
-    _check_exact(_site(get_model("tiny-attn-only")))
+def test_edge_circuits_refuse_an_attention_only_model_before_any_compute(monkeypatch):
+    """The graph has an MLP node in every block; an attention-only model is refused, in one line
+    naming what runs instead, before the pairs are prefilled."""
+    from circuits.edge_circuits import EdgesConfig, _run_edges
+    from kvnotes.analysis.registry import Context
+    from kvnotes.errors import UnsupportedArchitecture
+
+    model = get_model("tiny-attn-only")
+    monkeypatch.setattr(model.backend, "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(UnsupportedArchitecture, match="attention-only.*read_heads"):
+        _run_edges(Context(model=model, task=None), EdgesConfig(n=2))
 
 
 def test_edge_patching_is_exact_on_gemma(gemma):
