@@ -125,7 +125,12 @@ class VerifyReport(Displayable):
 
 
 def verification_prompts(model: KVModel) -> dict[str, tuple[Prompt, Prompt]]:
-    """Two aligned (old, new) prompt pairs: a short one and one longer than any sliding window."""
+    """Two aligned (old, new) prompt pairs: a short one and one longer than any sliding window; or
+    the model's own (`model.verification_prompts()`, where its vocabulary or context cannot take
+    English prompts: tracr's compiled programs)."""
+    own = getattr(model, "verification_prompts", None)
+    if own is not None:
+        return own()
     window = model.max_window or 0
     # long: past every sliding window and at least 256 tokens, leaving room in n_ctx to re-rotate it
     long = min(max(window + 24, 256), model.n_ctx // 2 - 16)
@@ -339,7 +344,15 @@ def _hf_checks(model: KVModel, label: str, ref: Reference) -> dict[str, Callable
 def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], list[Measure]]]:
     """Each check returns its measures: one per tensor it compares (per layer K, per layer V,
     logits), each with its error and the reference tensor's own largest magnitude."""
-    field_start = old.span("order_status").start
+    # the edited field: the generated prompts' `order_status`, else (a model's own prompts) the
+    # span holding the first position where the two prompts differ
+    differ = next(p for p, (a, b) in enumerate(zip(old.ids, new.ids)) if a != b)
+    edited = (
+        "order_status"
+        if "order_status" in old.spans
+        else next(n for n, (a, b) in old.spans.items() if a <= differ < b and n != "decision")
+    )
+    field_start = old.span(edited).start
     stop = old.span("decision").start
     nb_old = cache(lambda: ops.prefill(model, old))
     nb_new = cache(lambda: ops.prefill(model, new))
@@ -385,7 +398,7 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
         return [(w, e, s, g) for (w, e, s), (_, g, _) in zip(_maxdiff_nb(moved, truth), gaps)]
 
     def refresh_unchanged_is_noop():
-        return _maxdiff_nb(ops.refresh(model, nb_old(), old, "order_status"), nb_old())
+        return _maxdiff_nb(ops.refresh(model, nb_old(), old, edited), nb_old())
 
     def batched_equals_single():
         rng = random.Random(0)

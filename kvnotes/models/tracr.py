@@ -150,6 +150,16 @@ class TracrModel(TransformerLensModel):
         """The prompt text of `inputs` (tokens separated by spaces; `encode` adds BOS)."""
         return " ".join(str(v) for v in inputs)
 
+    def verification_prompts(self) -> dict:
+        """`kvnotes verify`'s prompt pairs: two of the pair task, the shortest and longest inputs
+        (the model's vocabulary and context hold no English prompt)."""
+        lo = max(2, _min_len(self))
+        out = {}
+        for label, n in (("short", lo), ("long", self.max_seq_len)):
+            p = pairs(self, 1, seed=0, lengths=(n, n))[0]
+            out[label] = (p.old, p.new)
+        return out
+
     def answer(self, inputs: Sequence[Any]) -> int:
         """The token id of the program's answer at the last position of `inputs`."""
         return self.answer_token(str(self.evaluate(inputs)[-1]))

@@ -206,3 +206,14 @@ def test_the_command_line_writes_a_program_s_pairs_and_runs_edges_on_them(tmp_pa
     assert rc == 0 and "edges" in json.loads(out.read_text())["probes"]  # every section keys "probes"
     assert main(["pairs", "tracr", "--model", "tiny-llama", "--n", "3", "--out", str(pairs_file)]) == 2
     assert "not a tracr program" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("short", ["reverse", "dyck"])
+def test_verify_runs_the_invariants_on_a_program_s_own_prompts(short):
+    """The English verification prompts do not fit a tracr vocabulary: verify reads the program's
+    pair task instead, and every invariant that applies passes (re-rotation: not applicable)."""
+    from kvnotes.conformance import verify
+
+    report = verify(load_tracr(f"tracr-{short}"), progress=False)
+    assert report.passed and "rerotation_equals_offset_prefill" in report.not_applicable
+    assert len(report.invariants) == 7 and all(r.passed for r in report.invariants)
