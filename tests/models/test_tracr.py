@@ -171,7 +171,7 @@ def test_bad_programs_and_names_are_refused_before_compiling():
         compile_program(lib.make_frac_prevs(rasp.tokens == "a"), vocab=["a", "b"], max_seq_len=4)
 
 
-@pytest.mark.parametrize("short", ["reverse", "dyck"])
+@pytest.mark.parametrize("short", TRACR_PROGRAMS)
 def test_every_analysis_that_needs_no_rule_runs_on_a_program_s_pair_task(short, tmp_path):
     """The pair task as a pair dataset: every task-level analysis whose needs it meets runs on it
     (quick sizes), the rest are the rule-, template- and chunk-moving ones, refused by name; and
