@@ -205,7 +205,7 @@ def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MI
     for t in with_progress(used, "attribution"):
         model = t.model
         heads = all_heads(model)
-        t.cache.pop("read_site", None)  # time activation patching from scratch
+        t.cache.pop("read_capture", None)  # time activation patching from scratch
         s = time.perf_counter()
         a = attribute(model, t.old_nb, t.new_nb, t.pair.new, t.pair.answers, metric=t.metric)
         t_attr = time.perf_counter() - s

@@ -48,10 +48,10 @@ from tqdm.auto import tqdm
 from circuits.feature_sites import (
     LOCATE_NOTES,
     LOCATE_SHARE,
-    FeatureSite,
-    decode,
-    encode,
-    feature_site,
+    FeaturePatcher,
+    sae_decode,
+    sae_encode,
+    feature_patcher,
     locate,
 )
 from circuits.feature_sites import residual_scan as residual_scan  # its old address
@@ -281,7 +281,7 @@ def _causing(
         ]
         used = [t for t in used if t.pair.downstream()]
     sites = [
-        feature_site(t, sae, cfg.site, decoder=decoder)
+        feature_patcher(t, sae, cfg.site, decoder=decoder)
         for t in tqdm(used, desc=f"SAE sites ({cfg.site})", disable=not progress, unit="pair")
     ]
     return _causal(sites, top, cfg, progress) if sites else None
@@ -422,15 +422,17 @@ def _decoding(sae, held: Residuals, cfg: SAEConfig, answers: Sequence[str]) -> d
     at = held.at(cfg.site)
     keep = [i for i, x in enumerate(at) if len(x)]
     xs = [at[i] for i in keep]
-    codes = np.stack([encode(sae, x).mean(0).numpy() for x in xs])  # [prompt, d_sae]
+    codes = np.stack([sae_encode(sae, x).mean(0).numpy() for x in xs])  # [prompt, d_sae]
     labels = np.array([held.labels[i] for i in keep])
     auc = feature_auc(codes, labels)
     score = np.maximum(auc, 1 - auc)
     ranked = [int(f) for f in np.argsort(-score, kind="stable")]
     mu = torch.cat(xs).mean(0)
-    recon = [1 - float(((x - decode(sae, encode(sae, x))) ** 2).sum() / ((x - mu) ** 2).sum()) for x in xs]
+    recon = [
+        1 - float(((x - sae_decode(sae, sae_encode(sae, x))) ** 2).sum() / ((x - mu) ** 2).sum()) for x in xs
+    ]
     x_all = held.all()
-    a_all = encode(sae, x_all)
+    a_all = sae_encode(sae, x_all)
     return {
         "auc": auc,
         "score": score,
@@ -441,11 +443,11 @@ def _decoding(sae, held: Residuals, cfg: SAEConfig, answers: Sequence[str]) -> d
         "reconstruction": recon,
         "L0": float((a_all != 0).sum(-1).float().mean()),
         "dead": int(((a_all != 0).sum(0) == 0).sum()),
-        "mse": float(((decode(sae, a_all) - x_all) ** 2).mean()),
+        "mse": float(((sae_decode(sae, a_all) - x_all) ** 2).mean()),
     }
 
 
-def push_ranking(sites: Sequence[FeatureSite]) -> tuple[list[int], Float[Tensor, " d_sae"]]:
+def push_ranking(sites: Sequence[FeaturePatcher]) -> tuple[list[int], Float[Tensor, " d_sae"]]:
     """Features ordered by how hard their change pushes along the conclusion direction.
 
     The direction u is the mean over trials and site positions of x_new − x_old, each trial signed
@@ -460,7 +462,7 @@ def push_ranking(sites: Sequence[FeatureSite]) -> tuple[list[int], Float[Tensor,
     return [int(f) for f in torch.argsort(-push, stable=True)], push
 
 
-def _causal(sites: Sequence[FeatureSite], top: Sequence[int], cfg: SAEConfig, progress: bool) -> dict:
+def _causal(sites: Sequence[FeaturePatcher], top: Sequence[int], cfg: SAEConfig, progress: bool) -> dict:
     """Every patch of the analysis on every usable trial (see `sae_analysis`).
 
     The top-k order is cross-fitted: each trial's features are ranked on the other half of the

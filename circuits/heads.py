@@ -6,8 +6,8 @@ A head is a *query* head `(layer, head)`. Under grouped- and multi-query attenti
 values and differ only by their queries and output weights; patching one head's output
 (`hook_z`) leaves what its siblings read untouched, so each query head is its own component.
 
-Read side, for each trial: the query tokens before the decision position are computed once
-onto both notebooks, so a head patch costs one token's forward. `output` patching replaces
+Read side, for each trial (`read_capture`, both runs captured by `kvnotes.capture`): the query
+tokens before the decision position are computed once onto both notebooks, so a head patch costs one token's forward. `output` patching replaces
 the head's `hook_z` at the decision with the new-value run's; `path` patching adds only the
 change in what its attention brings from chosen slots (the note slots, or the field):
 z + Σ_{s∈slots} (p_new[s]·v_new[s] − p_old[s]·v_old[s]), everything else kept as in the run.
@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from kvnotes.batches import fixed_batches, run_rows
-from kvnotes.engine import run
+from kvnotes.capture import CaptureRun, capture_pair, capture_runs
 from kvnotes.hooks import hook_name
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
@@ -81,11 +81,11 @@ def _hook_z(l: int) -> str:
 
 # --- read side -------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
-class ReadSite:
-    """A trial's decision position, ready for head patches: both notebooks extended by the
-    query tokens before it, and each run's head outputs there (`z`: `[layer, head, d_head]`)
-    and attention patterns (`pattern`: per layer `[head, slot]`, slots of the extended
-    notebook then the decision token itself), and the decision token's own values
+class HeadReadCapture:
+    """Both runs captured at a trial's decision position, ready for head patches: both notebooks
+    extended by the query tokens before it, and each run's head outputs there (`z`:
+    `[layer, head, d_head]`) and attention patterns (`pattern`: per layer `[head, slot]`, slots of
+    the extended notebook then the decision token itself), and the decision token's own values
     (`v_self`: `[layer, n_kv_heads, d_head]`)."""
 
     old: Notebook
@@ -100,55 +100,47 @@ class ReadSite:
     v_self_new: Float[Tensor, "layer n_kv_heads d_head"]
 
 
-def read_site(t: Trial) -> ReadSite:
-    """The trial's `ReadSite` (computed once, cached on the trial)."""
-    if "read_site" in t.cache:
-        return t.cache["read_site"]
+def read_capture(t: Trial) -> HeadReadCapture:
+    """The trial's `HeadReadCapture` (`kvnotes.capture.capture_pair` at the decision token, the
+    query tokens before it written first; computed once, cached on the trial)."""
+    if "read_capture" in t.cache:
+        return t.cache["read_capture"]
     model = t.model
     ids, pos = query_tokens(model, t.old_nb, t.pair.new)
-    names = [_hook_z(l) for l in range(model.n_layers)]
+    zs = [_hook_z(l) for l in range(model.n_layers)]
     pats = [hook_name(l, "attn.hook_pattern") for l in range(model.n_layers)]
     vals = [hook_name(l, "attn.hook_v") for l in range(model.n_layers)]
-    ext, zs, ps, vs = [], [], [], []
-    for nb in (t.old_nb, t.new_nb):
-        if len(ids) > 1:
-            nb, _ = run(model, nb, ids[:-1], pos[:-1], logits_at=())
-        _, out = run(
-            model, nb, ids[-1:], pos[-1:], write=False, capture=names + pats + vals, vocab=t.pair.answers
-        )
-        ext.append(nb)
-        vs.append(torch.stack([out.activations[n][0, -1] for n in vals]))
-        zs.append(torch.stack([out.activations[n][0, -1] for n in names]))
-        ps.append(tuple(out.activations[n][0, :, -1] for n in pats))
-    site = ReadSite(
-        old=ext[0],
-        new=ext[1],
+    old, new = (CaptureRun(nb, ids, pos, written=len(ids) - 1) for nb in (t.old_nb, t.new_nb))
+    both = capture_pair(model, old, new, zs + pats + vals)
+    cap = HeadReadCapture(
+        old=both.old.notebook,
+        new=both.new.notebook,
         token=ids[-1],
         position=int(pos[-1]),
-        z_old=zs[0],
-        z_new=zs[1],
-        pattern_old=ps[0],
-        pattern_new=ps[1],
-        v_self_old=vs[0],
-        v_self_new=vs[1],
+        z_old=both.old.stacked(zs),
+        z_new=both.new.stacked(zs),
+        pattern_old=tuple(both.old[n][0, :, -1] for n in pats),
+        pattern_new=tuple(both.new[n][0, :, -1] for n in pats),
+        v_self_old=both.old.stacked(vals),
+        v_self_new=both.new.stacked(vals),
     )
-    t.cache["read_site"] = site
-    return site
+    t.cache["read_capture"] = cap
+    return cap
 
 
 def path_delta(t: Trial, positions: Sequence[int]) -> Float[Tensor, "layer n_heads d_head"]:
     """Per head, the change in what its attention at the decision brings from `positions`
     (new run minus old run): Σ_s p[s]·v[s] over those slots; the decision's own position is
     its own key and value. Over every position the deltas add up to z_new - z_old."""
-    site = read_site(t)
+    cap = read_capture(t)
     model = t.model
     kv = torch.tensor([kv_head(model, h) for h in range(model.n_heads)])
-    out = torch.zeros_like(site.z_old)
-    slots = [p for p in positions if p != site.position]
+    out = torch.zeros_like(cap.z_old)
+    slots = [p for p in positions if p != cap.position]
     itself = len(slots) < len(positions)
     for nb, pats, v_self, sign in (
-        (site.new, site.pattern_new, site.v_self_new, 1.0),
-        (site.old, site.pattern_old, site.v_self_old, -1.0),
+        (cap.new, cap.pattern_new, cap.v_self_new, 1.0),
+        (cap.old, cap.pattern_old, cap.v_self_old, -1.0),
     ):
         idx = nb.slot_index(slots) if slots else None
         for l in range(model.n_layers):
@@ -191,11 +183,11 @@ def read_sweep(
     Batched forwards (`batch_size` sets each, in order; default: planned by
     `kvnotes.batches.run_rows`, each batch started at its lowest patched layer).
     """
-    site = read_site(t)
-    source = site.z_new if path is None else path_delta(t, path)
+    cap = read_capture(t)
+    source = cap.z_new if path is None else path_delta(t, path)
 
     hooks = partial(read_hooks, source=source, add=path is not None)
-    return head_rows(t, site.old, [site.token], [site.position], sets, hooks, batch_size)
+    return head_rows(t, cap.old, [cap.token], [cap.position], sets, hooks, batch_size)
 
 
 def head_rows(
@@ -236,7 +228,7 @@ def first_layers(model: KVModel, sets: Sequence[Sequence[Head]]) -> list[int]:
 
 # --- write side ------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
-class WriteSite:
+class HeadWriteCapture:
     """The note slots' recompute and the decision in one pass: the old notebook before the
     first note slot, the note tokens then the query tokens with their positions, and the new
     run's head outputs at the note slots (per layer `[pos, head, d_head]`)."""
@@ -248,28 +240,29 @@ class WriteSite:
     z_new: tuple[Tensor, ...]
 
 
-def write_site(t: Trial) -> WriteSite | None:
-    """The trial's `WriteSite` (cached), or None when the pair has no note slots."""
-    if "write_site" in t.cache:
-        return t.cache["write_site"]
+def write_capture(t: Trial) -> HeadWriteCapture | None:
+    """The trial's `HeadWriteCapture` (cached), or None when the pair has no note slots. Only the
+    new run is captured (`kvnotes.capture.capture_runs`): the old one is recomputed when patched."""
+    if "write_capture" in t.cache:
+        return t.cache["write_capture"]
     notes = t.pair.downstream()
-    site = None
+    cap = None
     if notes:
         model = t.model
         pos = tuple(notes)
         ids = tuple(t.pair.new.ids[p] for p in pos)
         q_ids, q_pos = query_tokens(model, t.old_nb, t.pair.new)
-        names = [_hook_z(l) for l in range(model.n_layers)]
-        _, out = run(model, t.new_nb.truncate(pos[0]), ids, pos, capture=names, logits_at=())
-        site = WriteSite(
+        zs = [_hook_z(l) for l in range(model.n_layers)]
+        (new,) = capture_runs(model, [CaptureRun(t.new_nb.truncate(pos[0]), ids, pos)], zs)
+        cap = HeadWriteCapture(
             base=t.old_nb.truncate(pos[0]),
             tokens=ids + tuple(q_ids),
             positions=pos + tuple(q_pos.tolist()),
             n_notes=len(pos),
-            z_new=tuple(out.activations[n][0] for n in names),
+            z_new=tuple(new[n][0] for n in zs),
         )
-    t.cache["write_site"] = site
-    return site
+    t.cache["write_capture"] = cap
+    return cap
 
 
 def write_hooks(masks: Tensor, z_new: Sequence[Tensor], n_total: int) -> list:
@@ -299,13 +292,13 @@ def write_sweep(
 
     The note slots and the query are computed in one pass, the query attending to the
     recomputed note slots as it would after writing them; batched as `read_sweep` is."""
-    site = write_site(t)
-    if site is None:
+    cap = write_capture(t)
+    if cap is None:
         return torch.full((len(sets),), float("nan"), dtype=torch.float64)
-    n = len(site.tokens)
+    n = len(cap.tokens)
 
-    hooks = partial(write_hooks, z_new=site.z_new, n_total=n)
-    return head_rows(t, site.base, list(site.tokens), list(site.positions), sets, hooks, batch_size)
+    hooks = partial(write_hooks, z_new=cap.z_new, n_total=n)
+    return head_rows(t, cap.base, list(cap.tokens), list(cap.positions), sets, hooks, batch_size)
 
 
 Sweep = Callable[[Trial, Sequence[Sequence[Head]]], Tensor]

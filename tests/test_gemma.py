@@ -116,7 +116,7 @@ def test_head_patches_on_gemma_equal_the_unbatched_engine_and_find_the_field_rea
     read patches equal a plain decide with the same hook, every head gives the new decision, and
     the head whose attention to the field carries the conclusion (docs/circuits.md) is found."""
     from circuits import all_heads, read_sweep
-    from circuits.heads import path_delta, read_site
+    from circuits.heads import path_delta, read_capture
     from circuits.read_write import path_positions
     from kvnotes.ops import decide
     from probes import make_trials
@@ -138,7 +138,7 @@ def test_head_patches_on_gemma_equal_the_unbatched_engine_and_find_the_field_rea
         out = decide(gemma, t.old_nb, t.pair.new, hooks=[(n, hook) for n in names], vocab=t.pair.answers)
         assert abs(ld - float(out.last[0, 0] - out.last[0, 1])) < 1e-3
     assert abs(got[-1].item() - t.ld_new) < 1e-3
-    site = read_site(t)
+    site = read_capture(t)
     total = sum(path_delta(t, where) for where in path_positions(t).values())
     torch.testing.assert_close(total, site.z_new - site.z_old, rtol=1e-4, atol=1e-4)
     field = read_sweep(t, [[(10, 3)]], path=list(t.pair.field_span))

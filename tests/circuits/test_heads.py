@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from circuits import CircuitReport, all_heads, attribute, read_heads, read_sweep, scrubbing, write_heads
-from circuits.heads import read_site, write_sweep
+from circuits.heads import read_capture, write_sweep
 from circuits.scrubbing import _scrub_rows, resamples
 from kvnotes.engine import run
 from kvnotes.notebook import Notebook
@@ -231,7 +231,7 @@ def test_the_paths_add_up_to_the_whole_head_output_change(tiny_trials):
     from circuits.read_write import path_positions
 
     for t in tiny_trials:
-        site = read_site(t)
+        site = read_capture(t)
         total = sum(path_delta(t, where) for where in path_positions(t).values())
         assert_close(total, site.z_new - site.z_old, what="prefix+field+notes+query+self")
         every = sorted(p for where in path_positions(t).values() for p in where)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import mannwhitneyu
 
-from circuits.features import auc_estimate, feature_auc, feature_site, locate, residual_scan, sae_analysis
+from circuits.features import auc_estimate, feature_auc, feature_patcher, locate, residual_scan, sae_analysis
 from circuits.sae import (
     SAEConfig,
     SAEMismatch,
@@ -207,7 +207,7 @@ def test_vectorised_auc_equals_mann_whitney_with_ties():
 # --- feature patches -------------------------------------------------------------------------------
 def full_residual_ld(t, site, x_new: torch.Tensor) -> float:
     """Independent reference: the site's residual replaced by the new run's (one row, no SAE)."""
-    if site.site == "notes":
+    if site.region == "notes":
         first, dec = site.positions[0], t.pair.new.span("decision").start
         hooks = [(site.hook_name, lambda act, hook: x_new.to(act)[None])]
         nb, _ = run(
@@ -229,8 +229,8 @@ def full_residual_ld(t, site, x_new: torch.Tensor) -> float:
 
 
 def captured_new_residual(t, site) -> torch.Tensor:
-    """The new run's residual at the site, captured by plain runs (not by `feature_site`)."""
-    if site.site == "notes":
+    """The new run's residual at the site, captured by plain runs (not by `feature_patcher`)."""
+    if site.region == "notes":
         first, dec = site.positions[0], t.pair.new.span("decision").start
         _, out = run(
             t.model,
@@ -250,7 +250,7 @@ def captured_new_residual(t, site) -> torch.Tensor:
 def test_feature_patches_are_exact(organism_trials, organism_sae, where):
     d_sae = organism_sae.cfg.d_sae
     for t in organism_trials[:3]:
-        site = feature_site(t, organism_sae, where)
+        site = feature_patcher(t, organism_sae, where)
         x_new = captured_new_residual(t, site)
         torch.testing.assert_close(site.x_new, x_new, rtol=1e-5, atol=1e-5)
         # every feature plus the error term is the whole residual: equal to replacing it by x_new
@@ -267,7 +267,7 @@ def test_feature_patches_are_exact(organism_trials, organism_sae, where):
 
 
 def test_patch_formula_keeps_the_error_term(organism_trials, organism_sae):
-    site = feature_site(organism_trials[0], organism_sae, "notes")
+    site = feature_patcher(organism_trials[0], organism_sae, "notes")
     feats = [int(f) for f in ((site.a_new - site.a_old) != 0).any(0).nonzero().flatten()][:5]
     patched = site.a_old.clone()
     patched[:, feats] = site.a_new[:, feats]
