@@ -1,5 +1,5 @@
 """One pair ready for edge patching and scoring (`edge_site`): the shared prefix as a notebook, both
-runs' captures, and the forward whose hooks patch a batch of circuits (`EdgeSite.patch`) or leave
+runs captured (`kvnotes.capture.capture_pair`), and the forward whose hooks patch a batch of circuits (`EdgeSite.patch`) or leave
 zero leaves for the gradients the scores need (`circuits.edges.scores`)."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from circuits.edges.graph import (
     EdgeGraph,
     edge_graph,
 )
+from kvnotes.capture import CaptureRun, RunCapture, capture_pair
 from kvnotes.engine import require, run
 from kvnotes.engine.plan import softcap
 from kvnotes.engine.transformer_lens import kv_weights
@@ -179,7 +180,8 @@ def _mlp_in_hook(model: KVModel):
 
 
 class _Mode:
-    """How a forward's hooks act: capture only (the old and new runs)."""
+    """How a patching forward's hooks act (the base: no patch, no leaves; the two runs are captured
+    by `kvnotes.capture` instead)."""
 
     rows = 1
     interpolate: Tensor | None = None  # [rows] alphas of the field's embeddings
@@ -496,10 +498,54 @@ def edge_site(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> Edg
         ld_old=0.0,
         ld_new=0.0,
     )
-    with torch.no_grad():
-        for name, ids in (("old", site.ids_old), ("new", site.ids_new)):
-            ld, st = site._forward(_Mode(), ids)
-            setattr(site, name, st)
-            setattr(site, f"ld_{name}", float(ld[0]))
-    site.forwards = 0
+    both = capture_pair(
+        model,
+        CaptureRun(prefix, site.ids_old, site.pos),
+        CaptureRun(prefix, site.ids_new, site.pos),
+        _captured_hooks(model.n_layers),
+        logits_at=(int(site.pos[-1]),),
+        vocab=answer_columns(metric, pair.answers)[0],
+    )
+    columns = answer_columns(metric, pair.answers)[1]
+    for name, cap in (("old", both.old), ("new", both.new)):
+        setattr(site, name, _run_of(model, cap))
+        setattr(site, f"ld_{name}", float(metric(cap.readout.last, columns)[0]))
     return site
+
+
+# what the patches read of each run, per layer: `_Run` field -> hook point (`_run_of` adds the rest)
+_CAPTURED = {
+    "x": "hook_resid_pre",
+    "q_raw": "attn.hook_q",
+    "k_raw": "attn.hook_k",
+    "v": "attn.hook_v",
+    "q_rot": "attn.hook_rot_q",
+    "k_rot": "attn.hook_rot_k",
+    "scores": "attn.hook_attn_scores",
+    "pattern": "attn.hook_pattern",
+    "z": "attn.hook_z",
+    "mid": "hook_resid_mid",
+}
+
+
+def _captured_hooks(n_layers: int) -> list[str]:
+    """The hook points `_run_of` reads: the embeddings, and per layer `_CAPTURED` and resid_post."""
+    per_layer = [*_CAPTURED.values(), "hook_resid_post"]
+    return ["hook_embed", *(f"blocks.{l}.{h}" for l in range(n_layers) for h in per_layer)]
+
+
+@torch.no_grad()
+def _run_of(model: KVModel, cap: RunCapture) -> _Run:
+    """One run's `_Run` from its capture (`kvnotes.capture`): the hook points as captured, and what
+    the patching forward derives from them, as it derives it (head outputs through W_O, their sum
+    with b_O, and the MLP's output as resid_post - resid_mid)."""
+    st = _Run(emb=cap["hook_embed"])
+    for l in range(model.n_layers):
+        for f, h in _CAPTURED.items():
+            getattr(st, f)[l] = cap[f"blocks.{l}.{h}"]
+        attn = model.tl.blocks[l].attn
+        heads = torch.einsum("bthe,hed->bthd", st.z[l], attn.W_O)
+        st.heads[l] = heads
+        st.attn_sum[l] = heads.sum(2) + attn.b_O
+        st.mlp[l] = cap[f"blocks.{l}.hook_resid_post"] - st.mid[l]
+    return st
