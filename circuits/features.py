@@ -49,10 +49,10 @@ from circuits.feature_sites import (
     LOCATE_NOTES,
     LOCATE_SHARE,
     FeaturePatcher,
-    sae_decode,
-    sae_encode,
     feature_patcher,
     locate,
+    sae_decode,
+    sae_encode,
 )
 from circuits.feature_sites import residual_scan as residual_scan  # its old address
 from circuits.sae import (

@@ -1,6 +1,7 @@
 """One pair ready for edge patching and scoring (`edge_site`): the shared prefix as a notebook, both
-runs captured (`kvnotes.capture.capture_pair`), and the forward whose hooks patch a batch of circuits (`EdgeSite.patch`) or leave
-zero leaves for the gradients the scores need (`circuits.edges.scores`)."""
+runs captured (`kvnotes.capture.capture_pair`), and the forward whose hooks patch a batch of
+circuits (`EdgeSite.patch`) or leave zero leaves for the gradients the scores need
+(`circuits.edges.scores`)."""
 
 from __future__ import annotations
 
