@@ -9,7 +9,8 @@ values and differ only by their queries and output weights; patching one head's 
 Read side, for each trial (`read_capture`, both runs captured by `kvnotes.capture`): the query
 tokens before the decision position are computed once onto both notebooks, so a head patch
 costs one token's forward. `output` patching replaces the head's `hook_z` at the decision with
-the new-value run's; `path` patching adds only the change in what its attention brings from chosen slots (the note slots, or the field):
+the new-value run's; `path` patching adds only the change in what its attention brings from
+chosen slots (the note slots, or the field):
 z + Σ_{s∈slots} (p_new[s]·v_new[s] − p_old[s]·v_old[s]), everything else kept as in the run.
 
 Write side: the old-value notebook is rebuilt from the first note slot with the chosen
