@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from circuits.edges import RESIDUAL, EdgeGraph, EdgeSite, edge_site, score_edges
+from circuits.edges import RESIDUAL, EdgeGraph, EdgePatcher, edge_patcher, score_edges
 from circuits.edges.positions import position_edges, position_scores
 from kvnotes.errors import BadArgument, MissingDependency
 from kvnotes.metrics import spearman
@@ -205,7 +205,7 @@ def _theirs(d: dict[str, float]) -> dict[str, float]:
 
 
 def _per_position(
-    site: EdgeSite, ours: np.ndarray, theirs: dict[str, float]
+    site: EdgePatcher, ours: np.ndarray, theirs: dict[str, float]
 ) -> tuple[np.ndarray, np.ndarray, float, float]:
     """kvnotes' per-position residual scores (`position_scores` times the effect) and auto-circuit's
     on the same edges (`NAME@POSITION`, K+V joined), with the largest |EAP| auto-circuit gives an
@@ -312,7 +312,7 @@ def peer_pairs(
         for _ in range(repeats):
             for name, way in ways.items():
                 t0 = time.perf_counter()
-                site = edge_site(model, p)  # our way pays its prefill and both runs, as theirs does
+                site = edge_patcher(model, p)  # our way pays its prefill and both runs, as theirs does
                 got[name] = way(site)
                 times[name].append(time.perf_counter() - t0)
         names = _our_names(site.graph)

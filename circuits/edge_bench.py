@@ -31,7 +31,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from circuits.auto_circuit_peer import check_peer, compare
-from circuits.edges import edge_graph, edge_site, score_edges
+from circuits.edges import edge_graph, edge_patcher, score_edges
 from circuits.edges.faithfulness import block_bound
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
@@ -205,7 +205,7 @@ def edge_bench(
     rng = np.random.default_rng(seed)
     tally = _Tally(top)
     for t in tqdm(used, desc="edge bench", unit="pair", disable=not progress):
-        site = edge_site(t.model, t.pair, metric=t.metric)
+        site = edge_patcher(t.model, t.pair, metric=t.metric)
         tally.n_edges, tally.tokens = len(site.graph), max(tally.tokens, site.n_tokens)
         got = tally.time_methods(site, steps, repeats)
         tally.projected = len(site.graph) > exhaustive

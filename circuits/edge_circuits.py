@@ -2,7 +2,7 @@
 circuits chosen on half the pairs, evaluated on the other half as faithfulness curves beside random
 circuits matched bin by bin (`circuits.edges.choose.matched_random`).
 
-Per pair (`circuits.edges.edge_site`): every edge scored by each method, timed; exact patching of
+Per pair (`circuits.edges.edge_patcher`): every edge scored by each method, timed; exact patching of
 every edge when the graph has at most `exhaustive` edges (default `EXHAUSTIVE`), else of a random
 sample (for Spearman's rho) plus each method's top edges (for recall@k: then the exact top-k is the
 top-k of what was patched, which can only flatter the methods: said in `details.recall_over`).
@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from circuits.edges import ATTENTION, GROUPS, METHODS, EdgeGraph, EdgeSite, edge_graph, edge_site, score_edges
+from circuits.edges import (
+    ATTENTION,
+    GROUPS,
+    METHODS,
+    EdgeGraph,
+    EdgePatcher,
+    edge_graph,
+    edge_patcher,
+    score_edges,
+)
 from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, sizes_for, top_circuit
 from circuits.edges.faithfulness import area, cross_fit, dataset_areas
 from kvnotes.analysis.registry import Context, analysis, option
@@ -40,7 +49,7 @@ GROUP_TOKENS = 48  # tokens of each position group the result keeps for reading 
 CURVES = ("faithfulness", "random", "greedy")
 
 
-def converged_steps(site: EdgeSite, *, tol: float = CONVERGED) -> tuple[int, list[dict]]:
+def converged_steps(site: EdgePatcher, *, tol: float = CONVERGED) -> tuple[int, list[dict]]:
     """The fewest EAP-IG steps of `STEP_CHOICES` whose scores move by less than `tol` (recovery units,
     the largest over edges) when the steps are doubled, and the table of every comparison."""
     prev, rows, chosen = None, [], None
@@ -108,7 +117,7 @@ def analyse_edges(
     scores on half the pairs, evaluated on the other half. `steps` 0: chosen by `converged_steps`."""
     used, excluded = split_by_effect(trials, min_effect)
     rng = np.random.default_rng(seed)
-    sites = [edge_site(t.model, t.pair, metric=t.metric) for t in used]
+    sites = [edge_patcher(t.model, t.pair, metric=t.metric) for t in used]
     graph = sites[0].graph if sites else None
     convergence: list[dict] = []
     if sites and steps == 0:
@@ -337,7 +346,7 @@ def _node_table(graph: EdgeGraph, scores: list[np.ndarray], graph_rows: list[dic
     return sorted(rows, key=lambda r: -abs(r["score"]))
 
 
-def _group_tokens(site: EdgeSite) -> dict[str, list[str]]:
+def _group_tokens(site: EdgePatcher) -> dict[str, list[str]]:
     """The new prompt's tokens in each position group of `site` (the first `GROUP_TOKENS`)."""
     strings = site.model.token_strings(site.ids_new)
     out: dict[str, list[str]] = {}

@@ -28,7 +28,7 @@ import numpy as np
 from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
-from circuits.edges import GROUPS, RESIDUAL, EdgeSite, edge_site, score_edges
+from circuits.edges import GROUPS, RESIDUAL, EdgePatcher, edge_patcher, score_edges
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
 from kvnotes.errors import BadArgument
@@ -59,7 +59,7 @@ def _touched(model, clean: list, corrupt: list):
     return touched, s_new, s_old
 
 
-def known_edges(model, site: EdgeSite) -> np.ndarray:
+def known_edges(model, site: EdgePatcher) -> np.ndarray:
     """The known circuit of `site`'s pair (a `TracrModel`'s): a boolean mask over `site.graph`.
 
     Walking back from the logit: a step is in the circuit at a position where its output differs
@@ -128,7 +128,7 @@ def components(model) -> list[str]:
     ]
 
 
-def known_nodes(site: EdgeSite, mask: np.ndarray) -> set[str]:
+def known_nodes(site: EdgePatcher, mask: np.ndarray) -> set[str]:
     """The components the known edges touch (embeddings and the logit are no component)."""
     gr = site.graph
     out = set()
@@ -140,7 +140,7 @@ def known_nodes(site: EdgeSite, mask: np.ndarray) -> set[str]:
     return out
 
 
-def _output_edges(site: EdgeSite) -> dict[str, np.ndarray]:
+def _output_edges(site: EdgePatcher) -> dict[str, np.ndarray]:
     """Per component, the residual edges that carry its output."""
     gr = site.graph
     by: dict[str, list[int]] = {}
@@ -171,7 +171,7 @@ def precision_recall(scores: np.ndarray, truth: np.ndarray) -> tuple[float, floa
     return (hit / k if k else 0.0), (hit / k if k else 0.0)
 
 
-def node_scores(site: EdgeSite, edge_scores: np.ndarray | None, names: list[str]) -> np.ndarray:
+def node_scores(site: EdgePatcher, edge_scores: np.ndarray | None, names: list[str]) -> np.ndarray:
     """|a component's score|: its output edges' scores summed, or (`edge_scores` None) the exact
     recovery lost when all of them carry the corrupt prompt's values at once."""
     outs = _output_edges(site)
@@ -246,7 +246,7 @@ def score_program(model, pairs, *, steps: int = 8, seed: int = 0, progress: bool
     got: dict[tuple[str, str], list[tuple]] = {(m, lv): [] for m in METHODS for lv in ("edge", "node")}
     sizes = {"edges": 0, "known_edges": [], "known_nodes": [], "faithfulness": []}
     for pair in tqdm(pairs, desc=model.name, unit="pair", disable=not progress or None, leave=False):
-        site = edge_site(model, pair)
+        site = edge_patcher(model, pair)
         if abs(site.effect) < 1e-6:
             raise BadArgument(f"{model.name}: a pair whose answers do not move ({pair.new.text!r})")
         truth = known_edges(model, site)

@@ -4,7 +4,7 @@ A patching analysis first reads what it patches from: each run (the old and the 
 any two prompt sets) computes its tokens once, read-only, with the same hook points captured. A
 `CaptureRun` says what one run computes; `capture_runs` runs each once (one batched forward each)
 and returns a `RunCapture` per run; `capture_pair` is the two-run case (`PairCapture`, old then new),
-which `circuits.heads`, `circuits.feature_sites` and `circuits.edges.site` specialise.
+which `circuits.heads`, `circuits.feature_sites` and `circuits.edges.patcher` specialise.
 
 Captured tensors are detached copies in the engine's own layout (`[batch, pos, ...]`, attention
 patterns and scores `[batch, head, query, key]`), in the model's dtype and device.

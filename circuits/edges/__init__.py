@@ -18,7 +18,7 @@ Edges:
 - attention: `KV{l}.{j}@gk` feeds each head h of that KV group at `L{l}H{h}@gq` (the keys and values at
   gk's positions as read by h's queries at gq's positions).
 
-Patching (`EdgeSite.patch`, `circuits.edges.site`): a circuit is a set of edges; in the patched run
+Patching (`EdgePatcher.patch`, `circuits.edges.patcher`): a circuit is a set of edges; in the patched run
 (on the new prompt) every edge outside it carries the old run's value: a reader's input is the
 residual with each corrupted writer's output swapped for the old one (under a post-attention norm,
 as Gemma has, the layer's head outputs are mixed before the norm), and a corrupted attention edge
@@ -27,7 +27,7 @@ none: the old run (tested against independent runs). It runs through `kvnotes.en
 hooks, many circuits as rows of one batch.
 
 Scores, in recovery units (the share of ld_new - ld_old that corrupting the edge alone removes):
-- `exact`: that patch, one row per edge (`EdgeSite.exact`);
+- `exact`: that patch, one row per edge (`EdgePatcher.exact`);
 - `eap` / `eap-ig`: (input change) · (gradient at the reader's input), the gradient at the new run
   (EAP) or averaged over `steps` runs whose field embeddings lie on the straight path from old to new
   (integrated gradients, midpoint rule: Hanna et al. 2024); attention edges through the scores'
@@ -44,7 +44,7 @@ Scores, in recovery units (the share of ld_new - ld_old that corrupting the edge
   |AtP*_m| (m other than the reader's own layer, where the drop cuts the reader off: L - 1 terms;
   the logit's edges, which no layer's drop reaches, L). Unsigned: a magnitude for ranking.
 
-Modules, one idea each: `graph` (the nodes and edges), `site` (one pair's two runs and the patching
+Modules, one idea each: `graph` (the nodes and edges), `patcher` (one pair's two runs and the patching
 forward), `scores` (EAP, EAP-IG, AtP*, GradDrop), `qk` (AtP*'s exact softmax for keys and queries),
 `choose` (top, greedy and matched random circuits), `faithfulness` (cross-fitted curves, CPR and
 CMD both ways, AtP*'s block bound) and `positions` (EAP per token position, for peers whose graph
@@ -63,9 +63,9 @@ from circuits.edges.graph import (
     Node,
     edge_graph,
 )
+from circuits.edges.patcher import EdgePatcher, edge_patcher, groups_of
 from circuits.edges.qk import EXACT_KEYS
 from circuits.edges.scores import GRADDROP, METHODS, EdgeScores, score_edges, writer_deltas
-from circuits.edges.site import EdgeSite, edge_site, groups_of
 
 __all__ = [
     "ATTENTION",
@@ -80,10 +80,10 @@ __all__ = [
     "RESIDUAL",
     "EdgeGraph",
     "EdgeScores",
-    "EdgeSite",
+    "EdgePatcher",
     "Node",
     "edge_graph",
-    "edge_site",
+    "edge_patcher",
     "groups_of",
     "score_edges",
     "writer_deltas",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from circuits.edges.site import EdgeSite
+from circuits.edges.patcher import EdgePatcher
 from kvnotes.analysis.results import Estimate
 
 BOOTSTRAP = 2000  # resamples of the pairs behind a dataset-mean figure's CI
@@ -85,7 +85,7 @@ class BlockBound:
 
 
 def block_bound(
-    site: EdgeSite, scores: np.ndarray, verified: int, rng: np.random.Generator, *, levels: int = 5
+    patcher: EdgePatcher, scores: np.ndarray, verified: int, rng: np.random.Generator, *, levels: int = 5
 ) -> BlockBound:
     """`BlockBound` of the edges outside the `verified` largest |scores|."""
     order = np.argsort(-np.abs(scores), kind="stable")
@@ -99,7 +99,7 @@ def block_bound(
             members.append(block)
     bound = np.full(len(scores), np.inf)
     if keep:
-        joint = np.abs(1.0 - site.patch(np.stack(keep)))
+        joint = np.abs(1.0 - patcher.patch(np.stack(keep)))
         for block, e in zip(members, joint):
             bound[block] = np.minimum(bound[block], e)
     return BlockBound(verified=top, unverified=rest, bound=bound[rest], rows=len(keep))

@@ -26,11 +26,11 @@ EXACT_KEYS = ("changed", "whole")  # the exact-key step: the changed keys swappe
 def qk_fix(acc, grads: dict) -> None:
     """Add AtP*'s exact-softmax changes to the accumulator `acc` (`scores._Accumulator`) for one
     run at the new prompt: attention edges, and the residual edges into KV slots and queries."""
-    site, gr = acc.site, acc.site.graph
+    patcher, gr = acc.patcher, acc.patcher.graph
     for l in range(gr.n_layers):
-        layer = _Layer(site, l, grads)
+        layer = _Layer(patcher, l, grads)
         for gk in range(len(GROUPS)):  # attention edges: the old keys and values at gk's positions
-            at = site.groups == gk
+            at = patcher.groups == gk
             if bool(at.any()):
                 d = layer.key_change(acc.keys, layer.s_old[None], layer.v_old[None], at)[0]  # [H, query]
                 acc.att[l, :, gk] += torch.einsum("hq,qg->hg", d, acc.onehot)
@@ -43,31 +43,33 @@ def qk_fix(acc, grads: dict) -> None:
 class _Layer:
     """Layer l of the new run in float64: its scores, values, head outputs and their gradient."""
 
-    def __init__(self, site, l: int, grads: dict):
-        model = site.model
-        self.site, self.l, self.model = site, l, model
+    def __init__(self, patcher, l: int, grads: dict):
+        model = patcher.model
+        self.patcher, self.l, self.model = patcher, l, model
         self.attn = model.tl.blocks[l].attn
         self.g = gr_g = model.n_heads // model.n_kv_heads
-        self.ns = site.prefix.n_slots
+        self.ns = patcher.prefix.n_slots
         self.cap = model.cfg.attn_scores_soft_cap
         self.W_K, self.W_V, _, _ = kv_weights(self.attn, model.cfg)
-        self.s_all = site.new.scores[l][0].double()  # [H, T, K]
-        keys = torch.cat([site.prefix.keys[l][0].transpose(0, 1), site.new.k_rot[l][0]], dim=0)
+        self.s_all = patcher.new.scores[l][0].double()  # [H, T, K]
+        keys = torch.cat([patcher.prefix.keys[l][0].transpose(0, 1), patcher.new.k_rot[l][0]], dim=0)
         self.k_all = keys.double().repeat_interleave(gr_g, 1)  # [K, H, d]
-        self.v_all = torch.cat([site.prefix.values[l][0].transpose(0, 1), site.new.v[l][0]], dim=0).double()
+        self.v_all = torch.cat(
+            [patcher.prefix.values[l][0].transpose(0, 1), patcher.new.v[l][0]], dim=0
+        ).double()
         self.gz = grads[("z", l)][0].double()  # [T, H, d]
-        self.z = site.new.z[l][0].double()  # [T, H, d]
-        self.q = site.new.q_rot[l][0].double()  # [T, H, d]
-        k_old = site.old.k_rot[l][0].double().repeat_interleave(gr_g, 1)
+        self.z = patcher.new.z[l][0].double()  # [T, H, d]
+        self.q = patcher.new.q_rot[l][0].double()  # [T, H, d]
+        k_old = patcher.old.k_rot[l][0].double().repeat_interleave(gr_g, 1)
         self.s_old = self.scores(torch.einsum("qhe,phe->hqp", self.q, k_old))
-        self.v_old = site.old.v[l][0].double()
+        self.v_old = patcher.old.v[l][0].double()
 
     def scores(self, dots: Tensor) -> Tensor:
         return softcap(dots / float(self.attn.attn_scale), self.cap)
 
     def normed_change(self, D: Tensor) -> Tensor:
         """Each writer's change `D` [n, T, d] as the layer's readers see it, after the input norm."""
-        x = self.site.new.x[self.l][0]  # [T, d]
+        x = self.patcher.new.x[self.l][0]  # [T, d]
         ln1 = self.model.tl.blocks[self.l].ln1
         return ln1(x[None] + D) - ln1(x[None].expand_as(D))
 
@@ -79,16 +81,16 @@ class _Layer:
 
 def _kv_edges(acc, layer: _Layer, writers: list[int], n_in: Tensor) -> None:
     """Residual edges into KV slots: each writer's change at the slot's input, exactly."""
-    site, gr, l = acc.site, acc.site.graph, layer.l
+    patcher, gr, l = acc.patcher, acc.patcher.graph, layer.l
     H, g, B = gr.n_heads, layer.g, gr.block
     dk = torch.einsum("ntd,jde->ntje", n_in, layer.W_K)
     dv = torch.einsum("ntd,jde->ntje", n_in, layer.W_V)
-    k2 = qk_normed(layer.attn, layer.model.cfg, site.new.k_raw[l][0][None] + dk, "k")
-    k2 = rotated(layer.attn, k2, site.pos).double().repeat_interleave(g, 2)  # [n, T, H, d]
+    k2 = qk_normed(layer.attn, layer.model.cfg, patcher.new.k_raw[l][0][None] + dk, "k")
+    k2 = rotated(layer.attn, k2, patcher.pos).double().repeat_interleave(g, 2)  # [n, T, H, d]
     s2 = layer.scores(torch.einsum("qhe,nphe->nhqp", layer.q, k2))
-    v2 = site.new.v[l][0].double()[None] + dv.double()
+    v2 = patcher.new.v[l][0].double()[None] + dv.double()
     for gk in range(len(GROUPS)):
-        at = site.groups == gk
+        at = patcher.groups == gk
         if not bool(at.any()):
             continue
         d = layer.key_change(acc.keys, s2, v2, at)  # [n, H, query]
@@ -99,12 +101,12 @@ def _kv_edges(acc, layer: _Layer, writers: list[int], n_in: Tensor) -> None:
 def _query_edges(acc, layer: _Layer, writers: list[int], n_in: Tensor) -> None:
     """Residual edges into query heads: each writer's change at the head's query input, every
     query's softmax recomputed over every key (the new run's), summed over each group's queries."""
-    site, l = acc.site, layer.l
-    B, H = site.graph.block, site.graph.n_heads
+    patcher, l = acc.patcher, layer.l
+    B, H = patcher.graph.block, patcher.graph.n_heads
     dq = torch.einsum("ntd,hde->nthe", n_in, layer.attn.W_Q)
-    q_raw = site.new.q_raw[l][0]  # [T, H, d] before the QK norm and rotation
+    q_raw = patcher.new.q_raw[l][0]  # [T, H, d] before the QK norm and rotation
     q2 = torch.cat([q_raw[None], q_raw[None] + dq])  # row 0: no change, the baseline
-    q2 = rotated(layer.attn, qk_normed(layer.attn, layer.model.cfg, q2, "q"), site.pos).double()
+    q2 = rotated(layer.attn, qk_normed(layer.attn, layer.model.cfg, q2, "q"), patcher.pos).double()
     s2 = layer.scores(torch.einsum("nqhe,khe->nhqk", q2, layer.k_all))
     p2 = torch.softmax(torch.where(torch.isfinite(layer.s_all)[None], s2, -torch.inf), dim=-1)
     z2 = torch.einsum(

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from circuits.edges.graph import ATTENTION, GROUPS, RESIDUAL, EdgeGraph
+from circuits.edges.patcher import EdgePatcher, _Grad, _post_delta, _Run
 from circuits.edges.qk import EXACT_KEYS, qk_fix
-from circuits.edges.site import EdgeSite, _Grad, _post_delta, _Run
 from kvnotes.errors import BadArgument
 from kvnotes.types import Tensor
 
@@ -32,7 +32,7 @@ class EdgeScores:
 
 
 def score_edges(
-    site: EdgeSite, method: str = "eap-ig", *, steps: int = 16, chunk: int = 4, keys: str = "changed"
+    patcher: EdgePatcher, method: str = "eap-ig", *, steps: int = 16, chunk: int = 4, keys: str = "changed"
 ) -> EdgeScores:
     """Every edge's score by `method` ("eap", "eap-ig", "atp*", "atp*-gd").
 
@@ -47,9 +47,9 @@ def score_edges(
         )
     if steps < 1:
         raise BadArgument(f"steps must be at least 1, got {steps}")
-    f0, b0 = site.forwards, site.backwards
+    f0, b0 = patcher.forwards, patcher.backwards
     if method == GRADDROP:
-        scores = _graddrop(site, keys)
+        scores = _graddrop(patcher, keys)
         steps = 1
     else:
         if method == "eap-ig":  # the midpoint rule over the field embeddings' path
@@ -57,46 +57,46 @@ def score_edges(
         else:
             alphas = torch.ones(1, dtype=torch.float64)
             steps = 1
-        acc = _Accumulator(site, keys)
+        acc = _Accumulator(patcher, keys)
         for a in range(0, len(alphas), chunk):
             part = alphas[a : a + chunk]
-            grads, st = _gradients(site, _Grad(part, site.old.emb))
+            grads, st = _gradients(patcher, _Grad(part, patcher.old.emb))
             acc.add(grads, st, exact=(method == "atp*"))
-        scores = acc.result(len(alphas)) / site.effect * -1.0
+        scores = acc.result(len(alphas)) / patcher.effect * -1.0
     return EdgeScores(
         method=method,
         scores=scores,
-        forwards=site.forwards - f0,
-        backwards=site.backwards - b0,
+        forwards=patcher.forwards - f0,
+        backwards=patcher.backwards - b0,
         steps=steps,
     )
 
 
-def _gradients(site: EdgeSite, mode: _Grad) -> tuple[dict, _Run]:
+def _gradients(patcher: EdgePatcher, mode: _Grad) -> tuple[dict, _Run]:
     """One gradient run: the metric summed over rows, differentiated at every leaf."""
     with torch.enable_grad():
-        score, st = site._forward(mode)
+        score, st = patcher._forward(mode)
         names = list(mode.leaves)
         grads = torch.autograd.grad(score.sum(), [mode.leaves[n] for n in names], allow_unused=True)
-    site.backwards += 1
+    patcher.backwards += 1
     return dict(zip(names, grads)), st
 
 
-def _graddrop(site: EdgeSite, keys: str = "changed") -> np.ndarray:
+def _graddrop(patcher: EdgePatcher, keys: str = "changed") -> np.ndarray:
     """AtP* with GradDrop: row m of one forward at the new run drops layer m's outputs from the
     backward; each row's AtP* scores, their magnitudes averaged over the layers that do not cut the
     edge's reader off (the package docstring)."""
-    L = site.graph.n_layers
+    L = patcher.graph.n_layers
     drop = torch.arange(L)
-    grads, st = _gradients(site, _Grad(torch.ones(L, dtype=torch.float64), site.old.emb, drop))
-    dst_layer = _reader_layers(site.graph)
-    total = np.zeros(len(site.graph))
+    grads, st = _gradients(patcher, _Grad(torch.ones(L, dtype=torch.float64), patcher.old.emb, drop))
+    dst_layer = _reader_layers(patcher.graph)
+    total = np.zeros(len(patcher.graph))
     for m in range(L):
-        acc = _Accumulator(site, keys)
+        acc = _Accumulator(patcher, keys)
         acc.add({k: None if v is None else v[m : m + 1] for k, v in grads.items()}, st.row(m), exact=True)
         total += np.where(dst_layer == m, 0.0, np.abs(acc.result(1)))
     terms = np.where(dst_layer < L, L - 1, L)
-    return total / terms / abs(site.effect)
+    return total / terms / abs(patcher.effect)
 
 
 def _reader_layers(graph: EdgeGraph) -> np.ndarray:
@@ -109,13 +109,13 @@ class _Accumulator:
     """Sums, over gradient runs, each edge's estimated change of the metric when corrupted alone:
     residual [readers, writers, groups] and attention [layer, head, key group, query group]."""
 
-    def __init__(self, site: EdgeSite, keys: str = "changed"):
-        self.site, self.keys = site, keys
-        gr = site.graph
+    def __init__(self, patcher: EdgePatcher, keys: str = "changed"):
+        self.patcher, self.keys = patcher, keys
+        gr = patcher.graph
         self.res = torch.zeros(gr.n_readers, gr.n_writers, len(GROUPS), dtype=torch.float64)
         self.att = torch.zeros(gr.n_layers, gr.n_heads, len(GROUPS), len(GROUPS), dtype=torch.float64)
-        self.deltas = writer_deltas(site)  # [W, T, d]: each writer's input change, new -> old
-        self.onehot = torch.nn.functional.one_hot(site.groups, len(GROUPS)).to(torch.float64)  # [T, G]
+        self.deltas = writer_deltas(patcher)  # [W, T, d]: each writer's input change, new -> old
+        self.onehot = torch.nn.functional.one_hot(patcher.groups, len(GROUPS)).to(torch.float64)  # [T, G]
 
     def add(self, grads: dict, st: _Run, *, exact: bool) -> None:
         """One gradient run's rows: linear in every edge, or (`exact`, AtP*) with the edges that
@@ -129,7 +129,7 @@ class _Accumulator:
 
     def _residual(self, grads: dict) -> None:
         """Residual edges: the writer's change . the reader's input gradient, summed over each group."""
-        gr, site = self.site.graph, self.site
+        gr, patcher = self.patcher.graph, self.patcher
         L, B = gr.n_layers, gr.block
         D = self.deltas.double()
         for l in range(L):
@@ -137,35 +137,35 @@ class _Accumulator:
             gm = grads[("mlp", l)].double().sum(0)[None]  # [1, T, d]
             readers = torch.cat([ga, gm])  # the readers of layer l
             self.res[l * B : (l + 1) * B] += torch.einsum("wtd,rtd,tg->rwg", D, readers, self.onehot)
-        gl = torch.zeros(1, site.n_tokens, D.shape[-1], dtype=torch.float64)
+        gl = torch.zeros(1, patcher.n_tokens, D.shape[-1], dtype=torch.float64)
         gl[0, -1] = grads[("logit",)].double().sum(0)[0]
         self.res[L * B :] += torch.einsum("wtd,rtd,tg->rwg", D, gl, self.onehot)
 
     def _attention(self, grads: dict, st: _Run) -> None:
         """Attention edges, linear: through the scores' gradient (the keys' change) and the head
         outputs' (the values' change). Head h reads KV head h // g (`repeat_interleave`)."""
-        site, gr = self.site, self.site.graph
-        g, ns = gr.n_heads // gr.n_kv_heads, site.prefix.n_slots
-        cap = site.model.cfg.attn_scores_soft_cap
+        patcher, gr = self.patcher, self.patcher.graph
+        g, ns = gr.n_heads // gr.n_kv_heads, patcher.prefix.n_slots
+        cap = patcher.model.cfg.attn_scores_soft_cap
         for l in range(gr.n_layers):
             q = st.q_rot[l].detach().double()  # [b, T, H, d]
-            k_new = site.new.k_rot[l][0].double().repeat_interleave(g, 1)  # [T, H, d]
-            k_old = site.old.k_rot[l][0].double().repeat_interleave(g, 1)
-            scale = float(site.model.tl.blocks[l].attn.attn_scale)
+            k_new = patcher.new.k_rot[l][0].double().repeat_interleave(g, 1)  # [T, H, d]
+            k_old = patcher.old.k_rot[l][0].double().repeat_interleave(g, 1)
+            scale = float(patcher.model.tl.blocks[l].attn.attn_scale)
             ds = torch.einsum("bqhe,phe->bhqp", q, k_old - k_new) / scale
             if cap and cap > 0:  # through the softcap: d/dx cap tanh(x / cap) = 1 - tanh^2
                 s = st.scores[l].detach().double()[..., ns:]
                 ds = torch.where(torch.isfinite(s), ds * (1 - (s / cap) ** 2), 0.0)  # masked: no term
             gs = grads[("scores", l)]
             term = 0 * ds if gs is None else gs.double()[..., ns:] * ds  # [b, H, q, p]
-            dv = (site.old.v[l][0] - site.new.v[l][0]).double().repeat_interleave(g, 1)  # [T, H, d]
+            dv = (patcher.old.v[l][0] - patcher.new.v[l][0]).double().repeat_interleave(g, 1)  # [T, H, d]
             pat = st.pattern[l].detach().double()[..., ns:]  # [b, H, q, p]
             term = term + pat * torch.einsum("bqhe,phe->bhqp", grads[("z", l)].double(), dv)
             self.att[l] += torch.einsum("bhqp,pk,qg->hkg", term, self.onehot, self.onehot)
 
     def result(self, rows: int) -> np.ndarray:
         """Per edge, the summed change divided by the number of runs (IG's mean)."""
-        gr = self.site.graph
+        gr = self.patcher.graph
         out = np.zeros(len(gr))
         r = np.flatnonzero(gr.kind == RESIDUAL)
         t = np.flatnonzero(gr.kind == ATTENTION)
@@ -176,10 +176,10 @@ class _Accumulator:
         return out
 
 
-def writer_deltas(site: EdgeSite) -> Tensor:
+def writer_deltas(patcher: EdgePatcher) -> Tensor:
     """Each writer's change at a reader's input when its edge carries the old run's value:
     `[writers, T, d_model]` (a head under a post-attention norm: the change of the normed sum)."""
-    gr, old, new, model = site.graph, site.old, site.new, site.model
+    gr, old, new, model = patcher.graph, patcher.old, patcher.new, patcher.model
     out = [old.emb[0] - new.emb[0]]
     for l in range(gr.n_layers):
         dh = (old.heads[l][0] - new.heads[l][0]).permute(1, 0, 2)[None]  # [1, H, T, d]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from circuits.auto_circuit_peer import _our_names, check_peer, peer_pairs, summarise
-from circuits.edges import GROUPS, RESIDUAL, edge_graph, edge_site, score_edges
+from circuits.edges import GROUPS, RESIDUAL, edge_graph, edge_patcher, score_edges
 from circuits.edges.positions import position_edges, position_scores
 from kvnotes import load_model
 from kvnotes.errors import BadArgument
@@ -104,7 +104,7 @@ def test_every_residual_edge_maps_to_auto_circuits_names_and_only_those():
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gqa", "tiny-gemma3"])
 def test_per_position_eap_sums_to_the_group_scores(name):
     model = load_model(name)
-    site = edge_site(model, sample(load_task("order-cancel"), model, 1, seed=0)[0])
+    site = edge_patcher(model, sample(load_task("order-cancel"), model, 1, seed=0)[0])
     per_pos = position_scores(site)
     assert not per_pos[~position_edges(site)].any()  # nothing where the graph has no edge
     gr = site.graph

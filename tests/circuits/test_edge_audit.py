@@ -13,8 +13,8 @@ import torch
 
 import circuits.edge_circuits as EC
 import circuits.edges as E
+from circuits.edges import patcher as SM
 from circuits.edges import scores as S
-from circuits.edges import site as SM
 from circuits.edges.choose import match_bins, sizes_for, top_circuit
 from circuits.edges.faithfulness import area, cross_fit, dataset_curve
 from kvnotes.engine import run
@@ -31,7 +31,7 @@ EPS = 1e-2  # finite-difference step (a share of the old run's value)
 def _strongest(name: str, task: str = "order-cancel", n: int = 6):
     m = load_model(name)
     pairs = sample(load_task(task), m, n, seed=0)
-    site = max((E.edge_site(m, p) for p in pairs), key=lambda s: abs(s.effect))
+    site = max((E.edge_patcher(m, p) for p in pairs), key=lambda s: abs(s.effect))
     assert abs(site.effect) > 1e-3, "no pair moves the decision: nothing to score"
     return site
 
@@ -53,7 +53,7 @@ def _classes(gr) -> dict[str, np.ndarray]:
 def _fd_failures(site, per_class: int = 4) -> list[str]:
     """Where EAP (input change x gradient at the new run) is not the derivative of the patched
     forward along that edge: per class, its `per_class` strongest edges, central differences of
-    `EdgeSite.patch` with the edge carrying a share +-EPS of the old value. Float32 forwards and the
+    `EdgePatcher.patch` with the edge carrying a share +-EPS of the old value. Float32 forwards and the
     O(EPS^2) truncation: measured within 1e-3 + 1e-3 |score| on every tiny model (the largest,
     2e-2 of 25.7 on tiny-gqa's strongest attention edge); allowed 2e-3 + 2e-3 |score|."""
     gr = site.graph
@@ -246,7 +246,7 @@ def test_each_pair_s_circuits_are_chosen_on_the_other_half_only():
     r = EC.analyse_edges(trials, steps=4, draws=1)
     used, _ = split_by_effect(trials, EC.MIN_EFFECT)
     assert len(used) >= 2
-    sites = [E.edge_site(t.model, t.pair, metric=t.metric) for t in used]
+    sites = [E.edge_patcher(t.model, t.pair, metric=t.metric) for t in used]
     scores = np.array([E.score_edges(s, "eap-ig", steps=4).scores for s in sites])
     sizes = sizes_for(len(sites[0].graph))
     want = []

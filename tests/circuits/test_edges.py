@@ -13,8 +13,8 @@ import torch
 
 import circuits.edges as E
 from circuits.edge_circuits import EdgeCircuits, analyse_edges
+from circuits.edges import patcher as patcher_module
 from circuits.edges import qk, scores
-from circuits.edges import site as site_module
 from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, sizes_for
 from kvnotes.cli import main
 from kvnotes.engine import run
@@ -33,7 +33,7 @@ LOGITS = 1e-4
 
 def _site(model, task="order-cancel", i=0, seed=0):
     pairs = sample(load_task(task), model, i + 1, seed=seed)
-    return E.edge_site(model, pairs[i])
+    return E.edge_patcher(model, pairs[i])
 
 
 def _ld(site, hooks):
@@ -132,7 +132,7 @@ def test_edge_patching_is_exact_on_gemma(gemma):
 @pytest.mark.parametrize("name", WITH_MLP)
 def test_a_patch_that_forgets_the_values_is_caught(name, monkeypatch):
     """Planted fault: attention edges swap only the keys. The KV-slot check must fail."""
-    monkeypatch.setattr(site_module, "_old_values", lambda site, mode, st, l, z: z)
+    monkeypatch.setattr(patcher_module, "_old_values", lambda site, mode, st, l, z: z)
     with pytest.raises(AssertionError):
         _check_exact(_site(get_model(name)))
 
@@ -156,7 +156,7 @@ def designed_failures(graph, scores: np.ndarray, share: float, tol: float = 0.05
 def mixed_sites(request):
     m = load_model(request.param)
     share = 0.25 if request.param.endswith("25") else 0.75
-    return share, [E.edge_site(m, p) for p in sample(load_task("mixed-organism"), m, 4, seed=1)]
+    return share, [E.edge_patcher(m, p) for p in sample(load_task("mixed-organism"), m, 4, seed=1)]
 
 
 # Measured on these 4 pairs of each organism: exact patching within 2.4e-8 of every designed weight
@@ -220,7 +220,7 @@ def _graddrop_failures(site) -> list[str]:
     per = []
     for m in range(L):  # one forward and backward each, dropping layer m: independent of the batch
         grads, st = scores._gradients(
-            site, site_module._Grad(torch.ones(1, dtype=torch.float64), site.old.emb, torch.tensor([m]))
+            site, patcher_module._Grad(torch.ones(1, dtype=torch.float64), site.old.emb, torch.tensor([m]))
         )
         acc = scores._Accumulator(site)
         acc.add(grads, st, exact=True)
@@ -243,7 +243,7 @@ def _graddrop_failures(site) -> list[str]:
 def _strongest(model, n=6):
     """The pair of the first `n` whose change moves the decision most (scores divide by it)."""
     pairs = sample(load_task("order-cancel"), model, n, seed=0)
-    site = max((E.edge_site(model, p) for p in pairs), key=lambda s: abs(s.effect))
+    site = max((E.edge_patcher(model, p) for p in pairs), key=lambda s: abs(s.effect))
     assert abs(site.effect) > 1e-3, "no pair moves the decision: nothing to score"
     return site
 

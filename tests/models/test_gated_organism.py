@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from circuits.edges import edge_site, score_edges
+from circuits.edges import edge_patcher, score_edges
 from kvnotes.models import gated, load_model
 from kvnotes.models.gated import (
     DIMS,
@@ -44,7 +44,7 @@ NORM_TOL = 1e-6  # RMSNorm scales of about 2.9, the same number up to float32 ro
 
 
 def _sites(model):
-    return [edge_site(model, p) for p in sample(load_task("mixed-organism"), model, N_PAIRS, seed=1)]
+    return [edge_patcher(model, p) for p in sample(load_task("mixed-organism"), model, N_PAIRS, seed=1)]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 if importlib.util.find_spec("tracr") is None and not os.environ.get("KVNOTES_REQUIRE_TRACR"):
     pytest.skip("the tracr extra is not installed: pip install -e '.[tracr]'", allow_module_level=True)
 
-from circuits.edges import edge_site  # noqa: E402
+from circuits.edges import edge_patcher  # noqa: E402
 from circuits.ground_truth import (  # noqa: E402
     auroc,
     ground_truth_bench,
@@ -94,7 +94,7 @@ def test_the_known_circuit_alone_reproduces_the_clean_decision(short):
     the known circuit is what carries the change, so this check can fail."""
     model = load_tracr(f"tracr-{short}")
     for pair in pairs(model, 2, seed=1):
-        site = edge_site(model, pair)
+        site = edge_patcher(model, pair)
         truth = known_edges(model, site)
         assert truth.any()
         cut = truth.copy()
@@ -108,7 +108,7 @@ def test_exact_patching_finds_the_reverse_circuit_and_scores_are_reported():
     """On `reverse` the change reaches the answer through one head's read of the first token
     only; exact edge patching ranks exactly those edges first."""
     model = load_tracr("tracr-reverse")
-    site = edge_site(model, pairs(model, 1, seed=0)[0])
+    site = edge_patcher(model, pairs(model, 1, seed=0)[0])
     truth = known_edges(model, site)
     labels = {site.graph.labels[i] for i in np.flatnonzero(truth)}
     head = [s for s in model.circuit.steps if s.op == "Aggregate"][-1]
@@ -152,7 +152,7 @@ def test_a_user_written_program_compiles_and_is_scored():
     assert model.evaluate(["x", "y", "x"])[-1] is True
     ps = input_pairs(model, 3, seed=0)
     assert all(p.position == 0 for p in ps)  # only the first token can change the answer
-    site = edge_site(model, pairs(model, 1, seed=0)[0])
+    site = edge_patcher(model, pairs(model, 1, seed=0)[0])
     truth = known_edges(model, site)
     assert site.patch(truth[None])[0] == pytest.approx(1.0, abs=1e-3)
     nodes = known_nodes(site, truth)

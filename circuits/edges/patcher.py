@@ -1,6 +1,6 @@
-"""One pair ready for edge patching and scoring (`edge_site`): the shared prefix as a notebook, both
+"""One pair ready for edge patching and scoring (`edge_patcher`): the shared prefix as a notebook, both
 runs captured (`kvnotes.capture.capture_pair`), and the forward whose hooks patch a batch of
-circuits (`EdgeSite.patch`) or leave zero leaves for the gradients the scores need
+circuits (`EdgePatcher.patch`) or leave zero leaves for the gradients the scores need
 (`circuits.edges.scores`)."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class _Run:
 
 
 @dataclass(eq=False)
-class EdgeSite:
+class EdgePatcher:
     """A pair prepared for edge patching: the shared prefix as a notebook, the computed tokens of
     both prompts from the field on, each position's group, and both runs' activations."""
 
@@ -189,7 +189,7 @@ class _Mode:
     old_emb: Tensor | None = None
     drop: Tensor | None = None  # [rows] the layer whose outputs pass no gradient (GradDrop), or -1
 
-    def corrections(self, site, st, l: int, readers: slice, include_layer: bool) -> Tensor | None:
+    def corrections(self, patcher, st, l: int, readers: slice, include_layer: bool) -> Tensor | None:
         return None
 
 
@@ -200,10 +200,10 @@ class _Patch(_Mode):
         self.res, self.att = res, att
         self.rows = res.shape[0]
 
-    def corrections(self, site, st, l, readers, include_layer):
+    def corrections(self, patcher, st, l, readers, include_layer):
         """The change of each reader's input [b, readers, T, d] that its corrupted edges make."""
-        gr, old = site.graph, site.old
-        off = self.res[:, readers][..., site.groups]  # [b, R, W, T]
+        gr, old = patcher.graph, patcher.old
+        off = self.res[:, readers][..., patcher.groups]  # [b, R, W, T]
         live = (off != 0).any(-1).any(1).any(0).tolist()  # [W]: writers with a corrupted edge here
         if not any(live):
             return None  # nothing corrupted: the change is zero, and adding zero changes no bit
@@ -215,15 +215,15 @@ class _Patch(_Mode):
             w0 = 1 + lp * (H + 1)
             if any(live[w0 : w0 + H]):
                 corr = corr + _head_changes(
-                    site.model, lp, st.attn_sum[lp], off[:, :, w0 : w0 + H], old.heads[lp] - st.heads[lp]
+                    patcher.model, lp, st.attn_sum[lp], off[:, :, w0 : w0 + H], old.heads[lp] - st.heads[lp]
                 )
             if lp < l and live[w0 + H]:
                 corr = corr + off[:, :, w0 + H, :, None] * (old.mlp[lp] - st.mlp[lp])[:, None]
         return corr
 
-    def attention(self, site, l: int) -> Tensor:
+    def attention(self, patcher, l: int) -> Tensor:
         """Layer l's attention edges' shares of the old run, per position: [b, H, query, key]."""
-        return self.att[:, l][:, :, site.groups][..., site.groups].transpose(-1, -2)
+        return self.att[:, l][:, :, patcher.groups][..., patcher.groups].transpose(-1, -2)
 
 
 class _Grad(_Mode):
@@ -273,9 +273,9 @@ class _Hooks:
     of a layer's attention reads its own copy of the normalised input: the residual plus the
     changes its corrupted edges make (`_Patch.corrections`), or plus its own leaf (`_Grad`)."""
 
-    def __init__(self, site: EdgeSite, mode: _Mode, st: _Run):
-        self.site, self.mode, self.st = site, mode, st
-        self.model, gr = site.model, site.graph
+    def __init__(self, patcher: EdgePatcher, mode: _Mode, st: _Run):
+        self.patcher, self.mode, self.st = patcher, mode, st
+        self.model, gr = patcher.model, patcher.graph
         self.L, self.H, self.KVH = gr.n_layers, gr.n_heads, gr.n_kv_heads
         self.B, self.g = gr.block, self.H // self.KVH
         self.grad = isinstance(mode, _Grad)
@@ -334,7 +334,7 @@ class _Hooks:
             corr = self.mode.leaf(("attn", l), x[:, None].expand(-1, H + KVH, -1, -1))
         else:
             corr = self.mode.corrections(
-                self.site, self.st, l, slice(l * self.B, l * self.B + H + KVH), False
+                self.patcher, self.st, l, slice(l * self.B, l * self.B + H + KVH), False
             )
         if corr is None:
             self.pend[l] = None
@@ -369,25 +369,25 @@ class _Hooks:
     def _old_keys(self, s: Tensor, l: int) -> Tensor:
         """Scores with each corrupted attention edge's keys taken (a share `off` of the way) from
         the old run: softcap(lerp(q.k, q.k_old, off)), exactly the old keys' scores at off = 1."""
-        off = self.mode.attention(self.site, l)  # [b, H, query, key]
+        off = self.mode.attention(self.patcher, l)  # [b, H, query, key]
         if not bool((off != 0).any()):
             return s
         attn, cap = self.model.tl.blocks[l].attn, self.model.cfg.attn_scores_soft_cap
         q = self.st.q_rot[l]
-        k_old = self.site.old.k_rot[l][0].repeat_interleave(self.g, dim=1)  # [T, H, d]
+        k_old = self.patcher.old.k_rot[l][0].repeat_interleave(self.g, dim=1)  # [T, H, d]
         raw = torch.einsum("bqhe,phe->bhqp", q, k_old) / attn.attn_scale
         if bool(((off != 0) & (off != 1)).any()):  # a fraction: between this run's keys and the old
             k = self.st.k_rot[l].repeat_interleave(self.g, dim=2)  # [b, T, H, d]
             here = torch.einsum("bqhe,bphe->bhqp", q, k) / attn.attn_scale
             raw = torch.lerp(here, raw, off)
-        ns = self.site.prefix.n_slots
+        ns = self.patcher.prefix.n_slots
         tail = s[..., ns:]
         tail = torch.where((off != 0) & torch.isfinite(tail), softcap(raw, cap), tail)
         return torch.cat([s[..., :ns], tail], dim=-1)
 
     def z(self, z, hook, l: int):
         if self.patching:
-            z = _old_values(self.site, self.mode, self.st, l, z)
+            z = _old_values(self.patcher, self.mode, self.st, l, z)
         if self.grad:
             z = z + self.mode.leaf(("z", l), z)
         attn = self.model.tl.blocks[l].attn
@@ -416,7 +416,7 @@ class _Hooks:
         if self.grad:
             return x + self.mode.leaf(("mlp", l), x)
         at = l * self.B + self.H + self.KVH
-        corr = self.mode.corrections(self.site, self.st, l, slice(at, at + 1), True)
+        corr = self.mode.corrections(self.patcher, self.st, l, slice(at, at + 1), True)
         return x if corr is None else x + corr[:, 0]
 
     def resid_post(self, x, hook, l: int):
@@ -431,22 +431,22 @@ class _Hooks:
         if self.grad:
             leaf = self.mode.leaf(("logit",), x[:, -1:])
             return torch.cat([x[:, :-1], x[:, -1:] + leaf], dim=1)
-        corr = self.mode.corrections(self.site, self.st, L, slice(L * B, L * B + 1), True)
+        corr = self.mode.corrections(self.patcher, self.st, L, slice(L * B, L * B + 1), True)
         if corr is not None:
             x = torch.cat([x[:, :-1], x[:, -1:] + corr[:, 0, -1:]], dim=1)
         return x
 
 
-def _old_values(site: EdgeSite, mode: _Patch, st: _Run, l: int, z: Tensor) -> Tensor:
+def _old_values(patcher: EdgePatcher, mode: _Patch, st: _Run, l: int, z: Tensor) -> Tensor:
     """Head outputs `z` [b, T, H, d] with each corrupted attention edge's values taken (a share
     `off` of the way) from the old run: z + sum over its keys of pattern x off x (v_old - v)
     (the pattern already reads the old keys)."""
-    off = mode.attention(site, l)  # [b, H, query, key]
+    off = mode.attention(patcher, l)  # [b, H, query, key]
     if not bool((off != 0).any()):
         return z
-    g = site.model.n_heads // site.model.n_kv_heads
-    ns = site.prefix.n_slots
-    dv = (site.old.v[l] - st.v[l]).repeat_interleave(g, dim=2)  # [b, T, H, d]: head h reads KV head h // g
+    g = patcher.model.n_heads // patcher.model.n_kv_heads
+    ns = patcher.prefix.n_slots
+    dv = (patcher.old.v[l] - st.v[l]).repeat_interleave(g, dim=2)  # [b, T, H, d]: head h reads KV head h // g
     w = st.pattern[l][..., ns:] * off.to(z.dtype)  # [b, H, q, p]
     return z + torch.einsum("bhqp,bphe->bqhe", w, dv)
 
@@ -472,7 +472,7 @@ def groups_of(model: KVModel, pair: Pair) -> tuple[int, list[int]]:
     return start, out
 
 
-def edge_site(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> EdgeSite:
+def edge_patcher(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> EdgePatcher:
     """`pair` prepared for edge patching and scoring: the prefix prefilled once, both runs captured."""
     require(model, "hook_attn_scores", "edge-level circuits")
     require(model, "weights", "edge-level circuits")
@@ -484,7 +484,7 @@ def edge_site(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> Edg
         raise BadArgument(f"the prompts differ at position {differ[0]}, before the changed field at {start}")
     with torch.no_grad():
         prefix = prefill(model, list(pair.new.ids), upto=start) if start > 0 else Notebook.empty(model)
-    site = EdgeSite(
+    patcher = EdgePatcher(
         model=model,
         pair=pair,
         graph=edge_graph(model),
@@ -501,17 +501,17 @@ def edge_site(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> Edg
     )
     both = capture_pair(
         model,
-        CaptureRun(prefix, site.ids_old, site.pos),
-        CaptureRun(prefix, site.ids_new, site.pos),
+        CaptureRun(prefix, patcher.ids_old, patcher.pos),
+        CaptureRun(prefix, patcher.ids_new, patcher.pos),
         _captured_hooks(model.n_layers),
-        logits_at=(int(site.pos[-1]),),
+        logits_at=(int(patcher.pos[-1]),),
         vocab=answer_columns(metric, pair.answers)[0],
     )
     columns = answer_columns(metric, pair.answers)[1]
     for name, cap in (("old", both.old), ("new", both.new)):
-        setattr(site, name, _run_of(model, cap))
-        setattr(site, f"ld_{name}", float(metric(cap.readout.last, columns)[0]))
-    return site
+        setattr(patcher, name, _run_of(model, cap))
+        setattr(patcher, f"ld_{name}", float(metric(cap.readout.last, columns)[0]))
+    return patcher
 
 
 # what the patches read of each run, per layer: `_Run` field -> hook point (`_run_of` adds the rest)
