@@ -124,3 +124,24 @@ class WritablePath:
 
 OUT_DIR = WritablePath(is_dir=True)
 OUT_FILE = WritablePath()
+
+
+MODEL_HELP = (
+    "the model: gemma-3-270m (the default; embedded, nothing to download), a tiny-* model "
+    "(tiny-llama, tiny-gemma3, ...), an organism (notes-organism, lookup-organism, ...), a tracr-* "
+    "program (tracr-reverse, ...), a Hugging Face checkpoint directory or a hub name"
+)
+
+
+def add_model(parser: argparse.ArgumentParser) -> None:
+    """`--model` on a command that takes a model: the one declaration every command shares, with
+    one default (the embedded model, which every command runs on) and one help text.
+
+    >>> p = argparse.ArgumentParser()
+    >>> add_model(p)
+    >>> p.parse_args([]).model, p.parse_args(["--model", "tiny-llama"]).model
+    ('gemma-3-270m', 'tiny-llama')
+    """
+    from kvnotes.models.names import EMBEDDED
+
+    parser.add_argument("--model", default=EMBEDDED, metavar="NAME", help=MODEL_HELP)

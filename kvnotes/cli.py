@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from kvnotes.args import add_model
+
 
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: the command, what was wrong and where the help is (exit 2)."""
@@ -111,7 +113,7 @@ def add_analysis_commands(sub) -> None:
             bsub = b.add_subparsers(dest="bench", required=True)
             for a in group:
                 sp = bsub.add_parser(a.get("command") or a["name"].replace("_", "-"), help=a["help"])
-                sp.add_argument("--model", default="gemma-3-270m")
+                add_model(sp)
                 dests = _add_options(sp, [a])
                 sp.add_argument(
                     "--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON"
@@ -136,9 +138,7 @@ def add_analysis_commands(sub) -> None:
             f"of: {', '.join(a['name'] for a in group)})",
         )
         p.add_argument("--only", help="the same as NAMES")
-        p.add_argument(
-            "--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir"
-        )
+        add_model(p)
         source = p.add_mutually_exclusive_group()
         source.add_argument(
             "--task",
@@ -482,7 +482,7 @@ def _add_verify(sub) -> None:
     v = sub.add_parser(
         "verify", help="the exactness invariants (and, where transformers has the model, against its forward)"
     )
-    v.add_argument("--model", required=True, help="gemma-3-270m, a tiny-* model, or a HF checkpoint dir")
+    add_model(v)
     v.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
     v.set_defaults(func=cmd_verify)
 
@@ -496,7 +496,7 @@ def _add_attribute(sub) -> None:
         help="which slots of any prompt's notebook carry the decision at its "
         "last token: gradient estimate, then exact transplants",
     )
-    at.add_argument("--model", required=True, help="gemma-3-270m, a tiny-* model, or a HF checkpoint dir")
+    add_model(at)
     at.add_argument(
         "--prompt",
         required=True,
@@ -538,7 +538,7 @@ def _add_report(sub) -> None:
         help="the per-model report: probes, circuits, edits, compose and cost "
         "curves, as report.json and a self-contained index.html",
     )
-    rp.add_argument("--model", required=True, help="gemma-3-270m, an organism, a tiny-* model, or a HF dir")
+    add_model(rp)
     rp.add_argument(
         "--task",
         action="append",
@@ -621,7 +621,7 @@ def _add_export(sub) -> None:
     ex = sub.add_parser(
         "export", help="write a model as a Hugging Face checkpoint directory (for vLLM and other servers)"
     )
-    ex.add_argument("model", help="gemma-3-270m or a HF checkpoint dir (any model with a transformers twin)")
+    add_model(ex)  # any model with a transformers twin
     ex.add_argument("dir", type=OUT_DIR, help="the directory to write (new, empty, or an earlier export)")
     ex.set_defaults(func=cmd_export)
 
@@ -635,7 +635,7 @@ def _add_sweep(sub) -> None:
         help="the per-slot transplant sweep as one nnsight session, here or on NDIF (--remote): "
         "the caches stay where the model runs, only the numbers come back (docs/backends.md)",
     )
-    sw.add_argument("--model", required=True, help="a HF checkpoint dir, a hub name, or gemma-3-270m")
+    add_model(sw)
     sw.add_argument("--task", help="a built-in task or a task.toml (default: order-cancel)")
     sw.add_argument("--slots", type=COUNT, help="sweep only the last N slots before the decision")
     sw.add_argument("--batch-size", type=COUNT, default=8, help="patches per decision trace (default 8)")
@@ -677,9 +677,7 @@ def _add_pairs(sub) -> None:
         sp = kinds.add_parser(kind, help=what)
         sp.add_argument("--n", type=Bounded(int, least=1), default=64, help="pairs (default 64)")
         sp.add_argument("--out", type=OUT_FILE, required=True, metavar="FILE", help="the .jsonl to write")
-        sp.add_argument(
-            "--model", default="gemma-3-270m", help="the model whose tokenizer the pairs must fit"
-        )
+        add_model(sp)  # the model whose tokenizer the pairs must fit
         sp.add_argument("--seed", type=SEED, default=0)
         sp.set_defaults(func=cmd_pairs)
 

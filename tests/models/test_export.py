@@ -55,6 +55,6 @@ def test_export_refuses_what_it_cannot_or_should_not_write(tiny_gemma3, tmp_path
 def test_cli_export(checkpoint, tmp_path, capsys):
     from kvnotes.cli import main
 
-    assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
+    assert main(["export", "--model", str(checkpoint), str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert "wrote" in capsys.readouterr().out
