@@ -280,11 +280,11 @@ def _causing(
             if not t.pair.downstream()
         ]
         used = [t for t in used if t.pair.downstream()]
-    sites = [
+    patchers = [
         feature_patcher(t, sae, cfg.site, decoder=decoder)
         for t in tqdm(used, desc=f"SAE sites ({cfg.site})", disable=not progress, unit="pair")
     ]
-    return _causal(sites, top, cfg, progress) if sites else None
+    return _causal(patchers, top, cfg, progress) if patchers else None
 
 
 def _result(
@@ -447,38 +447,38 @@ def _decoding(sae, held: Residuals, cfg: SAEConfig, answers: Sequence[str]) -> d
     }
 
 
-def push_ranking(sites: Sequence[FeaturePatcher]) -> tuple[list[int], Float[Tensor, " d_sae"]]:
+def push_ranking(patchers: Sequence[FeaturePatcher]) -> tuple[list[int], Float[Tensor, " d_sae"]]:
     """Features ordered by how hard their change pushes along the conclusion direction.
 
     The direction u is the mean over trials and site positions of x_new − x_old, each trial signed
     so that + favours answer 0 (pairs alternate which way they flip); a feature's push is its mean
     signed change in activation times d_f · u. Returns the order (largest push first) and the pushes.
     """
-    sign = [1.0 if s.trial.pair.expected[1] == 0 else -1.0 for s in sites]
-    dx = torch.stack([g * (s.x_new - s.x_old).mean(0) for g, s in zip(sign, sites)]).mean(0)
+    sign = [1.0 if s.trial.pair.expected[1] == 0 else -1.0 for s in patchers]
+    dx = torch.stack([g * (s.x_new - s.x_old).mean(0) for g, s in zip(sign, patchers)]).mean(0)
     u = dx / dx.norm().clamp_min(1e-12)
-    da = torch.stack([g * (s.a_new - s.a_old).mean(0) for g, s in zip(sign, sites)]).mean(0)
-    push = da * (sites[0].decoder @ u)
+    da = torch.stack([g * (s.a_new - s.a_old).mean(0) for g, s in zip(sign, patchers)]).mean(0)
+    push = da * (patchers[0].decoder @ u)
     return [int(f) for f in torch.argsort(-push, stable=True)], push
 
 
-def _causal(sites: Sequence[FeaturePatcher], top: Sequence[int], cfg: SAEConfig, progress: bool) -> dict:
+def _causal(patchers: Sequence[FeaturePatcher], top: Sequence[int], cfg: SAEConfig, progress: bool) -> dict:
     """Every patch of the analysis on every usable trial (see `sae_analysis`).
 
     The top-k order is cross-fitted: each trial's features are ranked on the other half of the
     trials (even/odd), so the curve measures a direction that generalises across prompts (with
     one trial it falls back to in-sample ranking and says so).
     """
-    d_sae, n = sites[0].decoder.shape[0], len(sites)
+    d_sae, n = patchers[0].decoder.shape[0], len(patchers)
     folds = [list(range(0, n, 2)), list(range(1, n, 2))]
     crossed = n >= 2
-    by_fold = [push_ranking([sites[j] for j in folds[1 - f]])[0] if crossed else None for f in (0, 1)]
-    everywhere, push = push_ranking(sites)
+    by_fold = [push_ranking([patchers[j] for j in folds[1 - f]])[0] if crossed else None for f in (0, 1)]
+    everywhere, push = push_ranking(patchers)
     ks = list(range(1, min(cfg.max_k, d_sae) + 1))
     random_ks = sorted({min(2**i, ks[-1]) for i in range(ks[-1].bit_length() + 1)})
     singles, topk, auc_topk, rnd, whole, feats_only = ([] for _ in range(6))
     recon, recon_rec, no_features, pools = ([] for _ in range(4))
-    for i, s in enumerate(tqdm(sites, desc="SAE feature patches", disable=not progress, unit="pair")):
+    for i, s in enumerate(tqdm(patchers, desc="SAE feature patches", disable=not progress, unit="pair")):
         pool = [int(f) for f in ((s.a_new - s.a_old) != 0).any(0).nonzero().flatten()]
         ranked = by_fold[i % 2] if crossed else everywhere
         rng = random.Random(f"sae/{cfg.seed}/{i}")
@@ -506,7 +506,7 @@ def _causal(sites: Sequence[FeaturePatcher], top: Sequence[int], cfg: SAEConfig,
         pools.append(len(pool))
     singles, topk, auc_topk, rnd = (np.array(v) for v in (singles, topk, auc_topk, rnd))
     best_causal = int(np.argmax(singles.mean(0)))
-    labels = clusters_of([s.trial for s in sites])  # every list above has one value per site
+    labels = clusters_of([s.trial for s in patchers])  # every list above has one value per site
     return {
         "singles": singles,
         "labels": labels,
@@ -531,7 +531,7 @@ def _causal(sites: Sequence[FeaturePatcher], top: Sequence[int], cfg: SAEConfig,
             "no_features": no_features,
             "random_pool_sizes": pools,
             "random_draws": cfg.draws,
-            "n_trials": len(sites),
+            "n_trials": len(patchers),
         },
     }
 
