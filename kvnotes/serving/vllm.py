@@ -373,7 +373,7 @@ def _check_checkpoint(model: str | Path) -> None:
         if not (Path(model) / "config.json").is_file():
             raise ServerError(
                 f"{model} is not a Hugging Face checkpoint directory (no config.json); write one with "
-                "`kvnotes export MODEL DIR`"
+                "`kvnotes export --model MODEL DIR`"
             )
 
 
