@@ -139,12 +139,8 @@ def make_plan(
 
 
 def check_resume(model: KVModel, resume: Resume, tok: Tensor, write: bool) -> None:
-    """Refuse a resume the backend lacks, one that writes, or a residual of the wrong shape."""
-    if "resume" not in model.backend.capabilities:
-        raise BadArgument(
-            f"the {model.backend.name} backend cannot start a forward at a later block; run without "
-            "`resume` (every block from the first)"
-        )
+    """Refuse a resume that writes, or a residual of the wrong shape (`run` has already refused a
+    backend without the `resume` capability)."""
     if write:
         raise BadArgument("a resumed run skips blocks, so it has no K/V to write there: pass write=False")
     if not 0 <= resume.layer < model.n_layers:

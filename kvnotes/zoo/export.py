@@ -37,7 +37,7 @@ def export(model, out: str | Path, *, progress: bool = True) -> Path:
     The directory is written beside `out` and renamed into place, so an interrupted export never
     leaves a directory that looks finished. An existing `out` is refused unless it is an earlier
     export (which is replaced)."""
-    from kvnotes.models import load_model
+    from kvnotes.zoo import load_model
 
     if isinstance(model, str):
         model = load_model(model)
@@ -70,7 +70,7 @@ def export(model, out: str | Path, *, progress: bool = True) -> Path:
 
 def cached(model, root: str | Path | None = None, *, progress: bool = True) -> Path:
     """An export of `model` under the kvnotes cache (`$KVNOTES_CACHE/export/NAME`), written once."""
-    from kvnotes.models.cache import building, default_cache_dir
+    from kvnotes.zoo.cache import building, default_cache_dir
 
     root = Path(root) if root else default_cache_dir() / "export"
     out = root / model.name.replace("/", "--")
