@@ -18,6 +18,7 @@ and gives the operations every backend implements: `move_keys` (post-RoPE keys t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def run(
     >>> nb.n_slots, nb2.n_slots, tuple(out.logits.shape)  # [batch, read-out positions, d_vocab]
     (7, 11, (1, 1, 512))
     """
-    kw = dict(
+    kw: dict[str, Any] = dict(
         write=write,
         hooks=hooks,
         capture=capture,
@@ -146,7 +147,7 @@ def _compute(
     # 3) write back: the fresh K/V replace the slots at their positions or are appended
     if not write:
         return notebook, out
-    return write_back(notebook, plan.tok, plan.pos, fresh.keys, fresh.values), out
+    return write_back(notebook, plan.tok, plan.pos, *fresh.every_layer()), out
 
 
 def _chunkable(model: KVModel, nb: Notebook, pos: Int[Tensor, " pos"]) -> bool:
@@ -163,7 +164,7 @@ def _chunkable(model: KVModel, nb: Notebook, pos: Int[Tensor, " pos"]) -> bool:
 
 def _run_in_chunks(model, notebook, tok, pos, read, vocab, write) -> tuple[Notebook, Readout]:
     """`run` over `PREFILL_CHUNK` tokens at a time, each chunk written before the next reads it."""
-    nb, pieces, order = notebook, [], []
+    nb, pieces, order = notebook, list[Tensor](), list[int]()
     for a in range(0, pos.numel(), PREFILL_CHUNK):
         cpos = pos[a : a + PREFILL_CHUNK]
         lo, hi = int(cpos[0]), int(cpos[-1])

@@ -90,7 +90,7 @@ class Backend(Protocol[M]):
         """Whether a hook outside `run()`'s own arguments watches the model (then no chunking)."""
         ...
 
-    def in_float64(self, model: M) -> AbstractContextManager[M]:
+    def in_float64(self, model: M) -> AbstractContextManager[object]:
         """`model` computing in float64 for the duration (weights, RoPE tables, every norm and
         softmax), back to its own dtype bit for bit afterwards: `verify`'s truth for re-rotation."""
         ...

@@ -116,7 +116,7 @@ def full_logits(model: KVModel, ids: Sequence[int]) -> Float[Tensor, "pos d_voca
     return backend_of(model).full_logits(model, ids)
 
 
-def in_float64(model: KVModel) -> AbstractContextManager[Any]:
+def in_float64(model: KVModel) -> AbstractContextManager[object]:
     """`model` itself computing in float64 for the duration, back to its own dtype bit for bit
     afterwards (its backend's `in_float64`): the engine then runs its own arithmetic, and any bug
     planted in it or in the weights, in float64."""

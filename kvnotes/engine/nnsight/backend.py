@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ def _resolve(model: NNsightModel, hooks: Sequence, capture: Sequence[str], captu
     for n in capture:
         wanted.setdefault(n, []).append((n, saver(captured)))
     plan = _HookPlan()
-    by_layer: dict[int, dict[str, list]] = {}
+    by_layer: dict[int, dict[str, tuple[ModuleSite, list[tuple[str, Callable | None]]]]] = {}
     for n, fns in wanted.items():
         layer, what, site = model.site(n)
         if site is None:
@@ -146,7 +147,9 @@ def _inputs(
         sliding = next(
             (model.window(l) for l, t in enumerate(model.layer_types) if t == "sliding_attention"), None
         )
-        masks = {t: bias[sliding if t == "sliding_attention" else None] for t in set(model.layer_types)}
+        masks: Tensor | dict[str, Tensor] = {
+            t: bias[sliding if t == "sliding_attention" else None] for t in set(model.layer_types)
+        }
     elif len(bias) == 1:
         masks = next(iter(bias.values()))
     else:
@@ -443,7 +446,7 @@ class Fed:
     ids: Tensor
     positions: Tensor
     base: Notebook
-    cache: object
+    cache: Any  # the DynamicCache the trace writes into
 
     def notebook(self) -> Notebook:
         n = self.ids.shape[1]

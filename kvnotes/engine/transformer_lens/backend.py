@@ -384,6 +384,7 @@ def _mix(pattern: Tensor, segments: list[tuple[Tensor, Tensor]]) -> Tensor:
             part = (p.transpose(0, 1).reshape(1, kvh, b * r, -1) @ sv).reshape(kvh, b, r, -1).transpose(0, 1)
         z = part if z is None else z + part
         start += sv.shape[2]
+    assert z is not None, "no segment to attend to"  # the computed tokens are always one
     return z
 
 
