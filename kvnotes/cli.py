@@ -386,9 +386,10 @@ def cmd_dashboard(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from kvnotes.zoo import load_model
     from kvnotes.zoo.export import export
 
-    print(f"wrote {export(args.model, args.dir)}")
+    print(f"wrote {export(load_model(args.model), args.dir)}")
     return 0
 
 

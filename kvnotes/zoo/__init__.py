@@ -11,7 +11,8 @@ from pathlib import Path
 
 from kvnotes.errors import UnknownModelError
 from kvnotes.models.backends import DEFAULT_BACKEND, BackendName
-from kvnotes.zoo.names import EMBEDDED, builtin_names
+from kvnotes.zoo.catalog import builtin_names
+from kvnotes.zoo.names import EMBEDDED
 
 
 def load_model(name: str, *, backend: str = DEFAULT_BACKEND, **kwargs):

@@ -32,15 +32,12 @@ def is_export_of(out: Path, model) -> bool:
 
 
 def export(model, out: str | Path, *, progress: bool = True) -> Path:
-    """Write `model` (a KVModel, or a name for `load_model`) to `out` as a Hugging Face checkpoint.
+    """Write `model` (a KVModel: `kvnotes export NAME DIR` loads it by name) to `out` as a Hugging
+    Face checkpoint.
 
     The directory is written beside `out` and renamed into place, so an interrupted export never
     leaves a directory that looks finished. An existing `out` is refused unless it is an earlier
     export (which is replaced)."""
-    from kvnotes.zoo import load_model
-
-    if isinstance(model, str):
-        model = load_model(model)
     out = Path(out).expanduser()
     if out.exists() and not (out / STAMP).exists() and any(out.iterdir()):
         raise KVNotesError(

@@ -1,5 +1,6 @@
-"""The built-in model names, apart from the loaders, so that a loader can check a name without
-importing `load_model`."""
+"""The names and contexts a loader needs without importing another loader: the embedded model's
+name and context, the Hugging Face context cap, and `context_length` (every built-in name is listed
+by `kvnotes.zoo.catalog.builtin_names`, which imports the loaders)."""
 
 from __future__ import annotations
 
@@ -13,27 +14,6 @@ EMBEDDED_N_CTX = 8192  # Gemma 3 270M supports 32K; 8192 keeps RoPE tables and m
 # Hugging Face checkpoints on TransformerLens: min(max_position_embeddings, N_CTX_CAP). RoPE tables and
 # masks grow with n_ctx and the notebook engine rarely needs more (`load_hf(..., n_ctx=)` changes it).
 N_CTX_CAP = 8192
-
-
-def builtin_names() -> list[str]:
-    """Every name `load_model` knows without a checkpoint: the embedded model, tiny models, organisms,
-    tracr's compiled programs."""
-    from kvnotes.zoo.gated import GATED_ORGANISMS
-    from kvnotes.zoo.mixed import MIXED_ORGANISMS
-    from kvnotes.zoo.organisms import NULL_ORGANISMS, ORGANISMS
-    from kvnotes.zoo.tiny import TINY_CONFIGS, TINY_HF
-    from kvnotes.zoo.tracr import library_names
-
-    return [
-        EMBEDDED,
-        *TINY_CONFIGS,
-        *TINY_HF,
-        *ORGANISMS,
-        *MIXED_ORGANISMS,
-        *GATED_ORGANISMS,
-        *NULL_ORGANISMS,
-        *library_names(),  # tracr's compiled programs (the tracr extra)
-    ]
 
 
 def context_length(name: str, backend: str = DEFAULT_BACKEND) -> int | None:

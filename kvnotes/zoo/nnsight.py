@@ -42,7 +42,8 @@ def load_nnsight(
     problem = nnsight_available()
     if problem:
         raise MissingDependency(f"the nnsight backend needs nnsight: {problem}")
-    from kvnotes.zoo.names import EMBEDDED, builtin_names
+    from kvnotes.zoo.catalog import builtin_names
+    from kvnotes.zoo.names import EMBEDDED
 
     if remote:
         return _meta(name)
