@@ -436,7 +436,7 @@ def train_converged(
     raise OrganismNotConverged(
         f"{cfg.name} did not reach 100% held-out accuracy with margin {cfg.min_margin} within "
         f"{cfg.max_steps} steps from any of {tries} seeds ({'; '.join(failed)}); nothing was cached. "
-        "Raise max_steps, or change the recipe in kvnotes/models/organisms.py"
+        "Raise max_steps, or change the recipe in kvnotes/zoo/organisms.py"
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvnotes import load_model, prefill
-from kvnotes.engine import BACKENDS, Capability, backend_of, has, require, run
+from kvnotes.engine import BACKENDS, Backend, Capability, backend_of, has, require, run
 from kvnotes.engine.nnsight import NNSIGHT, NNsightModel
 from kvnotes.engine.table import BY_MODEL_CLASS
 from kvnotes.engine.transformer_lens import TRANSFORMER_LENS, TransformerLensModel
@@ -33,7 +33,7 @@ def nn_model(tmp_path_factory):
 @pytest.mark.parametrize("name", list(BackendName))
 def test_each_backend_is_in_the_table_once_and_says_what_it_can_do(name):
     backend = BACKENDS[name]
-    assert backend.name == name and isinstance(backend.name, BackendName)
+    assert isinstance(backend, Backend) and backend.name == name and isinstance(backend.name, BackendName)
     assert isinstance(backend.capabilities, frozenset) and backend.capabilities
     assert all(isinstance(c, Capability) for c in backend.capabilities)
     assert {Capability.HOOK_ATTN_SCORES, Capability.HOOK_PATTERN} <= backend.capabilities
