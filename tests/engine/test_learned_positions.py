@@ -11,7 +11,6 @@ import importlib
 import pytest
 import torch
 
-from kvnotes import rope
 from kvnotes.conformance import HF_INVARIANTS, verify
 from kvnotes.engine import Capability, backend_of, full_logits, has
 from kvnotes.engine.profile import profile
@@ -38,8 +37,7 @@ def no_compute(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("computed before refusing")
 
-    monkeypatch.setattr(rope, "rotate", forbidden)
-    monkeypatch.setattr(rope, "unrotate", forbidden)
+    monkeypatch.setattr(TL, "unrotate_at", forbidden)  # a key move's first step
     monkeypatch.setattr(type(TL.TRANSFORMER_LENS), "move_keys", forbidden)
     return profile
 
