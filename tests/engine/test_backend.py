@@ -102,6 +102,15 @@ def test_the_nnsight_model_has_its_backend_and_no_transformer_lens_config(nn_mod
         require(nn_model, Capability.WEIGHTS, "weight edits")
 
 
+def test_feed_on_a_transformer_lens_model_names_the_nnsight_backend(tl_model):
+    from kvnotes.engine.nnsight import feed
+
+    nb = prefill(tl_model, "The order has shipped.")
+    with pytest.raises(MissingCapability, match=r"feed\(\) needs 'feed'.*--backend nnsight"):
+        with feed(tl_model, nb, tl_model.encode(" Deny.", bos=False)):
+            pass
+
+
 def test_both_backends_run_the_same_checkpoint_alike(nn_model):
     """The same weights on either side of the seam: the same decision logits."""
     tl = load_model(nn_model.source)

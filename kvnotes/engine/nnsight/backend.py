@@ -43,6 +43,7 @@ from kvnotes.engine.nnsight.model import NNsightModel
 from kvnotes.engine.plan import Fresh, Hook, Plan, saver, softcap, take_slots, write_back
 from kvnotes.errors import BadArgument, MissingCapability, UnsupportedArchitecture
 from kvnotes.models.backends import BackendName
+from kvnotes.models.model import KVModel
 from kvnotes.models.sites import MODULE_SITES, ORDER, ModuleSite
 from kvnotes.notebook import Notebook
 from kvnotes.types import Tensor
@@ -457,13 +458,13 @@ class Fed:
 
 
 @contextmanager
-def feed(model: NNsightModel, notebook: Notebook, tokens, positions=None) -> Iterator[Fed]:
+def feed(model: KVModel, notebook: Notebook, tokens, positions=None) -> Iterator[Fed]:
     """Feed `notebook` to the next forward of `model.lm` (an nnsight trace the caller writes), with
     `tokens` at `positions` (default: right after the notebook), as `run()` would."""
     if not isinstance(model, NNsightModel):
         raise MissingCapability(
-            f"feed() needs 'feed', which {model.name} on the {BackendName.TRANSFORMER_LENS} backend does "
-            f"not offer; load it with --backend {BackendName.NNSIGHT} "
+            f"feed() needs 'feed', which {model.name} does not offer (a {type(model).__name__}, not an "
+            f"NNsightModel); load it with --backend {BackendName.NNSIGHT} "
             f"(load_model(name, backend={str(BackendName.NNSIGHT)!r}))"
         )
     notebook.check_model(model)
