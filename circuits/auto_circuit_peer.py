@@ -46,6 +46,7 @@ import torch
 
 from circuits.edges import RESIDUAL, EdgeGraph, EdgePatcher, edge_patcher, score_edges
 from circuits.edges.positions import position_edges, position_scores
+from kvnotes.engine import Capability, require
 from kvnotes.errors import BadArgument, MissingDependency
 from kvnotes.metrics import spearman
 from kvnotes.models.model import KVModel
@@ -97,10 +98,7 @@ def check_peer(model: KVModel, python: str | Path) -> Path:
     """The peer's python, after the checks that need no compute: the model is one TransformerLens 1.19
     builds (multi-head attention, none of Gemma's norms), and the python exists and imports
     auto-circuit."""
-    if "transformer-lens" not in model.backend.capabilities:
-        raise BadArgument(
-            "the auto-circuit comparison exports a TransformerLens model: use --backend transformer-lens"
-        )
+    require(model, Capability.TRANSFORMER_LENS, "the auto-circuit comparison (it exports TransformerLens)")
     cfg = model.cfg
     unsupported = [
         what

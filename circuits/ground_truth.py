@@ -1,7 +1,7 @@
 """Circuit discovery scored against circuits no one here wrote: tracr's compiled programs
 (`kvnotes bench ground-truth`).
 
-A tracr model (`kvnotes.models.tracr`) computes each RASP step in its own component and writes it to
+A tracr model (`kvnotes.zoo.tracr`) computes each RASP step in its own component and writes it to
 its own labelled residual directions, so for a pair of inputs the edges through which the changed
 token can reach the decision are known exactly (`known_edges`): a step at a position is *touched*
 when a direction it reads there differs between the prompts, or (a head) when a key it selects in
@@ -270,7 +270,7 @@ def ground_truth_bench(
     programs: list[str] | None = None, *, n: int = 8, steps: int = 8, seed: int = 0, progress: bool = True
 ) -> GroundTruthReport:
     """Every shipped tracr program (or `programs`): `n` pairs each, scored by every method."""
-    from kvnotes.models.tracr import TRACR_PROGRAMS, load_tracr, pairs
+    from kvnotes.zoo.tracr import TRACR_PROGRAMS, load_tracr, pairs
 
     results, about = [], {}
     for short in programs or TRACR_PROGRAMS:

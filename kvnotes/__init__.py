@@ -16,7 +16,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_model": "kvnotes.models",
+    "load_model": "kvnotes.zoo",
     "KVModel": "kvnotes.models.model",
     "Notebook": "kvnotes.notebook",
     "Template": "kvnotes.prompt",

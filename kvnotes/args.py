@@ -142,6 +142,6 @@ def add_model(parser: argparse.ArgumentParser) -> None:
     >>> p.parse_args([]).model, p.parse_args(["--model", "tiny-llama"]).model
     ('gemma-3-270m', 'tiny-llama')
     """
-    from kvnotes.models.names import EMBEDDED
+    from kvnotes.zoo.names import EMBEDDED
 
     parser.add_argument("--model", default=EMBEDDED, metavar="NAME", help=MODEL_HELP)

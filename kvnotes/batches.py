@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.engine import Hook, Resume, run
+from kvnotes.engine import Capability, Hook, Resume, has, run
 from kvnotes.errors import BadArgument
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
@@ -116,7 +116,7 @@ def run_rows(
     width = model.facts.d_vocab_out if vocab is None else len(vocab)
     if batches is None and not _sharing:
         batches = fixed_batches(n, UNSHARED_ROWS)
-    resume = resume and _sharing and "resume" in model.backend.capabilities and n > 0 and max(first) > 0
+    resume = resume and _sharing and has(model, Capability.RESUME) and n > 0 and max(first) > 0
     if batches is None:
         order = sorted(range(n), key=lambda i: first[i]) if resume else list(range(n))
         at = [first[i] if resume else 0 for i in order]

@@ -40,7 +40,7 @@ def _ints(text: str) -> list[int]:
 
 def _load(args):
     """The model `--model` names, on the backend `--backend` names."""
-    from kvnotes.models import load_model
+    from kvnotes.zoo import load_model
 
     return load_model(args.model, backend=args.backend)
 
@@ -177,7 +177,7 @@ def _configs(names: list[str], args, n_ctx: int | None = None) -> dict:
     """Each analysis's config from the options given; with `n_ctx`, its lengths fitted to that context
     (a given length that cannot fit is refused, default ones are clipped: `fit_to_context`)."""
     from kvnotes.analysis.registry import fit_to_context, get
-    from kvnotes.models.names import context_length
+    from kvnotes.zoo.names import context_length
 
     given = _given(args)
     configs = {n: get(n).make_config(**given) for n in names}
@@ -189,8 +189,8 @@ def _configs(names: list[str], args, n_ctx: int | None = None) -> dict:
 
 def _task(args):
     """The task `--task` names (or the model's default), or the pair dataset `--pairs` names."""
-    from kvnotes.models import default_task
     from kvnotes.tasks import load_pairs, load_task
+    from kvnotes.zoo import default_task
 
     return (
         load_pairs(args.pairs)
@@ -303,8 +303,8 @@ def cmd_attribute(args) -> int:
 def cmd_report(args) -> int:
     from dashboards.render import write_report
     from kvnotes.analysis.report import ReportConfig, run_report
-    from kvnotes.models import default_task
     from kvnotes.tasks import load_pairs, load_task
+    from kvnotes.zoo import default_task
 
     tasks = args.task or ([] if args.pairs else [default_task(args.model)])
     # before the (slow) model load: a bad task or pair file fails now
@@ -386,18 +386,19 @@ def cmd_dashboard(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from kvnotes.models.export import export
+    from kvnotes.zoo import load_model
+    from kvnotes.zoo.export import export
 
-    print(f"wrote {export(args.model, args.dir)}")
+    print(f"wrote {export(load_model(args.model), args.dir)}")
     return 0
 
 
 def cmd_sweep(args) -> int:
     from kvnotes.errors import KVNotesError
-    from kvnotes.models import default_task, load_model
     from kvnotes.serving.remote import slot_sweep
     from kvnotes.tasks import load_task
     from kvnotes.tasks.sampler import sample
+    from kvnotes.zoo import default_task, load_model
 
     if args.backend != "nnsight":
         raise KVNotesError("kvnotes sweep runs as one nnsight session: add --backend nnsight")
@@ -420,7 +421,7 @@ def cmd_pairs(args) -> int:
 
     if args.kind == "tracr":
         from kvnotes.errors import BadArgument
-        from kvnotes.models.tracr import TracrModel, pair_set
+        from kvnotes.zoo.tracr import TracrModel, pair_set
 
         if not args.model.startswith("tracr-"):  # refused before any load
             raise BadArgument(
@@ -711,7 +712,7 @@ def _add_auto_circuit_env(sub) -> None:
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
     """`--backend` on every command that takes `--model`, however deep its subcommand."""
-    from kvnotes.models import BACKENDS
+    from kvnotes.models.backends import DEFAULT_BACKEND, BackendName
 
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -720,8 +721,8 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
     if any("--model" in a.option_strings for a in parser._actions):
         parser.add_argument(
             "--backend",
-            choices=BACKENDS,
-            default="transformer-lens",
+            choices=[str(b) for b in BackendName],
+            default=str(DEFAULT_BACKEND),
             help="what runs the model: transformer-lens (TransformerLens's HookedTransformer, the "
             "default) or nnsight (the Hugging Face model itself, wrapped by nnsight; "
             "docs/backends.md)",

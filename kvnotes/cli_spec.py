@@ -93,7 +93,7 @@ def shipped() -> dict | None:
 
 def _cached() -> tuple[dict | None, Path]:
     """The spec kept in the kvnotes cache for these files as they are now (by mtime), and its path."""
-    from kvnotes.models.cache import default_cache_dir
+    from kvnotes.zoo.cache import default_cache_dir
 
     h = hashlib.sha256(sys.version.encode() + "\n".join(_entry_points()).encode())
     for root in (r for top in _tops() for r in _roots(top)):

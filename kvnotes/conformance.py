@@ -16,7 +16,6 @@ import inspect
 import math
 import random
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cache
 
@@ -25,9 +24,10 @@ from tqdm.auto import tqdm
 
 from kvnotes import ops
 from kvnotes.display import Displayable
-from kvnotes.engine import run
+from kvnotes.engine import full_logits, in_float64, run
+from kvnotes.engine.float64 import hf_in_float64
 from kvnotes.errors import BadArgument
-from kvnotes.fixtures import FILLER, POLICY, QUERY, STATE, VALUES, filled_pair  # noqa: F401 (old address)
+from kvnotes.fixtures import POLICY, QUERY, STATE, filled_pair
 from kvnotes.metrics import kv_deviation
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
@@ -161,70 +161,8 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor, what: str = "logits") -> list[Mea
 
 
 # --- float64: the truth the calibrated tolerances measure against --------------------------------
-@contextmanager
-def float64_everywhere():
-    """For its duration, `torch.float32`, `torch.float` and `Tensor.float()` mean float64.
-
-    transformers' modeling code computes its RMSNorms, softmax and RoPE angles in float32 whatever
-    the model's dtype (`x.float()`, `x.to(torch.float32)`, `dtype=torch.float`), and so does the
-    nnsight backend's re-rotation: a model cast to float64 would still round there in float32.
-    Under this context it does not, so a float64 forward is float64 throughout.
-    """
-    saved = torch.float32, torch.float, torch.Tensor.float
-    torch.float32 = torch.float = torch.float64
-    torch.Tensor.float = torch.Tensor.double
-    try:
-        yield
-    finally:
-        torch.float32, torch.float, torch.Tensor.float = saved
-
-
-@contextmanager
-def hf_in_float64(hf_model):
-    """`hf_model` in float64 for the duration, its rotary embeddings rebuilt in float64 (their
-    inverse frequencies were computed in float32 at load); left as it came afterwards (float32
-    to float64 and back is exact)."""
-    dtype = next(hf_model.parameters()).dtype
-    rotaries = [(n, m) for n, m in hf_model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
-
-    def put(name: str, module) -> None:
-        parent, _, attr = name.rpartition(".")
-        setattr(hf_model.get_submodule(parent) if parent else hf_model, attr, module)
-
-    hf_model.to(torch.float64)
-    try:
-        with float64_everywhere():
-            for name, m in rotaries:
-                put(name, type(m)(m.config).to(torch.float64))
-            yield hf_model
-    finally:
-        for name, m in rotaries:
-            put(name, m)
-        hf_model.to(dtype)
-
-
-@contextmanager
-def in_float64(model: KVModel):
-    """`model` itself computing in float64 for the duration (weights, RoPE tables, every norm and
-    softmax), back to float32 bit for bit afterwards. The engine then runs its own arithmetic, and
-    any bug planted in it or in the weights, in float64."""
-    if "transformers-module" in model.backend.capabilities:  # the backend runs the transformers module
-        with hf_in_float64(model.hf), float64_everywhere():
-            yield model
-        return
-    tl, dtype = model.tl, model.tl.cfg.dtype
-    attns = [b.attn for b in tl.blocks if hasattr(b.attn, "rotary_cos")]
-    tables = [(a.rotary_sin, a.rotary_cos) for a in attns]
-    tl.to(torch.float64, print_details=False)  # sets tl.cfg.dtype too
-    try:
-        for a in attns:  # recomputed in float64, as TransformerLens does for a float64 model
-            a._extend_rotary_embeddings(a.rotary_cos.shape[0])
-        with float64_everywhere():
-            yield model
-    finally:
-        tl.to(dtype, print_details=False)
-        for a, (sin, cos) in zip(attns, tables):
-            a.rotary_sin, a.rotary_cos = sin, cos
+# Each backend gives its float64 forward (`kvnotes.engine.in_float64(model)`); the Hugging Face
+# counterpart is cast by `kvnotes.engine.float64.hf_in_float64`.
 
 
 # --- the Hugging Face reference ------------------------------------------------------------------
@@ -359,7 +297,7 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
     decided_new = cache(lambda: ops.decide(model, nb_new(), new).last)  # the reference of two checks
 
     def decide_equals_full():
-        full = model.full_logits(old.ids)[-1]
+        full = full_logits(model, old.ids)[-1]
         return _maxdiff(ops.decide(model, nb_old(), old).last[0], full)
 
     def prefix_then_suffix():

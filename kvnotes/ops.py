@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvnotes.batches import fixed_batches, plan_batches, run_rows, sharing_enabled
-from kvnotes.engine import Hook, Readout, run
+from kvnotes.engine import Capability, Hook, Readout, has, move_keys, run
 from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
@@ -407,7 +407,7 @@ def decide_patched(
     the patched slots, then the decision tokens.
     """
     ids, pos = query_tokens(model, dst, prompt)
-    resume = not hooks and "resume" in model.backend.capabilities
+    resume = not hooks and has(model, Capability.RESUME)
     first = [first_layer(s, dst.n_layers) if resume else 0 for s in specs]
     batches = fixed_batches(len(specs), batch_size)
     if batches is None and sharing_enabled():
@@ -531,7 +531,7 @@ def rerotate(model: KVModel, notebook: Notebook, positions: Sequence[int] | Tens
         )
     if new.unique().numel() != new.numel():
         raise BadArgument("new positions repeat; give each slot its own position")
-    keys = tuple(model.rerotate(l, k, notebook.positions, new) for l, k in enumerate(notebook.keys))
+    keys = tuple(move_keys(model, l, k, notebook.positions, new) for l, k in enumerate(notebook.keys))
     shift = {int(a): int(b) for a, b in zip(notebook.positions.tolist(), new.tolist())}
     spans = {
         n: (shift[a], shift[b - 1] + 1)

@@ -17,12 +17,12 @@ from kvnotes.batches import sharing_enabled
 from kvnotes.engine import Hook
 from kvnotes.errors import BadOption
 from kvnotes.metrics import Metric, answer_columns, logit_diff, recovery
-from kvnotes.models import default_task
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, Prefixes, PromptLike, decide, decide_patched, prefill
 from kvnotes.tasks import GATE, Pair, TaskSource, load_task, sample
 from kvnotes.types import Float, Tensor
+from kvnotes.zoo import default_task
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from kvnotes.models.tiny import tiny_tokenizer
+from kvnotes.zoo.tiny import tiny_tokenizer
 
 N_TOKENS = 40
 WINDOW = 8  # smaller than the prompt, so sliding layers really slide

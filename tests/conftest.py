@@ -71,7 +71,7 @@ def gcase(gemma3) -> Case:
 @pytest.fixture(scope="session")
 def notes_organism():
     """notes-organism: every layer local (window 8); its decision can only read notes."""
-    from kvnotes.models.organisms import load_organism
+    from kvnotes.zoo.organisms import load_organism
 
     return load_organism("notes-organism")
 
@@ -79,7 +79,7 @@ def notes_organism():
 @pytest.fixture(scope="session")
 def lookup_organism():
     """lookup-organism: one global layer; its decision must read the field's own slot."""
-    from kvnotes.models.organisms import load_organism
+    from kvnotes.zoo.organisms import load_organism
 
     return load_organism("lookup-organism")
 
@@ -108,7 +108,7 @@ def _workers() -> int:
 def gemma():
     """Gemma 3 270M, with this worker's share of the cores while a module uses it (one real model);
     more threads than cores would make both workers spin."""
-    from kvnotes.models import load_model
+    from kvnotes.zoo import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers()))

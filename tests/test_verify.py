@@ -25,21 +25,20 @@ from kvnotes.conformance import (
     _hf_forward,
     _hf_result,
     _self_result,
-    hf_in_float64,
     hf_reference,
-    in_float64,
     verify,
 )
+from kvnotes.engine import Capability, has, in_float64
+from kvnotes.engine.float64 import hf_in_float64
 from kvnotes.errors import BadArgument
-from kvnotes.models.hf import load_hf
-from kvnotes.models.tiny import tiny_tokenizer
 from kvnotes.notebook import Notebook
+from kvnotes.zoo.hf import load_hf
+from kvnotes.zoo.tiny import tiny_tokenizer
 from tests.checkpoints import FAMILIES, _config, _randomize
 
 # the engine modules, to monkeypatch their internals
 PLAN = importlib.import_module("kvnotes.engine.plan")
-TL = importlib.import_module("kvnotes.engine.transformer_lens")
-ROPE = importlib.import_module("kvnotes.rope")
+TL = importlib.import_module("kvnotes.engine.transformer_lens.backend")
 OPS = importlib.import_module("kvnotes.ops")
 
 INVARIANTS = list(DESCRIPTIONS)
@@ -121,20 +120,24 @@ def _stale_slot_attended(mp, model=None):
 def _rope_plus_one(mp, model=None):
     """Fresh tokens (queries and keys) rotated one position past the slots they are written to:
     relative positions within one run stay right, the stored keys and re-rotation do not."""
-    real = ROPE.rotate
-    mp.setattr(ROPE, "rotate", lambda attn, x, positions: real(attn, x, positions + 1))
+    real = TL.rotate_at
+    mp.setattr(TL, "rotate_at", lambda attn, x, positions: real(attn, x, positions + 1))
 
 
 def _rerotation_delta_off_by_one(mp, model=None):
-    real = ROPE.rerotate
-    mp.setattr(ROPE, "rerotate", lambda attn, keys, old, new: real(attn, keys, old, new + 1))
+    real = TL.TransformerLensBackend.move_keys
+    mp.setattr(
+        TL.TransformerLensBackend,
+        "move_keys",
+        lambda self, model, layer, keys, old, new: real(self, model, layer, keys, old, new + 1),
+    )
 
 
 def _local_base_in_global_layers(mp, model):
     """Global layers rotate with a sliding layer's RoPE tables (base 1e4 instead of 1e6)."""
     local = next(b.attn for b in model.tl.blocks if b.attn.attn_type == "local")
-    real = ROPE.tables
-    mp.setattr(ROPE, "tables", lambda attn, p: real(local if attn.attn_type == "global" else attn, p))
+    real = TL.rope_tables
+    mp.setattr(TL, "rope_tables", lambda attn, p: real(local if attn.attn_type == "global" else attn, p))
 
 
 def _notebook_keys_off(mp, model=None):
@@ -167,7 +170,7 @@ def _norm_eps(mp, model, eps: float):
     """Every RMSNorm's eps set to `eps` where the checkpoint says otherwise (1e-6 on every tiny
     checkpoint and on Gemma 3 270M): TransformerLens keeps it in `cfg.eps` and in each norm
     module's `eps`, transformers in each norm's `eps` or `variance_epsilon`."""
-    if "transformers-module" in model.backend.capabilities:
+    if has(model, Capability.TRANSFORMERS_MODULE):
         modules = list(model.hf.modules())
     else:
         mp.setattr(model.tl.cfg, "eps", eps)

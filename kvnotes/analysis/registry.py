@@ -357,7 +357,7 @@ def fit_to_context(cfg: Any, n_ctx: int, given: Collection[str], model: str) -> 
     field in `given`) that cannot fit is refused, naming the most that fits; a default one beyond it
     is dropped (from a list) or clipped (a single length), so that every command run with its defaults
     fits the model it runs on. The CLI calls it before the model loads, where the context is known
-    without loading it (`kvnotes.models.names.context_length`), and again once it is loaded.
+    without loading it (`kvnotes.zoo.names.context_length`), and again once it is loaded.
 
     >>> from kvnotes.bench.ttft import TTFTConfig
     >>> fit_to_context(TTFTConfig(), 2048, given=(), model="m").lengths
@@ -432,7 +432,7 @@ class Context:
     model: Any
     task: Any = None
     model_name: str | None = None  # the name the model was asked for by (set when model is not loaded)
-    backend: str = "transformer-lens"  # the backend the model was asked for on (kvnotes.models.BACKENDS)
+    backend: str = "transformer-lens"  # the backend the model was asked for on (kvnotes.models.BackendName)
     seed: int = 0
     min_effect: float = MIN_EFFECT
     progress: bool = True

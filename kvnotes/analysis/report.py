@@ -46,6 +46,7 @@ from kvnotes.analysis.results import ResultSchemaError, SectionReport
 from kvnotes.analysis.runner import collect, run_meta
 from kvnotes.batches import sharing_enabled
 from kvnotes.display import Displayable
+from kvnotes.engine import backend_of
 from kvnotes.errors import KVNotesError, ReportFileError
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import TaskSource, load_task
@@ -413,7 +414,8 @@ def _part_head(model: KVModel, cfg: ReportConfig) -> dict:
     """What a saved part must match to be reused: the model (name, backend, fingerprint of its
     weights and tokenizer) and the whole config."""
     fp = getattr(model, "fingerprint", None)
-    return {"model": model.name, "backend": model.backend.name, "fingerprint": fp, "config": cfg.to_dict()}
+    backend = backend_of(model).name
+    return {"model": model.name, "backend": backend, "fingerprint": fp, "config": cfg.to_dict()}
 
 
 def _load_part(path: Path, key: str, head: Mapping) -> Part | None:
@@ -432,7 +434,7 @@ def _load_part(path: Path, key: str, head: Mapping) -> Part | None:
 def model_info(model: KVModel) -> dict:
     return {
         "name": model.name,
-        "backend": model.backend.name,
+        "backend": backend_of(model).name,
         "n_layers": model.n_layers,
         "n_heads": model.n_heads,
         "n_kv_heads": model.n_kv_heads,

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.engine import final_logits
+from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadArgument
 from kvnotes.hooks import hook_name
 from kvnotes.models.model import KVModel

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvnotes.analysis.results import BenchReport, header, machine  # noqa: F401  (the benches' own names)
+from kvnotes.engine import Capability, has
 from kvnotes.errors import BadArgument
 from kvnotes.fixtures import FILLER
 from kvnotes.models.model import KVModel
@@ -18,8 +19,8 @@ def both_backends(model: KVModel) -> tuple[KVModel, KVModel | None]:
     """(the TransformerLens-backend model, the nnsight-backend one or None) for a bench asked for on
     `model`'s backend: on the nnsight backend the same name is loaded on TransformerLens too, so
     the two engines run side by side in one process."""
-    if "transformer-lens" not in model.backend.capabilities:
-        from kvnotes.models import load_model
+    if not has(model, Capability.TRANSFORMER_LENS):
+        from kvnotes.zoo import load_model
 
         return load_model(model.name), model
     return model, None

@@ -146,7 +146,7 @@ def _in_subprocess(
 ) -> tuple[list[float], int, Outcome]:
     """One way at one length in a fresh process: the model loaded by name, a short warm-up, then
     `repeats` timings; the peak is ru_maxrss after them above ru_maxrss before them."""
-    from kvnotes.models import load_model
+    from kvnotes.zoo import load_model
 
     model = load_model(model_name)
     r = Runners(

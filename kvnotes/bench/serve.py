@@ -371,8 +371,8 @@ def _serve_model_dir(name: str | None, progress: bool):
     """What to hand vLLM for `--model`: a checkpoint directory as is; a kvnotes model exported once."""
     from pathlib import Path
 
-    from kvnotes.models import load_model
-    from kvnotes.models.export import cached
+    from kvnotes.zoo import load_model
+    from kvnotes.zoo.export import cached
 
     if name and (Path(name).expanduser() / "config.json").is_file():
         return Path(name).expanduser(), Path(name).name

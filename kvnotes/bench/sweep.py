@@ -37,7 +37,8 @@ from kvnotes.bench.baselines import (
     unavailable,
 )
 from kvnotes.bench.common import BenchReport, both_backends, header, machine
-from kvnotes.engine import final_logits, run
+from kvnotes.engine import run
+from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadOption
 from kvnotes.fixtures import POLICY, QUERY, STATE, filled_pair
 from kvnotes.hooks import hook_name

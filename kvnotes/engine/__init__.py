@@ -5,22 +5,25 @@
 being recomputed is replaced, not attended). With `write=True` the computed tokens' fresh K/V
 replace the slots at their positions or are appended.
 
-`plan.py` checks the call and says which keys each layer reads; the model's backend
-(`backend.py`: `transformer_lens.py`, `nnsight.py`) computes it; `plan.write_back` stores the
-result. A long append (`prefill`) with no hooks runs in chunks of `PREFILL_CHUNK` tokens, so
-memory grows linearly with the context.
+`plan.py` checks the call and says which keys each layer reads; the model's backend (`backend.py`,
+the protocol; `table.py`, which backend runs which model class: `transformer_lens/`, `nnsight/`)
+computes it; `plan.write_back` stores the result. A long append (`prefill`) with no hooks runs in
+chunks of `PREFILL_CHUNK` tokens, so memory grows linearly with the context.
+
+Beside `run`, the engine answers what a model's backend offers (`has`, `require`, by `Capability`)
+and gives the operations every backend implements: `move_keys` (post-RoPE keys to new positions),
+`full_logits` (one plain forward) and `in_float64` (the model computing in float64, `verify`'s truth).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from kvnotes.engine import profile
-from kvnotes.engine.backend import Backend, require
-from kvnotes.engine.nnsight import NNSIGHT
+from kvnotes.engine.backend import Backend, Capability
 from kvnotes.engine.plan import (
     PREFILL_CHUNK,
     Hook,
@@ -32,14 +35,18 @@ from kvnotes.engine.plan import (
     tokens_and_positions,
     write_back,
 )
-from kvnotes.engine.transformer_lens import TRANSFORMER_LENS, final_logits
+from kvnotes.engine.table import (
+    BACKENDS,
+    backend_of,
+    full_logits,
+    has,
+    in_float64,
+    move_keys,
+    require,
+)
+from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.types import Int, Tensor
-
-if TYPE_CHECKING:
-    from kvnotes.models.model import KVModel
-
-BACKENDS: dict[str, Backend] = {b.name: b for b in (TRANSFORMER_LENS, NNSIGHT)}
 
 
 def run(
@@ -77,7 +84,7 @@ def run(
     >>> nb.n_slots, nb2.n_slots, tuple(out.logits.shape)  # [batch, read-out positions, d_vocab]
     (7, 11, (1, 1, 512))
     """
-    kw = dict(
+    kw: dict[str, Any] = dict(
         write=write,
         hooks=hooks,
         capture=capture,
@@ -115,6 +122,8 @@ def _compute(
     resume: Resume | None,
 ) -> tuple[Notebook, Readout]:
     """`run`'s three steps: plan, the backend's forward, write back."""
+    if resume is not None:
+        require(model, Capability.RESUME, "a run that starts at a later block (`resume`)")
     # 1) plan: checked tokens [batch, pos] at positions [pos], the read-out positions and columns
     plan = make_plan(
         model,
@@ -133,12 +142,12 @@ def _compute(
     if plain and _chunkable(model, notebook, plan.pos):
         return _run_in_chunks(model, notebook, plan.tok, plan.pos, plan.read, vocab, write)
     # 2) the backend: per layer fresh K/V [batch, n_kv_heads, pos, d_head], logits [batch, read, width]
-    fresh = model.backend.forward(model, plan, hooks, capture)
+    fresh = backend_of(model).forward(model, plan, hooks, capture)
     out = Readout(logits=fresh.logits, positions=plan.read, activations=fresh.activations)
     # 3) write back: the fresh K/V replace the slots at their positions or are appended
     if not write:
         return notebook, out
-    return write_back(notebook, plan.tok, plan.pos, fresh.keys, fresh.values), out
+    return write_back(notebook, plan.tok, plan.pos, *fresh.every_layer()), out
 
 
 def _chunkable(model: KVModel, nb: Notebook, pos: Int[Tensor, " pos"]) -> bool:
@@ -150,12 +159,12 @@ def _chunkable(model: KVModel, nb: Notebook, pos: Int[Tensor, " pos"]) -> bool:
         return False
     if not bool((pos[1:] > pos[:-1]).all()):
         return False
-    return not model.backend.watched(model)
+    return not backend_of(model).watched(model)
 
 
 def _run_in_chunks(model, notebook, tok, pos, read, vocab, write) -> tuple[Notebook, Readout]:
     """`run` over `PREFILL_CHUNK` tokens at a time, each chunk written before the next reads it."""
-    nb, pieces, order = notebook, [], []
+    nb, pieces, order = notebook, list[Tensor](), list[int]()
     for a in range(0, pos.numel(), PREFILL_CHUNK):
         cpos = pos[a : a + PREFILL_CHUNK]
         lo, hi = int(cpos[0]), int(cpos[-1])
@@ -171,12 +180,17 @@ __all__ = [
     "BACKENDS",
     "PREFILL_CHUNK",
     "Backend",
+    "Capability",
     "Hook",
     "Readout",
     "Resume",
+    "backend_of",
     "fast_attention",
     "fast_attention_enabled",
-    "final_logits",
+    "full_logits",
+    "has",
+    "in_float64",
+    "move_keys",
     "require",
     "run",
     "tokens_and_positions",

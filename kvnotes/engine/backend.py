@@ -1,89 +1,96 @@
-"""The seam between `run()` and what computes it: a `Backend`, and `require` for what only some offer.
+"""The seam between `run()` and what computes it: the `Backend` protocol and the `Capability` enum.
 
-A model names its backend (`model.backend`); code that needs something only one backend has asks
-for it by capability (`require(model, "weights")`) instead of asking which backend it is.
+A backend is typed against its own model class (`Backend[TransformerLensModel]`), so a backend that
+reads an attribute its model class lacks fails the type check (`python -m mypy`, docs/engine.md).
+The engine's table (`kvnotes.engine.table`) maps a model to its backend; code that needs something
+only one backend has asks for it by capability (`has(model, Capability.WEIGHTS)`,
+`require(model, Capability.WEIGHTS, "weight edits")`) instead of asking which backend it is.
 
-Capabilities in use:
-    "weights"             TransformerLens weight matrices (`model.tl`): weight edits, attribution by weights
-    "transformer-lens"    TransformerLens's own calls (`run_with_cache`, `run_with_hooks`, `cfg`)
-    "transformers-module" the Hugging Face module runs the forward (`model.hf`)
-    "feed"                feeding a notebook to the user's own nnsight trace (`feed`)
-    "remote"              experiments on NDIF (`kvnotes.serving.remote`)
-    "hook_attn_scores", "hook_pattern"   attention scores and patterns as hook points
+Capabilities (every one in use):
+    WEIGHTS              "weights"              TransformerLens weight matrices (`model.tl`): weight
+                                                edits, attribution by weights, edge circuits
+    TRANSFORMER_LENS     "transformer-lens"     TransformerLens's own calls (`run_with_cache`,
+                                                `run_with_hooks`, `cfg`, exporting the HookedTransformer)
+    TRANSFORMERS_MODULE  "transformers-module"  the Hugging Face module runs the forward (`model.hf`)
+    NNSIGHT              "nnsight"              nnsight's model object (`model.lm`) for the user's traces
+    FEED                 "feed"                 feeding a notebook to the user's own nnsight trace (`feed`)
+    REMOTE               "remote"               experiments on NDIF (`kvnotes.serving.remote`)
+    RESUME               "resume"               `run(..., resume=)`: start the forward at a later block
+    HOOK_ATTN_SCORES     "hook_attn_scores"     attention scores as a hook point
+    HOOK_PATTERN         "hook_pattern"         attention patterns as a hook point
+    HOOK_ROT_Q           "hook_rot_q"           rotated queries as a hook point
+    HOOK_ROT_K           "hook_rot_k"           rotated keys (what a notebook stores) as a hook point
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from contextlib import AbstractContextManager
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
-from kvnotes.errors import MissingCapability
+from kvnotes.models.backends import BackendName
+from kvnotes.models.model import KVModel
 
 if TYPE_CHECKING:
     from kvnotes.engine.plan import Fresh, Hook, Plan
-    from kvnotes.models.model import KVModel
-    from kvnotes.types import Float, Int, Tensor
+    from kvnotes.types import Tensor
+
+
+class Capability(StrEnum):
+    """What only some backends offer (the module docstring says what each means). Each is also its
+    plain string, so `"weights"` and `Capability.WEIGHTS` name the same capability."""
+
+    WEIGHTS = "weights"
+    TRANSFORMER_LENS = "transformer-lens"
+    TRANSFORMERS_MODULE = "transformers-module"
+    NNSIGHT = "nnsight"
+    FEED = "feed"
+    REMOTE = "remote"
+    RESUME = "resume"
+    HOOK_ATTN_SCORES = "hook_attn_scores"
+    HOOK_PATTERN = "hook_pattern"
+    HOOK_ROT_Q = "hook_rot_q"
+    HOOK_ROT_K = "hook_rot_k"
+
+
+M = TypeVar("M", bound=KVModel, contravariant=True)
 
 
 @runtime_checkable
-class Backend(Protocol):
-    """What computes `run()` for a model: a forward over a plan, re-rotation, plain logits, hooks."""
+class Backend(Protocol[M]):
+    """What computes `run()` for models of one class `M`: a forward over a plan, key moves, plain
+    logits, hook names, and the float64 reference forward."""
 
-    name: str  # as `load_model(name, backend=...)` and `--backend` spell it
-    capabilities: frozenset[str]
+    @property
+    def name(self) -> BackendName:
+        """As `load_model(name, backend=...)` and `--backend` spell it."""
+        ...
 
-    def forward(self, model: KVModel, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]) -> Fresh:
+    @property
+    def capabilities(self) -> frozenset[Capability]: ...
+
+    def forward(self, model: M, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]) -> Fresh:
         """The computed tokens' fresh K/V, the planned logits and the captured activations."""
         ...
 
-    def rerotate(
-        self,
-        model: KVModel,
-        layer: int,
-        keys: Float[Tensor, "... slot d_head"],
-        old: Int[Tensor, " slot"],
-        new: Int[Tensor, " slot"],
-    ) -> Float[Tensor, "... slot d_head"]:
-        """Post-RoPE `keys` of `layer` moved from positions `old` to `new`."""
+    def move_keys(self, model: M, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tensor:
+        """Post-RoPE `keys` `[..., slot, d_head]` of `layer` moved from positions `old` to `new`."""
         ...
 
-    def full_logits(self, model: KVModel, ids: Sequence[int]) -> Float[Tensor, "pos d_vocab"]:
-        """Logits of one plain forward of the whole sequence `ids` (no notebook)."""
+    def full_logits(self, model: M, ids: Sequence[int]) -> Tensor:
+        """Logits `[pos, d_vocab]` of one plain forward of the whole sequence `ids` (no notebook)."""
         ...
 
-    def hook_names(self, model: KVModel) -> list[str]:
+    def hook_names(self, model: M) -> list[str]:
         """Every hook name the model answers to on this backend."""
         ...
 
-    def watched(self, model: KVModel) -> bool:
+    def watched(self, model: M) -> bool:
         """Whether a hook outside `run()`'s own arguments watches the model (then no chunking)."""
         ...
 
-
-_KNOWN: dict[str, frozenset[str]] = {}  # every backend's capabilities, as each backend module registers
-
-
-def register(backend: Backend) -> Backend:
-    """Record a backend's capabilities, so `require` can name the backend that has one."""
-    _KNOWN[backend.name] = backend.capabilities
-    return backend
-
-
-def require(model: KVModel, capability: str, what: str = "this") -> None:
-    """Raise `MissingCapability`, naming a backend that has it, unless `model`'s backend offers `capability`.
-
-    >>> from kvnotes import load_model
-    >>> require(load_model("tiny-llama"), "weights")  # TransformerLens weights: nothing raised
-    """
-    backend = model.backend
-    if capability in backend.capabilities:
-        return
-    others = [name for name, caps in _KNOWN.items() if capability in caps and name != backend.name]
-    way = (
-        f"load it with --backend {others[0]} (load_model(name, backend={others[0]!r}))"
-        if others
-        else "no backend offers it"
-    )
-    raise MissingCapability(
-        f"{what} needs {capability!r}, which {model.name} on the {backend.name} backend does not offer; {way}"
-    )
+    def in_float64(self, model: M) -> AbstractContextManager[object]:
+        """`model` computing in float64 for the duration (weights, RoPE tables, every norm and
+        softmax), back to its own dtype bit for bit afterwards: `verify`'s truth for re-rotation."""
+        ...

@@ -98,10 +98,18 @@ class Fresh:
     (`[batch, n_kv_heads, pos, d_head]`; None for a block a resumed run skipped), logits
     `[batch, read, width]` and captured activations."""
 
-    keys: list[Tensor | None]
-    values: list[Tensor | None]
+    keys: Sequence[Tensor | None]
+    values: Sequence[Tensor | None]
     logits: Float[Tensor, "batch read d_vocab"]
     activations: dict[str, Tensor] = field(default_factory=dict)
+
+    def every_layer(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The K/V of every layer, for writing back (a resumed run skips blocks and never writes)."""
+        keys = [k for k in self.keys if k is not None]
+        values = [v for v in self.values if v is not None]
+        if len(keys) != len(self.keys) or len(values) != len(self.values):
+            raise BadArgument("a resumed run skips blocks, so it has no K/V to write there: pass write=False")
+        return keys, values
 
 
 def make_plan(
@@ -139,12 +147,8 @@ def make_plan(
 
 
 def check_resume(model: KVModel, resume: Resume, tok: Tensor, write: bool) -> None:
-    """Refuse a resume the backend lacks, one that writes, or a residual of the wrong shape."""
-    if "resume" not in model.backend.capabilities:
-        raise BadArgument(
-            f"the {model.backend.name} backend cannot start a forward at a later block; run without "
-            "`resume` (every block from the first)"
-        )
+    """Refuse a resume that writes, or a residual of the wrong shape (`run` has already refused a
+    backend without the `resume` capability)."""
     if write:
         raise BadArgument("a resumed run skips blocks, so it has no K/V to write there: pass write=False")
     if not 0 <= resume.layer < model.n_layers:
@@ -242,7 +246,7 @@ def saver(store: dict[str, Tensor]) -> Callable:
     def save(act, hook):
         store[hook.name] = act.detach().clone()
 
-    save._saves = True  # a saver never writes: allowed on read-only sites
+    setattr(save, "_saves", True)  # a saver never writes: allowed on read-only sites  # noqa: B010
     return save
 
 

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 
 _WRAPPERS = {"contextlib", "jaxtyping", "beartype"}  # their frames wrap a call: the caller is above them
 _active: Profile | None = None
@@ -162,7 +163,7 @@ def active() -> bool:
 def _caller() -> str:
     """The first function on the stack outside the engine and the wrappers around calls (context
     managers, run-time type checkers): the operation that called `run`."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and _passes_through(frame.f_globals.get("__name__", "")):
         frame = frame.f_back
     return frame.f_code.co_name if frame is not None else "?"

@@ -1,8 +1,8 @@
 """Where TransformerLens's hook names live in a Hugging Face decoder layer, per model family.
 
-The nnsight model answers to these names and the nnsight backend fires them at these modules, so
-the same analysis code runs on both backends (`MODULE_SITES`; `kvnotes.hooks.SITES` is another
-thing: the per-layer point names of the hook helpers).
+The nnsight model answers to these names and the nnsight backend fires them at these modules (each a
+`ModuleSite`), so the same analysis code runs on both backends (`MODULE_SITES`; `kvnotes.hooks.SITES`
+is another thing: the per-layer point names of the hook helpers).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Site:
+class ModuleSite:
     """Where a TransformerLens hook point lives in a Hugging Face decoder layer.
 
     path: the module, relative to the decoder layer (`""`: the layer itself).
@@ -28,25 +28,25 @@ class Site:
     writable: bool = True
 
 
-_PLAIN: dict[str, Site] = {  # Llama, Mistral, Qwen2/3, Gemma 1: pre-norm, one norm per sublayer
-    "hook_resid_pre": Site("", "input"),
-    "attn.hook_q": Site("self_attn.q_proj", "output", heads="q"),
-    "attn.hook_k": Site("self_attn.k_proj", "output", heads="kv"),
-    "attn.hook_v": Site("self_attn.v_proj", "output", heads="kv"),
-    "attn.hook_z": Site("self_attn.o_proj", "input", heads="q"),
-    "hook_attn_out": Site("self_attn", "output0"),
-    "hook_resid_mid": Site("post_attention_layernorm", "input", writable=False),
-    "mlp.hook_post": Site("mlp.down_proj", "input"),
-    "hook_mlp_out": Site("mlp", "output"),
-    "hook_resid_post": Site("", "output"),
+_PLAIN: dict[str, ModuleSite] = {  # Llama, Mistral, Qwen2/3, Gemma 1: pre-norm, one norm per sublayer
+    "hook_resid_pre": ModuleSite("", "input"),
+    "attn.hook_q": ModuleSite("self_attn.q_proj", "output", heads="q"),
+    "attn.hook_k": ModuleSite("self_attn.k_proj", "output", heads="kv"),
+    "attn.hook_v": ModuleSite("self_attn.v_proj", "output", heads="kv"),
+    "attn.hook_z": ModuleSite("self_attn.o_proj", "input", heads="q"),
+    "hook_attn_out": ModuleSite("self_attn", "output0"),
+    "hook_resid_mid": ModuleSite("post_attention_layernorm", "input", writable=False),
+    "mlp.hook_post": ModuleSite("mlp.down_proj", "input"),
+    "hook_mlp_out": ModuleSite("mlp", "output"),
+    "hook_resid_post": ModuleSite("", "output"),
 }
-_SANDWICH: dict[str, Site] = {  # Gemma 2/3: a norm after each sublayer too
+_SANDWICH: dict[str, ModuleSite] = {  # Gemma 2/3: a norm after each sublayer too
     **_PLAIN,
-    "hook_attn_out": Site("post_attention_layernorm", "output"),
-    "hook_resid_mid": Site("pre_feedforward_layernorm", "input", writable=False),
-    "hook_mlp_out": Site("post_feedforward_layernorm", "output"),
+    "hook_attn_out": ModuleSite("post_attention_layernorm", "output"),
+    "hook_resid_mid": ModuleSite("pre_feedforward_layernorm", "input", writable=False),
+    "hook_mlp_out": ModuleSite("post_feedforward_layernorm", "output"),
 }
-MODULE_SITES: dict[str, dict[str, Site]] = {  # model_type -> hook name -> its module
+MODULE_SITES: dict[str, dict[str, ModuleSite]] = {  # model_type -> hook name -> its module
     "llama": _PLAIN,
     "mistral": _PLAIN,
     "qwen2": _PLAIN,

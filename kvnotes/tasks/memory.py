@@ -16,7 +16,7 @@ layout a probe puts them in (memory early or late), and the value's positions ar
 No model is needed, only its `encode` (text to ids, no BOS): the values each attribute may take are
 those whose ids have one length and distinct first tokens under that tokenizer.
 
->>> from kvnotes.models import load_model
+>>> from kvnotes.zoo import load_model
 >>> model = load_model("tiny-llama")
 >>> ep = memory_episode(lambda s: model.encode(s, bos=False), size=400, seed=0, index=0, facts=2)
 >>> 300 < len(ep.memory_old) == len(ep.memory_new) <= 400, len(ep.questions)

@@ -14,8 +14,8 @@ from kvnotes.bench import prefill as bp
 from kvnotes.bench import prefill_ways as pw
 from kvnotes.bench.prefill import PrefillReport, context_ids, prefill_bench
 from kvnotes.cli import main
-from kvnotes.models import load_model
-from kvnotes.models.hf import load_hf
+from kvnotes.zoo import load_model
+from kvnotes.zoo.hf import load_hf
 from tests.helpers import get_model
 from tests.test_verify import _checkpoint
 

@@ -14,10 +14,10 @@ from kvnotes.bench import baselines
 from kvnotes.bench.baselines import WAYS
 from kvnotes.bench.sweep import SweepReport, SweepResult, patch_sweep, sweep_prompts
 from kvnotes.cli import main
-from kvnotes.models import load_model
-from kvnotes.models.hf import tl_from_hf_model
 from kvnotes.models.model import HFSource
-from kvnotes.models.tiny import tiny_tokenizer
+from kvnotes.zoo import load_model
+from kvnotes.zoo.hf import tl_from_hf_model
+from kvnotes.zoo.tiny import tiny_tokenizer
 from tests.checkpoints import FAMILIES, WINDOW, _config, _randomize
 
 ATOL = 1e-4

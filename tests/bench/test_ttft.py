@@ -26,8 +26,8 @@ from kvnotes.bench.ttft import TTFTReport, ttft
 from kvnotes.cli import main
 from kvnotes.errors import BadArgument, OutOfRange
 from kvnotes.hosts import HOST
-from kvnotes.models import default_task
 from kvnotes.ops import decide, precompile, prefill
+from kvnotes.zoo import default_task
 from tests.helpers import assert_close, assert_notebooks_close, get_model
 
 

@@ -19,9 +19,9 @@ from circuits.edges.choose import match_bins, sizes_for, top_circuit
 from circuits.edges.faithfulness import area, cross_fit, dataset_curve
 from kvnotes.engine import run
 from kvnotes.metrics import answer_columns
-from kvnotes.models import load_model
 from kvnotes.tasks import load_task
 from kvnotes.tasks.sampler import sample
+from kvnotes.zoo import load_model
 from probes import make_trials
 from probes.causal import split_by_effect
 

@@ -19,10 +19,10 @@ from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, 
 from kvnotes.cli import main
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument
-from kvnotes.models import load_model
-from kvnotes.models.mixed import designed_edges
 from kvnotes.tasks import load_task
 from kvnotes.tasks.sampler import sample
+from kvnotes.zoo import load_model
+from kvnotes.zoo.mixed import designed_edges
 from probes import make_trials
 from tests.helpers import MODEL_NAMES, get_model
 
@@ -117,10 +117,11 @@ def test_edge_circuits_refuse_an_attention_only_model_before_any_compute(monkeyp
     naming what runs instead, before the pairs are prefilled."""
     from circuits.edge_circuits import EdgesConfig, _run_edges
     from kvnotes.analysis.registry import Context
+    from kvnotes.engine import backend_of
     from kvnotes.errors import UnsupportedArchitecture
 
     model = get_model("tiny-attn-only")
-    monkeypatch.setattr(model.backend, "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    monkeypatch.setattr(backend_of(model), "forward", lambda *a, **k: pytest.fail("a forward ran"))
     with pytest.raises(UnsupportedArchitecture, match="attention-only.*read_heads"):
         _run_edges(Context(model=model, task=None), EdgesConfig(n=2))
 

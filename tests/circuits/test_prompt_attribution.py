@@ -163,8 +163,8 @@ def test_a_one_layer_model_adds_up():
     # one layer: the per-layer transplant is the whole transplant
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-    from kvnotes.models.model import KVModel
-    from kvnotes.models.tiny import TINY_BASE, TINY_CONFIGS, tiny_tokenizer
+    from kvnotes.engine.transformer_lens.model import from_hooked
+    from kvnotes.zoo.tiny import TINY_BASE, TINY_CONFIGS, tiny_tokenizer
 
     tok = tiny_tokenizer()
     cfg = HookedTransformerConfig(
@@ -174,7 +174,7 @@ def test_a_one_layer_model_adds_up():
         seed=0,
         original_architecture="kvnotes-tiny",
     )
-    model = KVModel.wrap("tiny-1layer", HookedTransformer(cfg, move_to_device=False), tok)
+    model = from_hooked("tiny-1layer", HookedTransformer(cfg, move_to_device=False), tok)
     r = attribute_prompt(model, PROMPT, ANSWERS, top=4, progress=False)
     for row in r.exact:
         assert row["per_layer"] == pytest.approx([row["total"]], abs=1e-6)

@@ -13,8 +13,8 @@ import torch
 
 from dashboards.figures import visible as token_label
 from dashboards.widget import PatchingView, PatchState
+from kvnotes.engine.transformer_lens.model import TransformerLensModel
 from kvnotes.errors import KVNotesError, MissingDependency, OutOfRange
-from kvnotes.models.model import TransformerLensModel
 from kvnotes.ops import Patch, decide, patch
 from kvnotes.prompt import Template
 from probes.trials import make_trials

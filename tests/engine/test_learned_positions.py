@@ -11,17 +11,17 @@ import importlib
 import pytest
 import torch
 
-from kvnotes import rope
 from kvnotes.conformance import HF_INVARIANTS, verify
+from kvnotes.engine import Capability, backend_of, full_logits, has
 from kvnotes.engine.profile import profile
 from kvnotes.errors import BadArgument, UnsupportedArchitecture
-from kvnotes.models import load_model
-from kvnotes.models.names import context_length
-from kvnotes.models.tiny import tiny_gpt2_hf, tiny_tokenizer
 from kvnotes.ops import decide, precompile, prefill, rerotate, splice
+from kvnotes.zoo import load_model
+from kvnotes.zoo.names import context_length
+from kvnotes.zoo.tiny import tiny_gpt2_hf, tiny_tokenizer
 from tests.helpers import LEARNED_NAMES, ROTARY_NAMES, assert_close, assert_notebooks_close, make_case
 
-TL = importlib.import_module("kvnotes.engine.transformer_lens")
+TL = importlib.import_module("kvnotes.engine.transformer_lens.backend")
 REASON = r"learned absolute positions \(added to the residual stream at the input\)"
 
 
@@ -37,8 +37,8 @@ def no_compute(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("computed before refusing")
 
-    monkeypatch.setattr(rope, "rerotate", forbidden)
-    monkeypatch.setattr(type(TL.TRANSFORMER_LENS), "rerotate", forbidden)
+    monkeypatch.setattr(TL, "unrotate_at", forbidden)  # a key move's first step
+    monkeypatch.setattr(type(TL.TRANSFORMER_LENS), "move_keys", forbidden)
     return profile
 
 
@@ -48,7 +48,7 @@ def test_facts_say_learned_and_rotation_is_the_identity(learned_model):
     attn = learned_model.tl.blocks[0].attn
     x = torch.randn(1, 5, 7, learned_model.d_head)
     # exact: rotation by zero dimensions returns the tensor's own values
-    assert torch.equal(rope.rotate(attn, x, torch.arange(7)), x)
+    assert torch.equal(TL.rotated(attn, x, torch.arange(5)), x)
 
 
 @pytest.mark.parametrize("move", [1, 40], ids=["by-1", "by-40"])
@@ -95,7 +95,7 @@ def test_every_other_operation_runs_on_learned_positions(learned_model):
     """decide after a refresh-free prefill equals TransformerLens's full forward (float32, the
     tolerance of tests/helpers.py); the parity suite checks the rest invariant by invariant."""
     case = make_case(learned_model)
-    full = learned_model.full_logits(case.ids)[-1]
+    full = full_logits(learned_model, case.ids)[-1]
     assert_close(decide(learned_model, case.nb_old, case.old).last[0], full, what="decision")
 
 
@@ -116,7 +116,7 @@ def test_tiny_gpt2_equals_transformers_gpt2():
     _, out = run(model, Notebook.empty(model), ids, logits_at=range(len(ids)))
     tol = 1e-5 * ref.abs().max().item()
     assert (out.logits[0] - ref).abs().max().item() <= tol
-    assert (model.full_logits(ids) - ref).abs().max().item() <= tol
+    assert (full_logits(model, ids) - ref).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize("backend", ["transformer-lens", "nnsight"])
@@ -145,13 +145,13 @@ def test_cli_verify_runs_tiny_gpt2_against_transformers(tmp_path, capsys):
 
 
 # --- the planted off-by-one position: verify must fail against transformers -----------------------
-NN = importlib.import_module("kvnotes.engine.nnsight")
+NN = importlib.import_module("kvnotes.engine.nnsight.backend")
 
 
 def _engine_adds_the_next_position(mp, model):
     """The engine adds W_pos[pos + 1] where the token is at pos (TransformerLens backend), or hands
     transformers position_ids one past the tokens' own (nnsight backend)."""
-    if "transformers-module" in model.backend.capabilities:
+    if has(model, Capability.TRANSFORMERS_MODULE):
         real = NN._inputs
         mp.setattr(NN, "_inputs", lambda *a, **kw: (lambda c, m, p: (c, m, p + 1))(*real(*a, **kw)))
     else:
@@ -198,7 +198,7 @@ def test_tiny_gpt2_on_nnsight_runs_the_notebook_exactly_and_refuses_a_move():
     prefill then the rest equals transformers' logits (float32, the same module: stated 1e-5 of the
     logits' scale), a move refuses as on TransformerLens, a move of zero is allowed."""
     nn, hf = load_model("tiny-gpt2", backend="nnsight"), tiny_gpt2_hf()
-    assert nn.backend.name == "nnsight" and nn.facts.positions == "learned"
+    assert backend_of(nn).name == "nnsight" and nn.facts.positions == "learned"
     ids = make_case(nn).ids
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

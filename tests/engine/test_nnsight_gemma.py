@@ -17,7 +17,8 @@ import torch
 
 from kvnotes.analysis.runner import collect
 from kvnotes.conformance import DESCRIPTIONS, verify
-from kvnotes.models import load_model
+from kvnotes.engine import backend_of
+from kvnotes.zoo import load_model
 
 PROBES = ["field_refresh", "notes_transplant", "knockout", "dissociation", "false_note_injection"]
 TOL = 1e-3
@@ -55,7 +56,7 @@ def test_the_probes_give_the_transformer_lens_backends_numbers(nn_gemma, gemma):
     for model in (gemma, nn_gemma):
         report = collect(model, "order-cancel", PROBES, n=3, preset="quick", progress=False).to_dict()
         report.pop("meta")  # timings and dates
-        got[model.backend.name] = dict(_leaves(report))
+        got[backend_of(model).name] = dict(_leaves(report))
     tl, nn = got["transformer-lens"], got["nnsight"]
     assert set(tl) == set(nn)
     numbers = [k for k, v in tl.items() if isinstance(v, float) and not math.isnan(v)]

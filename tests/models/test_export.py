@@ -7,9 +7,9 @@ import torch
 import transformers as tf
 
 from kvnotes.errors import KVNotesError
-from kvnotes.models import load_model
-from kvnotes.models.export import STAMP, cached, export, is_export_of
-from kvnotes.models.hf import load_hf
+from kvnotes.zoo import load_model
+from kvnotes.zoo.export import STAMP, cached, export, is_export_of
+from kvnotes.zoo.hf import load_hf
 from tests.test_verify import _checkpoint
 
 

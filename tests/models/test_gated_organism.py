@@ -1,4 +1,4 @@
-"""The gated organism (kvnotes.models.gated): its designed edge circuit comes back from exact patching,
+"""The gated organism (kvnotes.zoo.gated): its designed edge circuit comes back from exact patching,
 EAP and EAP-IG, each within a tolerance measured here; the construction's facts hold (the effect, the
 norms the same in both runs, a query softmax that is not saturated); and two planted faults, the
 MLP writing the note with the wrong sign and a query that does not read the field, fail the check.
@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from circuits.edges import edge_patcher, score_edges
-from kvnotes.models import gated, load_model
-from kvnotes.models.gated import (
+from kvnotes.tasks import load_task
+from kvnotes.tasks.sampler import sample
+from kvnotes.zoo import gated, load_model
+from kvnotes.zoo.gated import (
     DIMS,
     GAIN,
     KAPPA,
@@ -32,8 +34,6 @@ from kvnotes.models.gated import (
     designed_ld,
     load_gated_organism,
 )
-from kvnotes.tasks import load_task
-from kvnotes.tasks.sampler import sample
 
 N_PAIRS = 4
 EXACT_TOL = 5e-7  # measured 7.5e-9; float32 rounding: about 8 ulps of ld (6e-8 recovery each)

@@ -15,9 +15,9 @@ import transformers as tf
 from kvnotes.conformance import HF_INVARIANTS, hf_reference, verify
 from kvnotes.engine import run
 from kvnotes.errors import UnknownModelError, UnsupportedArchitecture
-from kvnotes.models.hf import load_hf, tl_config_from_hf, tl_from_hf_model
-from kvnotes.models.tiny import tiny_tokenizer
 from kvnotes.notebook import Notebook
+from kvnotes.zoo.hf import load_hf, tl_config_from_hf, tl_from_hf_model
+from kvnotes.zoo.tiny import tiny_tokenizer
 from tests.checkpoints import ATOL, FAMILIES, WINDOW, _config, _randomize, build_checkpoint
 from tests.test_verify import _norm_eps
 

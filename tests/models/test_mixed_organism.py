@@ -1,4 +1,4 @@
-"""The mixed organisms: both routes open, in a share fixed by construction (kvnotes.models.mixed).
+"""The mixed organisms: both routes open, in a share fixed by construction (kvnotes.zoo.mixed).
 
 Each known answer in that module's table (`designed_answers`) is checked through the probes, at
 n = 32 pairs, for both shares. The notes are read through their values at layer 1 and their keys
@@ -17,8 +17,10 @@ import pytest
 
 import probes.causal
 from kvnotes import load_model
-from kvnotes.models import mixed
-from kvnotes.models.mixed import (
+from kvnotes.ops import Patch
+from kvnotes.tasks.sampler import neutral_notes
+from kvnotes.zoo import mixed
+from kvnotes.zoo.mixed import (
     KEY_PART,
     LOW_PAIR,
     MIXED_ORGANISMS,
@@ -29,8 +31,6 @@ from kvnotes.models.mixed import (
     designed_notes,
     load_mixed_organism,
 )
-from kvnotes.ops import Patch
-from kvnotes.tasks.sampler import neutral_notes
 from probes.causal import field_refresh, note_map, note_scores, notes_transplant
 from probes.controls import cross_fitted_notes, false_note_injection, knockout
 from probes.trials import make_trials

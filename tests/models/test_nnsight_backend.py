@@ -15,10 +15,10 @@ import transformers as tf
 
 from kvnotes import load_model, ops
 from kvnotes.conformance import HF_INVARIANTS, hf_reference, verify
-from kvnotes.engine import run
+from kvnotes.engine import backend_of, run
+from kvnotes.engine.nnsight import EagerAttention, NNsightBackend, NNsightModel, feed
 from kvnotes.errors import BadArgument, UnknownModelError, UnsupportedArchitecture
-from kvnotes.models.nn import ORDER, NNsightModel
-from kvnotes.nn_engine import EagerAttention, feed
+from kvnotes.models.sites import ORDER
 from kvnotes.notebook import Notebook
 from tests.checkpoints import ATOL, FAMILIES, build_checkpoint
 from tests.models.test_hf_families import EPS_CASES, EPS_IDS, mark_float32_limits
@@ -39,7 +39,7 @@ def both(request, tmp_path_factory):
 def test_run_in_two_pieces_equals_transformers(both):
     """Prefill, then the rest against the notebook: every position's logits are transformers' own."""
     _, nn, ids, logits, _ = both
-    assert isinstance(nn, NNsightModel) and nn.backend.name == "nnsight" and not hasattr(nn, "cfg")
+    assert isinstance(nn, NNsightModel) and backend_of(nn).name == "nnsight" and not hasattr(nn, "cfg")
     nb, first = run(nn, Notebook.empty(nn), ids[:CUT], logits_at=range(CUT))
     nb2, rest = run(nn, nb, ids[CUT:], logits_at=range(CUT, len(ids)))
     assert logits.abs().max() > 1.0  # not vacuous
@@ -59,7 +59,7 @@ def test_every_hook_point_holds_what_transformer_lens_holds(both):
         nb = ops.prefill(m, ids[:CUT])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EagerAttention)
-            got[m.backend.name] = run(m, nb, ids[CUT:], capture=names)[1].activations
+            got[backend_of(m).name] = run(m, nb, ids[CUT:], capture=names)[1].activations
     for name in names:
         a, b = got["transformer-lens"][name], got["nnsight"][name]
         assert a.shape == b.shape, name
@@ -90,7 +90,7 @@ def test_writing_hooks_change_the_decision_as_on_transformer_lens(both):
         nb = ops.prefill(m, ids[:CUT])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EagerAttention)
-            out[m.backend.name] = run(m, nb, ids[CUT:], hooks=hooks, write=False)[1].last[0]
+            out[backend_of(m).name] = run(m, nb, ids[CUT:], hooks=hooks, write=False)[1].last[0]
         plain = run(m, nb, ids[CUT:], write=False)[1].last[0]
     assert (out["nnsight"] - plain).abs().max() > 1e-2  # the hooks did something
     torch.testing.assert_close(out["nnsight"], out["transformer-lens"], atol=ATOL, rtol=0)
@@ -137,9 +137,9 @@ def test_a_wrong_rerotation_fails_verify(tmp_path, monkeypatch):
     build_checkpoint("gemma3-text", tmp_path)
     nn = load_model(str(tmp_path), backend="nnsight")
     assert verify(nn, only=["rerotation_equals_offset_prefill"], progress=False).passed
-    right = NNsightModel.rerotate
+    right = NNsightBackend.move_keys
     monkeypatch.setattr(
-        NNsightModel, "rerotate", lambda self, l, k, old, new: right(self, l, k, old, new + 1)
+        NNsightBackend, "move_keys", lambda self, m, l, k, old, new: right(self, m, l, k, old, new + 1)
     )
     assert not verify(nn, only=["rerotation_equals_offset_prefill"], progress=False).passed
 

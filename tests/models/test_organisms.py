@@ -15,8 +15,9 @@ import torch
 
 from kvnotes import Patch, decide, decide_patched, logit_diff, patch, prefill, recovery, refresh, verify
 from kvnotes.errors import OrganismNotConverged
-from kvnotes.models import builtin_names, load_model, organisms
-from kvnotes.models.organisms import (
+from kvnotes.tasks import GATE, RULE, load_task, sample
+from kvnotes.zoo import builtin_names, load_model, organisms
+from kvnotes.zoo.organisms import (
     ORGANISMS,
     SEED_TRIES,
     OrganismConfig,
@@ -25,7 +26,6 @@ from kvnotes.models.organisms import (
     load_organism,
     organism_metrics,
 )
-from kvnotes.tasks import GATE, RULE, load_task, sample
 
 NAMES = tuple(ORGANISMS)
 KINDS = (GATE, RULE)

@@ -22,15 +22,16 @@ from circuits.ground_truth import (  # noqa: E402
     known_nodes,
     precision_recall,
 )
+from kvnotes.engine import full_logits  # noqa: E402
 from kvnotes.errors import BadArgument, UnknownModelError  # noqa: E402
-from kvnotes.models.tracr import (  # noqa: E402
+from kvnotes.ops import decide, prefill  # noqa: E402
+from kvnotes.zoo.tracr import (  # noqa: E402
     TRACR_PROGRAMS,
     compile_program,
     input_pairs,
     load_tracr,
     pairs,
 )
-from kvnotes.ops import decide, prefill  # noqa: E402
 
 # tracr's weights are exact one-hot reads and large-scale softmaxes; float32 against JAX's float32
 # differs by rounding only (observed < 1e-5); 1e-4 leaves room for summation order
@@ -48,7 +49,7 @@ def test_a_compiled_program_computes_what_tracr_and_rasp_compute(short):
     for _ in range(2):  # tracr's JAX model runs op by op (seconds a call): a few inputs, full length
         inputs = [rng.choice(model.vocab) for _ in range(model.max_seq_len)]
         ids = model.encode(model.text(inputs))
-        ours = model.full_logits(ids)[:, cols].double().numpy()
+        ours = full_logits(model, ids)[:, cols].double().numpy()
         ref = model.reference.apply(["BOS", *inputs])
         theirs = np.asarray(ref.transformer_output)[0] @ _unembed(model, out_values)
         np.testing.assert_allclose(ours[1:], theirs[1:], atol=TOL)
@@ -69,7 +70,7 @@ def test_the_notebook_decides_as_the_full_forward_on_a_tracr_model():
     pair = pairs(model, 1, seed=3)[0]
     nb = prefill(model, pair.new)
     got = decide(model, nb, pair.new).last[0].double()
-    want = model.full_logits(pair.new.ids)[-1].double()
+    want = full_logits(model, pair.new.ids)[-1].double()
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)  # float32 rounding
 
 
@@ -178,8 +179,8 @@ def test_every_analysis_that_needs_no_rule_runs_on_a_program_s_pair_task(short, 
     the dataset round-trips through the JSONL file the CLI reads."""
     from kvnotes.analysis.registry import analyses, sections, unmet
     from kvnotes.analysis.runner import collect
-    from kvnotes.models.tracr import pair_set
     from kvnotes.tasks.pairs import load_pairs
+    from kvnotes.zoo.tracr import pair_set
 
     model = load_tracr(f"tracr-{short}")
     ps = load_pairs(pair_set(model, 4, seed=0).write(tmp_path / "pairs.jsonl"))

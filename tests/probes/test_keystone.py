@@ -13,8 +13,8 @@ import pytest
 import probes.keystone  # noqa: F401  (the module; the package exports its function under the same name)
 from kvnotes.cli import main
 from kvnotes.errors import BadOption
-from kvnotes.models import load_model
 from kvnotes.tasks import load_task, sample
+from kvnotes.zoo import load_model
 from probes.regime import filler_text
 
 K = sys.modules["probes.keystone"]

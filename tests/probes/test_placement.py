@@ -13,9 +13,9 @@ import pytest
 import probes.placement  # noqa: F401  (the module; the package exports its function under the same name)
 from kvnotes.cli import main
 from kvnotes.errors import OutOfRange
-from kvnotes.models import load_model
 from kvnotes.ops import decide, prefill
 from kvnotes.tasks.memory import memory_episode
+from kvnotes.zoo import load_model
 
 P = sys.modules["probes.placement"]
 

@@ -13,6 +13,7 @@ import transformers as tf
 
 from kvnotes import load_model, ops
 from kvnotes.cli import main
+from kvnotes.engine import full_logits
 from kvnotes.errors import BadArgument, KVNotesError
 from kvnotes.serving.remote import RemoteUnavailable, SlotSweep, slot_sweep
 from kvnotes.tasks import load_task
@@ -56,7 +57,7 @@ def test_the_session_gives_the_engines_numbers(setup, remote):
     expected = _engine(nn, pair, slots)
     assert max(abs(a - b) for a, b in zip(expected, expected[1:])) > 1e-3  # the slots differ
     torch.testing.assert_close(torch.tensor(r.ld), torch.tensor(expected), atol=1e-4, rtol=0)
-    full = [nn.full_logits(p.ids)[-1] for p in (pair.old, pair.new)]
+    full = [full_logits(nn, p.ids)[-1] for p in (pair.old, pair.new)]
     ends = [float(f[pair.answers[0]] - f[pair.answers[1]]) for f in full]
     assert r.ld_old == pytest.approx(ends[0], abs=1e-4) and r.ld_new == pytest.approx(ends[1], abs=1e-4)
     assert (r.request is None) == (remote is False)

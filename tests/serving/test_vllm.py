@@ -56,7 +56,7 @@ def test_bench_serve_on_a_real_vllm_server(tmp_path, capsys):
     """The whole command, as a user runs it: export, launch, every strategy, the agent loop, stop."""
     from kvnotes.bench.serve import ServeReport
     from kvnotes.cli import main
-    from kvnotes.models.cache import default_cache_dir
+    from kvnotes.zoo.cache import default_cache_dir
 
     python = vllm_python()
     out = tmp_path / "serve.json"

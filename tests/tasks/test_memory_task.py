@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvnotes.errors import TaskError
-from kvnotes.models import load_model
 from kvnotes.tasks.memory import ATTRIBUTES, SMALL_TALK, UPDATE, memory_episode, overhead, usable_values
+from kvnotes.zoo import load_model
 
 ATTR = {a.name: a for a in ATTRIBUTES}
 

@@ -32,15 +32,12 @@ def is_export_of(out: Path, model) -> bool:
 
 
 def export(model, out: str | Path, *, progress: bool = True) -> Path:
-    """Write `model` (a KVModel, or a name for `load_model`) to `out` as a Hugging Face checkpoint.
+    """Write `model` (a KVModel: `kvnotes export NAME DIR` loads it by name) to `out` as a Hugging
+    Face checkpoint.
 
     The directory is written beside `out` and renamed into place, so an interrupted export never
     leaves a directory that looks finished. An existing `out` is refused unless it is an earlier
     export (which is replaced)."""
-    from kvnotes.models import load_model
-
-    if isinstance(model, str):
-        model = load_model(model)
     out = Path(out).expanduser()
     if out.exists() and not (out / STAMP).exists() and any(out.iterdir()):
         raise KVNotesError(
@@ -70,7 +67,7 @@ def export(model, out: str | Path, *, progress: bool = True) -> Path:
 
 def cached(model, root: str | Path | None = None, *, progress: bool = True) -> Path:
     """An export of `model` under the kvnotes cache (`$KVNOTES_CACHE/export/NAME`), written once."""
-    from kvnotes.models.cache import building, default_cache_dir
+    from kvnotes.zoo.cache import building, default_cache_dir
 
     root = Path(root) if root else default_cache_dir() / "export"
     out = root / model.name.replace("/", "--")

@@ -94,7 +94,7 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
-# Tiny models built as transformers models and converted through `kvnotes.models.hf`.
+# Tiny models built as transformers models and converted through `kvnotes.zoo.hf`.
 TINY_HF: tuple[str, ...] = ("tiny-gpt2",)
 
 # A small fixed corpus in the register of the built-in tasks, so the BPE learns useful merges.
@@ -139,7 +139,7 @@ def build_tiny(name: str, seed: int = 0):
     """Build tiny model `name` (see the table above) with weights drawn from `seed`."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-    from kvnotes.models.model import KVModel
+    from kvnotes.engine.transformer_lens.model import from_hooked
 
     tokenizer = tiny_tokenizer()
     cfg = HookedTransformerConfig(
@@ -154,7 +154,7 @@ def build_tiny(name: str, seed: int = 0):
     with torch.no_grad():  # sharper attention than the default init, so masking bugs show
         for block in tl.blocks:
             block.attn.W_Q.mul_(4.0)
-    return KVModel.wrap(name, tl, tokenizer)
+    return from_hooked(name, tl, tokenizer)
 
 
 def tiny_gpt2_hf(seed: int = 0):
@@ -202,13 +202,13 @@ def _sharpen(hf, seed: int) -> None:
 def build_tiny_hf(name: str, seed: int = 0):
     """Build `name` in `TINY_HF` with transformers and convert it through the Hugging Face loader;
     its `hf_source` rebuilds the same transformers model, `verify`'s independent reference."""
-    from kvnotes.models.hf import tl_from_hf_model
     from kvnotes.models.model import HFSource
+    from kvnotes.zoo.hf import tl_from_hf_model
 
     if name not in TINY_HF:
         raise KeyError(name)
     source = HFSource(
-        what=f"transformers' GPT2LMHeadModel built by kvnotes.models.tiny ({name}, seed {seed})",
+        what=f"transformers' GPT2LMHeadModel built by kvnotes.zoo.tiny ({name}, seed {seed})",
         load=lambda: tiny_gpt2_hf(seed),
     )
     return tl_from_hf_model(tiny_gpt2_hf(seed), tiny_tokenizer(), name, hf_source=source)

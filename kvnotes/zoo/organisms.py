@@ -30,7 +30,7 @@ if none converges. The organism is then cached (safetensors weights + JSON metad
 under `$KVNOTES_CACHE` or `~/.cache/kvnotes`, in a directory keyed by a hash of the config, the
 task and the tokenizer, so changing any of them retrains. Retrain and print the metrics:
 
-    python -m kvnotes.models.organisms notes-organism
+    python -m kvnotes.zoo.organisms notes-organism
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvnotes.engine.transformer_lens.model import from_hooked
 from kvnotes.errors import BadArgument, TaskError
-from kvnotes.models.cache import building, publish
 from kvnotes.models.model import KVModel
-from kvnotes.models.tiny import tiny_tokenizer
 from kvnotes.prompt import Prompt
 from kvnotes.tasks import Task, load_task, render
 from kvnotes.tasks.sampler import values_for
+from kvnotes.zoo.cache import building, publish
+from kvnotes.zoo.tiny import tiny_tokenizer
 
 CACHE_VERSION = 1  # bump when training or the cache format changes, so old caches are retrained
 SEED_TRIES = 3  # seeds tried (config.seed, +1, +2) before an organism that will not converge is an error
@@ -222,7 +223,7 @@ def check_prompt(cfg: OrganismConfig, task: Task, prompt: Prompt) -> None:
     still be within the layers x window reach of the decision's last token.
 
     >>> from kvnotes.tasks import load_task, sample
-    >>> from kvnotes.models import load_model
+    >>> from kvnotes.zoo import load_model
     >>> pair = sample(load_task("notes-organism"), load_model("tiny-llama"), 1)[0]
     >>> check_prompt(ORGANISMS["notes-organism"], load_task("notes-organism"), pair.old)
     """
@@ -435,7 +436,7 @@ def train_converged(
     raise OrganismNotConverged(
         f"{cfg.name} did not reach 100% held-out accuracy with margin {cfg.min_margin} within "
         f"{cfg.max_steps} steps from any of {tries} seeds ({'; '.join(failed)}); nothing was cached. "
-        "Raise max_steps, or change the recipe in kvnotes/models/organisms.py"
+        "Raise max_steps, or change the recipe in kvnotes/zoo/organisms.py"
     )
 
 
@@ -488,7 +489,7 @@ def cache_path(
     name: str, *, config: OrganismConfig | None = None, cache_dir: str | Path | None = None
 ) -> Path:
     """Where organism `name` with `config` is cached: `<cache>/organisms/<name>-<config hash>/`."""
-    from kvnotes.models.cache import default_cache_dir
+    from kvnotes.zoo.cache import default_cache_dir
 
     cfg = _resolve(name, config)
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
@@ -520,7 +521,7 @@ def load_organism(
                 _say(progress, f"kvnotes: training {cfg.name} (first use; cached in {root})")
                 hooked, metrics = train_converged(name, config=cfg, progress=progress)
                 _write_cache(root, hooked, cfg, metrics)
-    return KVModel.wrap(cfg.name, hooked, tiny_tokenizer())
+    return from_hooked(cfg.name, hooked, tiny_tokenizer())
 
 
 def organism_metrics(
@@ -608,8 +609,8 @@ def _say(progress: bool, line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """`python -m kvnotes.models.organisms NAME`: retrain NAME, replace its cache, print the metrics."""
-    ap = argparse.ArgumentParser(prog="python -m kvnotes.models.organisms", description=main.__doc__)
+    """`python -m kvnotes.zoo.organisms NAME`: retrain NAME, replace its cache, print the metrics."""
+    ap = argparse.ArgumentParser(prog="python -m kvnotes.zoo.organisms", description=main.__doc__)
     ap.add_argument("name", choices=sorted(ORGANISMS))
     ap.add_argument("--cache-dir", default=None, help="default: $KVNOTES_CACHE or ~/.cache/kvnotes")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -647,4 +648,4 @@ def load_null_organism(name: str = "null-organism") -> KVModel:
         torch.manual_seed(cfg.seed)
         tl = _new_model(cfg)
     tl.eval()
-    return KVModel.wrap(name, tl, tiny_tokenizer())
+    return from_hooked(name, tl, tiny_tokenizer())

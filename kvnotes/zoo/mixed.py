@@ -1,7 +1,7 @@
 """Mixed organisms: a decision that reads the field directly AND reads notes, in a known share,
 through the notes' values at one layer and their keys at another.
 
-The trained organisms (`kvnotes.models.organisms`) each leave one route open, so field refresh =
+The trained organisms (`kvnotes.zoo.organisms`) each leave one route open, so field refresh =
 0 / transplant = 1 (or the reverse) follow from the attention masks alone. On a real model both
 routes are open and the question is their mix, and what differs between two runs can sit in the
 keys as well as the values, at any layer. A mixed organism is a case whose mix is known: its
@@ -82,9 +82,10 @@ from functools import lru_cache
 
 import torch
 
+from kvnotes.engine.transformer_lens.model import from_hooked
 from kvnotes.errors import TaskError, UnknownModelError
 from kvnotes.models.model import KVModel
-from kvnotes.models.tiny import tiny_tokenizer
+from kvnotes.zoo.tiny import tiny_tokenizer
 
 MIXED_ORGANISMS: dict[str, float] = {"mixed-organism-25": 0.25, "mixed-organism-75": 0.75}
 TASK = "mixed-organism"
@@ -257,7 +258,7 @@ def load_mixed_organism(name: str) -> KVModel:
     with torch.random.fork_rng(devices=[]):  # the initial draw is overwritten; keep the caller's RNG
         tl = HookedTransformer(hooked_config(name, len(tokenizer)), move_to_device=False)
     compile_weights(MIXED_ORGANISMS[name], tl)
-    return KVModel.wrap(name, tl, tokenizer)
+    return from_hooked(name, tl, tokenizer)
 
 
 @lru_cache(maxsize=1)

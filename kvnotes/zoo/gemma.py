@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
+from kvnotes.engine.transformer_lens.model import from_hooked
 from kvnotes.errors import MissingDependency
-from kvnotes.models.cache import building, default_cache_dir, publish
-from kvnotes.models.hf import hooked_from_state_dict, tl_from_hf_model, tl_kwargs
 from kvnotes.models.model import HFSource, KVModel
-from kvnotes.models.names import EMBEDDED_N_CTX
+from kvnotes.zoo.cache import building, default_cache_dir, publish
+from kvnotes.zoo.hf import hooked_from_state_dict, tl_from_hf_model, tl_kwargs
+from kvnotes.zoo.names import EMBEDDED_N_CTX
 
 NAME = "gemma-3-270m"
 BOS_ID = 2
@@ -138,7 +139,7 @@ def _from_cache(root: Path, progress: bool) -> KVModel | None:
         tl = hooked_from_state_dict(cfg, load_file(str(root / "weights.safetensors")), assign=True)
         tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
         _check_tokenizer(tokenizer)
-        return KVModel.wrap(NAME, tl, tokenizer, HF_SOURCE)
+        return from_hooked(NAME, tl, tokenizer, HF_SOURCE)
     except Exception as e:  # noqa: BLE001 - any failure means the cache is unusable; rebuild
         _say(True, f"kvnotes: the cache at {root} is unreadable ({type(e).__name__}: {e}); rebuilding it")
         return None

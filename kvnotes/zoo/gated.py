@@ -2,7 +2,7 @@
 attention, and a decision whose *query* depends on the field, so that edge-attribution methods are
 checked against a designed answer on each of those (`designed_edges`).
 
-The mixed organisms (`kvnotes.models.mixed`) have no norms, no MLPs, one query head per KV head and
+The mixed organisms (`kvnotes.zoo.mixed`) have no norms, no MLPs, one query head per KV head and
 a constant decision query. This one has all four, and is compiled by hand in the same way (every
 weight zeroed, then set): two layers of four query heads over two KV heads (heads 0 and 1 share KV
 head 0; heads 2 and 3, and KV head 1, are zero), RMSNorm before each sublayer and before the
@@ -122,10 +122,11 @@ from functools import lru_cache
 
 import torch
 
+from kvnotes.engine.transformer_lens.model import from_hooked
 from kvnotes.errors import TaskError, UnknownModelError
-from kvnotes.models.mixed import TASK, token_ids
 from kvnotes.models.model import KVModel
-from kvnotes.models.tiny import tiny_tokenizer
+from kvnotes.zoo.mixed import TASK, token_ids
+from kvnotes.zoo.tiny import tiny_tokenizer
 
 NAME = "gated-organism"
 GATED_ORGANISMS = (NAME,)
@@ -326,7 +327,7 @@ def load_gated_organism(name: str = NAME) -> KVModel:
     with torch.random.fork_rng(devices=[]):  # the initial draw is overwritten; keep the caller's RNG
         tl = HookedTransformer(hooked_config(name, len(tokenizer)), move_to_device=False)
     compile_weights(tl)
-    return KVModel.wrap(name, tl, tokenizer)
+    return from_hooked(name, tl, tokenizer)
 
 
 @lru_cache(maxsize=1)

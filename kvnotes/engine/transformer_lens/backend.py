@@ -15,8 +15,8 @@ softcap, the same matmuls without the full mask).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import einops
 import torch
@@ -24,35 +24,37 @@ import torch.nn.functional as F
 
 from kvnotes import rope
 from kvnotes.engine import plan as planning
-from kvnotes.engine.backend import register
+from kvnotes.engine.backend import Capability
+from kvnotes.engine.float64 import float64_everywhere
 from kvnotes.engine.plan import Fresh, Hook, Plan, Resume, SlotKeys, saver, softcap, take_slots
-from kvnotes.errors import BadArgument
+from kvnotes.engine.transformer_lens.model import TransformerLensModel
+from kvnotes.errors import BadArgument, OutOfRange
+from kvnotes.models.backends import BackendName
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Int, Tensor
-
-if TYPE_CHECKING:
-    from kvnotes.models.model import KVModel
 
 _SMALL = 64  # up to this many computed tokens, a batch-1 notebook under a batch is never expanded
 
 
 class TransformerLensBackend:
-    """`run()` on a TransformerLens `HookedTransformer` (`model.tl`)."""
+    """`run()` on a TransformerLens `HookedTransformer` (`model.tl`): a `Backend[TransformerLensModel]`."""
 
-    name = "transformer-lens"
+    name = BackendName.TRANSFORMER_LENS
     capabilities = frozenset(
         {
-            "weights",
-            "transformer-lens",
-            "hook_attn_scores",
-            "hook_pattern",
-            "hook_rot_q",
-            "hook_rot_k",
-            "resume",
+            Capability.WEIGHTS,
+            Capability.TRANSFORMER_LENS,
+            Capability.HOOK_ATTN_SCORES,
+            Capability.HOOK_PATTERN,
+            Capability.HOOK_ROT_Q,
+            Capability.HOOK_ROT_K,
+            Capability.RESUME,
         }
     )
 
-    def forward(self, model: KVModel, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]) -> Fresh:
+    def forward(
+        self, model: TransformerLensModel, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]
+    ) -> Fresh:
         """Fresh K/V and logits at the read positions, with `hooks` and the capture savers on."""
         _check_hook_names(model, [*capture, *(t for t, _ in hooks if isinstance(t, str))])
         captured: dict[str, Tensor] = {}
@@ -69,24 +71,47 @@ class TransformerLensBackend:
                 logits = resid.new_zeros(plan.batch, 0, plan.width)
         return Fresh(keys=fresh_k, values=fresh_v, logits=logits, activations=captured)
 
-    def rerotate(self, model: KVModel, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tensor:
-        return rope.rerotate(model.tl.blocks[layer].attn, keys, old, new)
+    def move_keys(
+        self, model: TransformerLensModel, layer: int, keys: Tensor, old: Tensor, new: Tensor
+    ) -> Tensor:
+        """Undo the rotation at `old`, apply the one at `new`, from the layer's own RoPE tables."""
+        attn = model.tl.blocks[layer].attn
+        return rotate_at(attn, unrotate_at(attn, keys, old), new)
 
-    def full_logits(self, model: KVModel, ids) -> Tensor:
+    def full_logits(self, model: TransformerLensModel, ids: Sequence[int]) -> Tensor:
         with torch.no_grad():
             return model.tl(torch.tensor([list(ids)], device=model.device))[0]
 
-    def hook_names(self, model: KVModel) -> list[str]:
+    def hook_names(self, model: TransformerLensModel) -> list[str]:
         return list(model.tl.hook_dict)
 
-    def watched(self, model: KVModel) -> bool:
+    def watched(self, model: TransformerLensModel) -> bool:
         return any(_observed(p) for p in model.tl.hook_dict.values())
 
+    @contextmanager
+    def in_float64(self, model: TransformerLensModel) -> Iterator[TransformerLensModel]:
+        """Weights and RoPE tables cast to float64 (the tables recomputed in float64, as
+        TransformerLens computes them for a float64 model), every norm and softmax in float64; the
+        float32 tables are put back afterwards, so the model returns bit for bit."""
+        tl, dtype = model.tl, model.tl.cfg.dtype
+        attns = [b.attn for b in tl.blocks if hasattr(b.attn, "rotary_cos")]
+        tables = [(a.rotary_sin, a.rotary_cos) for a in attns]
+        tl.to(torch.float64, print_details=False)  # sets tl.cfg.dtype too
+        try:
+            for a in attns:
+                a._extend_rotary_embeddings(a.rotary_cos.shape[0])
+            with float64_everywhere():
+                yield model
+        finally:
+            tl.to(dtype, print_details=False)
+            for a, (sin, cos) in zip(attns, tables):
+                a.rotary_sin, a.rotary_cos = sin, cos
 
-TRANSFORMER_LENS = register(TransformerLensBackend())
+
+TRANSFORMER_LENS = TransformerLensBackend()
 
 
-def _check_hook_names(model: KVModel, names: Sequence[str]) -> None:
+def _check_hook_names(model: TransformerLensModel, names: Sequence[str]) -> None:
     """Refuse a hook name the model has no point for, or one its forward never reaches (an
     attention-only block's MLP points, which TransformerLens creates but never fires)."""
     cfg = model.cfg
@@ -99,7 +124,8 @@ def _check_hook_names(model: KVModel, names: Sequence[str]) -> None:
             )
         if name not in model.tl.hook_dict:
             raise BadArgument(
-                f"{model.name} has no hook point {name!r}; model.backend.hook_names(model) lists its points"
+                f"{model.name} has no hook point {name!r}; "
+                "kvnotes.engine.backend_of(model).hook_names(model) lists its points"
             )
 
 
@@ -115,7 +141,7 @@ def _observed(point) -> bool:
 
 
 def _forward(
-    model: KVModel,
+    model: TransformerLensModel,
     nb: Notebook,
     overlay: Notebook | None,
     tok: Int[Tensor, "batch pos"],
@@ -167,7 +193,7 @@ def _forward(
 
 
 def _attention(
-    model: KVModel,
+    model: TransformerLensModel,
     layer: int,
     x: Tensor,
     segments: list[tuple[Tensor, Tensor]],
@@ -184,7 +210,7 @@ def _attention(
     """
     attn, cfg = model.tl.blocks[layer].attn, model.cfg
     q, k, v = _qkv(attn, cfg, x)  # hook_q/k/v fire: [batch, pos, head, d_head]
-    # rotation is the identity for learned positions; hook_rot_q/k fire there too (`KVModel.wrap`
+    # rotation is the identity for learned positions; hook_rot_q/k fire there too (`from_hooked`
     # gives those models the points), with q and k as they are (TransformerLens's own forward
     # leaves them silent), so rotation hooks need no branch
     q = attn.hook_rot_q(rotated(attn, q, pos))
@@ -267,7 +293,53 @@ def qk_normed(attn, cfg, t: Float[Tensor, "*b pos heads d_head"], which: str) ->
 
 def rotated(attn, t: Float[Tensor, "*b pos heads d_head"], pos: Int[Tensor, " pos"]) -> Tensor:
     """Queries or keys (positions second to last but one) rotated by this layer's RoPE."""
-    return rope.rotate(attn, t.transpose(-3, -2), pos).transpose(-3, -2)
+    return rotate_at(attn, t.transpose(-3, -2), pos).transpose(-3, -2)
+
+
+def rotate_at(attn, x: Float[Tensor, "*b n d_head"], positions: Int[Tensor, " n"]) -> Tensor:
+    """`x` (positions along the second-to-last axis) rotated by this layer's RoPE at `positions`."""
+    return rope.rotate(x, *rope_tables(attn, positions), attn.rotate_every_two)
+
+
+def unrotate_at(attn, x: Float[Tensor, "*b n d_head"], positions: Int[Tensor, " n"]) -> Tensor:
+    """Undo `rotate_at`: post-RoPE `x` turned back from `positions`."""
+    return rope.unrotate(x, *rope_tables(attn, positions), attn.rotate_every_two)
+
+
+# --- the layer's RoPE tables ---------------------------------------------------------------------
+# The tables are the attention module's own (`rotary_cos`/`rotary_sin`), so every per-layer detail
+# (base, partial rotary dims, NeoX or GPT-J pairing, Llama-3 / YaRN scaling) is exactly what the
+# model's full forward uses; `kvnotes.rope` applies them.
+def rotary_dim(attn) -> int:
+    """How many of a head's dimensions this layer rotates: 0 where positions are learned and
+    added at the input (GPT-2, tracr), so that rotation is the identity there."""
+    return (attn.cfg.rotary_dim or 0) if attn.cfg.positional_embedding_type == "rotary" else 0
+
+
+def rope_tables(attn, positions: Int[Tensor, " n"]) -> tuple[Tensor, Tensor]:
+    """cos and sin rows `[n, rotary_dim]` for `positions` from `attn`'s own RoPE tables (`[n, 0]`
+    where the layer rotates nothing)."""
+    rd = rotary_dim(attn)
+    _check_range(attn, positions)
+    if positions.numel() == 0 or rd == 0:
+        empty = attn.W_Q.new_zeros(positions.numel(), 0)
+        return (attn.rotary_cos[:0, :rd], attn.rotary_sin[:0, :rd]) if rd else (empty, empty)
+    need = int(positions.max()) + 1
+    if need > attn.rotary_cos.shape[0]:  # grow the table the way the model's own forward does
+        attn._extend_rotary_embeddings(min(attn.cfg.n_ctx, max(need, 2 * attn.rotary_cos.shape[0])))
+    positions = positions.to(attn.rotary_cos.device)
+    return attn.rotary_cos[positions], attn.rotary_sin[positions]
+
+
+def _check_range(attn, positions: Tensor) -> None:
+    if positions.numel() == 0:
+        return
+    need = int(positions.max()) + 1
+    if int(positions.min()) < 0 or need > attn.cfg.n_ctx:
+        raise OutOfRange(
+            f"position {int(positions.min()) if int(positions.min()) < 0 else need - 1} is out of "
+            f"range: this model's context is 0..{attn.cfg.n_ctx - 1} (n_ctx={attn.cfg.n_ctx})"
+        )
 
 
 def _qkv_layout(wq, wk, wv, bq, bk, bv) -> tuple[Tensor, Tensor]:
@@ -312,6 +384,7 @@ def _mix(pattern: Tensor, segments: list[tuple[Tensor, Tensor]]) -> Tensor:
             part = (p.transpose(0, 1).reshape(1, kvh, b * r, -1) @ sv).reshape(kvh, b, r, -1).transpose(0, 1)
         z = part if z is None else z + part
         start += sv.shape[2]
+    assert z is not None, "no segment to attend to"  # the computed tokens are always one
     return z
 
 
@@ -346,7 +419,7 @@ def _fast_z(
     return _mix(pattern, segments)
 
 
-def final_logits(model: KVModel, resid: Tensor, vocab: Tensor | None = None) -> Tensor:
+def final_logits(model: TransformerLensModel, resid: Tensor, vocab: Tensor | None = None) -> Tensor:
     """Logits from the last block's residual stream: final norm, then unembed (`vocab`: those ids).
 
     Same numbers as TL's `Unembed`, without its per-call contiguous copy of the transposed `W_U`

@@ -31,20 +31,22 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from kvnotes import rope
 from kvnotes.engine import plan as planning
-from kvnotes.engine.backend import register, require
+from kvnotes.engine.backend import Capability
+from kvnotes.engine.float64 import float64_everywhere, hf_in_float64
+from kvnotes.engine.nnsight.model import NNsightModel
 from kvnotes.engine.plan import Fresh, Hook, Plan, saver, softcap, take_slots, write_back
-from kvnotes.errors import BadArgument, UnsupportedArchitecture
-from kvnotes.models.sites import MODULE_SITES, ORDER
+from kvnotes.errors import BadArgument, MissingCapability, UnsupportedArchitecture
+from kvnotes.models.backends import BackendName
+from kvnotes.models.model import KVModel
+from kvnotes.models.sites import MODULE_SITES, ORDER, ModuleSite
 from kvnotes.notebook import Notebook
 from kvnotes.types import Tensor
-
-if TYPE_CHECKING:
-    from kvnotes.models.model import KVModel
 
 EAGER = "kvnotes_eager"
 _state = threading.local()  # the hooks our eager attention fires, for the call in flight
@@ -68,13 +70,13 @@ class HookPoint:
 class _HookPlan:
     """The hooks of one call, resolved to sites: per layer, (site, [(name, fn)]) in execution order."""
 
-    per_layer: dict[int, list[tuple[str, object, list[tuple[str, Callable | None]]]]] = field(
+    per_layer: dict[int, list[tuple[str, ModuleSite, list[tuple[str, Callable | None]]]]] = field(
         default_factory=dict
     )
     attention: dict[tuple[int, str], list[tuple[str, Callable | None]]] = field(default_factory=dict)
 
 
-def _resolve(model, hooks: Sequence, capture: Sequence[str], captured: dict) -> _HookPlan:
+def _resolve(model: NNsightModel, hooks: Sequence, capture: Sequence[str], captured: dict) -> _HookPlan:
     wanted: dict[str, list[tuple[str, Callable | None]]] = {}
     names = model.hook_names()
     for target, fn in hooks:
@@ -84,7 +86,7 @@ def _resolve(model, hooks: Sequence, capture: Sequence[str], captured: dict) -> 
     for n in capture:
         wanted.setdefault(n, []).append((n, saver(captured)))
     plan = _HookPlan()
-    by_layer: dict[int, dict[str, list]] = {}
+    by_layer: dict[int, dict[str, tuple[ModuleSite, list[tuple[str, Callable | None]]]]] = {}
     for n, fns in wanted.items():
         layer, what, site = model.site(n)
         if site is None:
@@ -126,7 +128,9 @@ def _fire(fns, act: Tensor) -> Tensor | None:
 
 
 # --- the cache and the masks ---------------------------------------------------------------------
-def _inputs(model, nb: Notebook, overlay: Notebook | None, pos: Tensor, batch: int, *, trim: bool = True):
+def _inputs(
+    model: NNsightModel, nb: Notebook, overlay: Notebook | None, pos: Tensor, batch: int, *, trim: bool = True
+):
     """(DynamicCache of the notebook's slots, masks, position_ids).
 
     trim: a sliding-window layer gets only the slots inside its window (as the fast path of the
@@ -144,7 +148,9 @@ def _inputs(model, nb: Notebook, overlay: Notebook | None, pos: Tensor, batch: i
         sliding = next(
             (model.window(l) for l, t in enumerate(model.layer_types) if t == "sliding_attention"), None
         )
-        masks = {t: bias[sliding if t == "sliding_attention" else None] for t in set(model.layer_types)}
+        masks: Tensor | dict[str, Tensor] = {
+            t: bias[sliding if t == "sliding_attention" else None] for t in set(model.layer_types)
+        }
     elif len(bias) == 1:
         masks = next(iter(bias.values()))
     else:
@@ -177,7 +183,7 @@ class _Feed:
         return args, kwargs
 
 
-def _feeder(model) -> _Feed:
+def _feeder(model: NNsightModel) -> _Feed:
     feed = getattr(model.hf, "_kvnotes_feed", None)
     if feed is None:
         feed = _Feed()
@@ -187,7 +193,7 @@ def _feeder(model) -> _Feed:
 
 
 @contextmanager
-def _attention_impl(model, eager: bool) -> Iterator[None]:
+def _attention_impl(model: NNsightModel, eager: bool) -> Iterator[None]:
     if not eager:
         yield
         return
@@ -207,14 +213,24 @@ def _attention_impl(model, eager: bool) -> Iterator[None]:
 
 
 class NNsightBackend:
-    """`run()` on the Hugging Face module nnsight wraps (`model.hf`), its hooks nnsight interventions."""
+    """`run()` on the Hugging Face module nnsight wraps (`model.hf`), its hooks nnsight interventions:
+    a `Backend[NNsightModel]`."""
 
-    name = "nnsight"
+    name = BackendName.NNSIGHT
     capabilities = frozenset(
-        {"transformers-module", "feed", "remote", "hook_attn_scores", "hook_pattern", "nnsight"}
+        {
+            Capability.TRANSFORMERS_MODULE,
+            Capability.FEED,
+            Capability.REMOTE,
+            Capability.HOOK_ATTN_SCORES,
+            Capability.HOOK_PATTERN,
+            Capability.NNSIGHT,
+        }
     )
 
-    def forward(self, model: KVModel, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]) -> Fresh:
+    def forward(
+        self, model: NNsightModel, plan: Plan, hooks: Sequence[Hook], capture: Sequence[str]
+    ) -> Fresh:
         """Fresh K/V of the computed tokens, logits at the read positions, captured activations."""
         if not model.weights:
             raise BadArgument(
@@ -241,24 +257,32 @@ class NNsightBackend:
         fresh_k, fresh_v = _fresh(cache, n)
         return Fresh(keys=fresh_k, values=fresh_v, logits=logits, activations=captured)
 
-    def rerotate(self, model: KVModel, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tensor:
-        return _rerotate(model, layer, keys, old, new)
+    def move_keys(self, model: NNsightModel, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tensor:
+        return _move_keys(model, layer, keys, old, new)
 
-    def full_logits(self, model: KVModel, ids) -> Tensor:
+    def full_logits(self, model: NNsightModel, ids: Sequence[int]) -> Tensor:
         with torch.no_grad():
             return model.hf(torch.tensor([list(ids)], device=model.device)).logits[0]
 
-    def hook_names(self, model: KVModel) -> list[str]:
+    def hook_names(self, model: NNsightModel) -> list[str]:
         return model.hook_names()
 
-    def watched(self, model: KVModel) -> bool:
+    def watched(self, model: NNsightModel) -> bool:
         return False  # hooks exist only as run()'s arguments here
 
+    @contextmanager
+    def in_float64(self, model: NNsightModel) -> Iterator[NNsightModel]:
+        """The Hugging Face module in float64, its rotary embeddings rebuilt in float64
+        (`hf_in_float64`), and float32 spelled as float64 meanwhile (transformers computes norms,
+        softmax and RoPE angles in float32 whatever the model's dtype, and so does `move_keys`)."""
+        with hf_in_float64(model.hf), float64_everywhere():
+            yield model
 
-NNSIGHT = register(NNsightBackend())
+
+NNSIGHT = NNsightBackend()
 
 
-def _logits(model, ids: Tensor, kwargs: dict, sites: _HookPlan, plan: Plan) -> Tensor:
+def _logits(model: NNsightModel, ids: Tensor, kwargs: dict, sites: _HookPlan, plan: Plan) -> Tensor:
     """The forward's logits at the read positions (columns `plan.cols`)."""
     with _attention_impl(model, bool(sites.attention)):  # autograd as the caller has it (attribution)
         _state.attention = sites.attention
@@ -285,7 +309,7 @@ def _fresh(cache, n: int) -> tuple[list[Tensor], list[Tensor]]:
     ]
 
 
-def _answer_columns(model, ids, kwargs, read_idx, cols) -> Tensor:
+def _answer_columns(model: NNsightModel, ids, kwargs, read_idx, cols) -> Tensor:
     """The decoder alone, then only the `cols` rows of the unembedding at the read positions (and
     the final softcap where the family has one): for a batched decision over two answer tokens,
     a 262k-token vocabulary's head would cost more than the layers. Families in `MODULE_SITES` only, whose
@@ -300,7 +324,7 @@ def _answer_columns(model, ids, kwargs, read_idx, cols) -> Tensor:
     return softcap(logits, getattr(model.text_config, "final_logit_softcapping", None))
 
 
-def _traced(model, ids: Tensor, kwargs: dict, plan: _HookPlan) -> Tensor:
+def _traced(model: NNsightModel, ids: Tensor, kwargs: dict, plan: _HookPlan) -> Tensor:
     """The forward as one nnsight trace, every planned hook an intervention at its module."""
     feed = _feeder(model)
     lm, heads, kv, d = model.lm, model.n_heads, model.n_kv_heads, model.d_head
@@ -331,14 +355,14 @@ def _traced(model, ids: Tensor, kwargs: dict, plan: _HookPlan) -> Tensor:
 
 
 # --- re-rotation -------------------------------------------------------------------------------
-def _rerotate(model, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tensor:
+def _move_keys(model: NNsightModel, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tensor:
     """Move post-RoPE keys from positions `old` to `new` with the layer's own rotary embedding
     (its base and scaling, computed as the model's forward computes them): undo the rotation
     at `old`, apply the one at `new`, each from the model's own cos/sin at those positions, so
     a moved key equals the key a prefill at `new` writes. A scaled RoPE's magnitude factor
     (`attention_scaling`: YaRN, LongRoPE) is divided out of both, so only the angle moves."""
     if model.facts.positions != "rotary":  # learned positions: rotation is the identity (a move of
-        return keys  # zero; `KVModel.rerotate` refuses any other)
+        return keys  # zero; `kvnotes.engine.move_keys` refuses any other)
     cfg_rope = getattr(model.text_config, "rope_parameters", None) or {}
     kinds = {v.get("rope_type") for v in cfg_rope.values() if isinstance(v, dict)} | {
         cfg_rope.get("rope_type")
@@ -348,27 +372,17 @@ def _rerotate(model, layer: int, keys: Tensor, old: Tensor, new: Tensor) -> Tens
             f"{model.name}'s RoPE ({', '.join(sorted(k for k in kinds if k))}) changes its frequencies "
             "with the sequence length, so a stored key cannot be moved to a new position exactly"
         )
-    cos_old, sin_old = _cos_sin(model, layer, old, keys)
-    cos_new, sin_new = _cos_sin(model, layer, new, keys)
-    rd = cos_old.shape[-1]
-    k_rot, k_pass = keys[..., :rd].float(), keys[..., rd:]
-    bare = k_rot * cos_old - _rotate_half(k_rot) * sin_old
-    moved = bare * cos_new + _rotate_half(bare) * sin_new
-    return torch.cat([moved.to(keys.dtype), k_pass], dim=-1)
+    bare = rope.unrotate(keys.float(), *_cos_sin(model, layer, old, keys))  # in float32, as HF's RoPE
+    return rope.rotate(bare, *_cos_sin(model, layer, new, keys)).to(keys.dtype)
 
 
-def _cos_sin(model, layer: int, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+def _cos_sin(model: NNsightModel, layer: int, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
     rotary = model.hf.model.rotary_emb
     args = (model.layer_types[layer],) if model.layer_types and _takes_layer_type(rotary) else ()
     probe = like.new_zeros(1, dtype=torch.float32)
     cos, sin = rotary(probe, positions.to(like.device).reshape(1, -1), *args)  # [1, slot, rotary_dim]
     scale = _attention_scaling(rotary, args)
     return cos[0].float() / scale, sin[0].float() / scale
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def _takes_layer_type(rotary) -> bool:
@@ -433,7 +447,7 @@ class Fed:
     ids: Tensor
     positions: Tensor
     base: Notebook
-    cache: object
+    cache: Any  # the DynamicCache the trace writes into
 
     def notebook(self) -> Notebook:
         n = self.ids.shape[1]
@@ -444,10 +458,15 @@ class Fed:
 
 
 @contextmanager
-def feed(model, notebook: Notebook, tokens, positions=None) -> Iterator[Fed]:
+def feed(model: KVModel, notebook: Notebook, tokens, positions=None) -> Iterator[Fed]:
     """Feed `notebook` to the next forward of `model.lm` (an nnsight trace the caller writes), with
     `tokens` at `positions` (default: right after the notebook), as `run()` would."""
-    require(model, "feed", "feed()")
+    if not isinstance(model, NNsightModel):
+        raise MissingCapability(
+            f"feed() needs 'feed', which {model.name} does not offer (a {type(model).__name__}, not an "
+            f"NNsightModel); load it with --backend {BackendName.NNSIGHT} "
+            f"(load_model(name, backend={str(BackendName.NNSIGHT)!r}))"
+        )
     notebook.check_model(model)
     tok, pos = planning.tokens_and_positions(notebook, tokens, positions)
     planning.check_inputs(model, notebook, tok, pos)

@@ -1,12 +1,11 @@
-"""The nnsight backend: a Hugging Face transformers model, wrapped by nnsight, as a `KVModel`.
+"""`NNsightModel`: a Hugging Face transformers model, wrapped by nnsight, as a `KVModel`, and the
+pieces that build one (`from_module`, `from_lm`, `check_plain_kv`).
 
 A notebook's layout is the layout of a Hugging Face cache: per layer, post-RoPE keys and values
-`[batch, kv_head, slot, d_head]`. So on this backend `run()` is the model's own forward, on its own
-attention kernels (SDPA by default), with a `DynamicCache` made of the notebook's slots, explicit
-`position_ids` and an explicit additive attention mask per layer type (causal *by position*, the
-sliding window where a layer has one). Only the new tokens are computed; their K/V come back out
-of the cache into the notebook. `kvnotes.engine.nnsight` does that; this module loads models and
-says what a model is (its facts, windows, RoPE, and which hook names it answers to).
+`[batch, kv_head, slot, d_head]`, so the backend (`backend.py`) runs the model's own forward on the
+notebook's slots. This module says what a model is: its facts, windows, RoPE bases, and which hook
+names it answers to. The loaders that find a checkpoint and call `from_module` are in
+`kvnotes.zoo.nnsight`.
 
 Hook names are TransformerLens's (`blocks.{l}.attn.hook_z`, `blocks.{l}.hook_resid_post`, ...),
 mapped per family to nnsight module paths in `kvnotes.models.sites.MODULE_SITES`: the same analysis
@@ -23,18 +22,13 @@ import hashlib
 import json
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from kvnotes.engine.backend import Backend
-from kvnotes.engine.nnsight import NNSIGHT
-from kvnotes.errors import BadArgument, MissingDependency, UnknownModelError, UnsupportedArchitecture
-from kvnotes.models.model import HFSource, KVModel, ModelFacts
-from kvnotes.models.sites import ATTENTION_SITES, MODULE_SITES, ORDER, Site
-
-_INSTALL = "pip install 'nnsight>=0.8' (a kvnotes dependency: reinstall kvnotes)"
+from kvnotes.errors import BadArgument, UnsupportedArchitecture
+from kvnotes.models.model import KVModel, ModelFacts
+from kvnotes.models.sites import ATTENTION_SITES, MODULE_SITES, ORDER, ModuleSite
 
 # Layer types whose cache is a plain per-layer K/V over every token (or a window of them).
 _PLAIN_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -98,8 +92,6 @@ class NNsightModel(KVModel):
     source: str = ""
     weights: bool = True  # False: built without weights for remote runs (load_nnsight(remote=True))
 
-    backend: ClassVar[Backend] = NNSIGHT
-
     @property
     def text_config(self):
         return self.hf.config.get_text_config()
@@ -120,8 +112,8 @@ class NNsightModel(KVModel):
     def dtype(self) -> torch.dtype:
         return self.hf.get_input_embeddings().weight.dtype
 
-    def site(self, name: str) -> tuple[int, str, Site | None]:
-        """(layer, site name, Site) for a hook name such as `blocks.3.attn.hook_z`; Site is None
+    def site(self, name: str) -> tuple[int, str, ModuleSite | None]:
+        """(layer, site name, ModuleSite) for a hook name such as `blocks.3.attn.hook_z`; None
         for the attention internals. Errors name the sites this backend has."""
         parts = name.split(".", 2)
         if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit():
@@ -244,95 +236,8 @@ def _fingerprint(hf, tokenizer) -> str:
     return h.hexdigest()
 
 
-# --- loading --------------------------------------------------------------------------------------
-def nnsight_available() -> str | None:
-    """None when nnsight imports, else how to install it."""
-    try:
-        import nnsight  # noqa: F401
-    except ImportError:
-        return _INSTALL
-    return None
-
-
-def load_nnsight(
-    name: str, *, dtype: torch.dtype = torch.float32, attn: str | None = None, remote: bool = False
-) -> NNsightModel:
-    """Load `name` on the nnsight backend: a local Hugging Face checkpoint directory, a hub name,
-    or the embedded `gemma-3-270m` (exported once as a checkpoint into the kvnotes cache).
-
-    attn: the attention implementation the model runs ("sdpa", "eager", "flash_attention_2", ...;
-        default: transformers' choice, SDPA where the model supports it); a call that hooks
-        attention scores or patterns switches to kvnotes' eager attention for that call.
-    remote: build the model without its weights (nnsight's meta build: config and tokenizer
-        only), for experiments that run on NDIF (`kvnotes.serving.remote`); local runs need the weights.
-    """
-    problem = nnsight_available()
-    if problem:
-        raise MissingDependency(f"the nnsight backend needs nnsight: {problem}")
-    from kvnotes.models.names import EMBEDDED, builtin_names
-
-    if remote:
-        return _meta(name)
-    if name == EMBEDDED:
-        return _from_dir(str(gemma_checkpoint()), EMBEDDED, dtype=dtype, attn=attn, local=True)
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return _from_dir(str(path), name, dtype=dtype, attn=attn, local=True)
-    from kvnotes.models.tiny import TINY_HF, tiny_gpt2_hf, tiny_tokenizer
-
-    if name in TINY_HF:  # built by transformers in-process: its own module runs here
-        reference = HFSource(what=f"transformers' GPT2LMHeadModel ({name}, rebuilt)", load=tiny_gpt2_hf)
-        return _from_module(tiny_gpt2_hf().to(dtype), tiny_tokenizer(), name, name, reference, attn or "sdpa")
-    if name in builtin_names():
-        raise UnknownModelError(
-            f"{name} is a TransformerLens-only model (it has no Hugging Face checkpoint); run it on "
-            "the transformer-lens backend, or give the nnsight backend a checkpoint directory, a hub "
-            "name, or gemma-3-270m"
-        )
-    if "/" not in name:
-        raise UnknownModelError(
-            f"unknown model {name!r}: the nnsight backend takes a local Hugging Face checkpoint "
-            "directory, a hub name such as 'Qwen/Qwen3-0.6B', or gemma-3-270m"
-        )
-    return _from_dir(name, name, dtype=dtype, attn=attn, local=False)
-
-
-def gemma_checkpoint() -> Path:
-    """The embedded Gemma 3 270M as a Hugging Face checkpoint directory in the kvnotes cache,
-    exported from the GGUF once (the same float32 weights the TransformerLens backend runs)."""
-    from kvnotes.models.cache import default_cache_dir
-    from kvnotes.models.export import STAMP, cached
-
-    out = default_cache_dir() / "export" / "gemma-3-270m"
-    try:
-        if json.loads((out / STAMP).read_text()).get("model") == "gemma-3-270m":
-            return out
-    except (OSError, ValueError):
-        pass
-    from kvnotes.models.gemma import load_gemma_270m
-
-    return cached(load_gemma_270m())
-
-
-def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, local: bool) -> NNsightModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from kvnotes.models.hf import _fetch
-
-    config = _fetch(AutoConfig.from_pretrained, source, local)
-    types = check_plain_kv(config)  # before any weights load
-    tokenizer = _fetch(AutoTokenizer.from_pretrained, source, local)
-    hf = _fetch(AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation=attn)
-    reference = HFSource(
-        what=f"transformers' {type(hf).__name__} from {source}",
-        load=lambda: _fetch(
-            AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation="eager"
-        ),
-    )
-    return _from_module(hf, tokenizer, name, source, reference, None, types)
-
-
-def _from_module(hf, tokenizer, name: str, source: str, reference, attn, types=None) -> NNsightModel:
+# --- building ---------------------------------------------------------------------------------------
+def from_module(hf, tokenizer, name: str, source: str, reference, attn, types=None) -> NNsightModel:
     """A loaded transformers causal LM as an `NNsightModel` (attn: switch its attention first)."""
     from nnsight.modeling.transformers import TransformersModel
 
@@ -355,10 +260,11 @@ def _from_module(hf, tokenizer, name: str, source: str, reference, attn, types=N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = TransformersModel(hf, tokenizer=tokenizer, task="text-generation")
-    return _wrap(name, source, lm, tokenizer, types, _fingerprint(hf, tokenizer), reference)
+    return from_lm(name, source, lm, tokenizer, types, _fingerprint(hf, tokenizer), reference)
 
 
-def _wrap(name, source, lm, tokenizer, types, fingerprint, reference, weights: bool = True) -> NNsightModel:
+def from_lm(name, source, lm, tokenizer, types, fingerprint, reference, weights: bool = True) -> NNsightModel:
+    """nnsight's model object `lm` (a `TransformersModel`) as an `NNsightModel`."""
     hf = lm._module
     c = hf.config.get_text_config()
     return NNsightModel(
@@ -373,25 +279,3 @@ def _wrap(name, source, lm, tokenizer, types, fingerprint, reference, weights: b
         source=source,
         weights=weights,
     )
-
-
-def _meta(name: str) -> NNsightModel:
-    """`name` as nnsight builds it for remote use: config and tokenizer, modules on the meta device
-    (no weights read or downloaded). Only remote experiments can run it."""
-    from nnsight.modeling.transformers import TransformersModel
-    from transformers import AutoConfig, AutoTokenizer
-
-    from kvnotes.models.hf import _fetch
-
-    local = Path(name).expanduser().is_dir()
-    source = str(Path(name).expanduser()) if local else name
-    config = _fetch(AutoConfig.from_pretrained, source, local)
-    types = check_plain_kv(config)
-    tokenizer = _fetch(AutoTokenizer.from_pretrained, source, local)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lm = TransformersModel(source, tokenizer=tokenizer, task="text-generation")
-    h = hashlib.sha256(b"nnsight-meta")
-    h.update(config.get_text_config().to_json_string(use_diff=False).encode())
-    h.update(str(len(tokenizer)).encode())
-    return _wrap(name, source, lm, tokenizer, types, h.hexdigest(), None, weights=False)

@@ -1,10 +1,13 @@
-"""The built-in model names, apart from the loaders, so that a loader can check a name without
-importing `load_model`."""
+"""The names and contexts a loader needs without importing another loader: the embedded model's
+name and context, the Hugging Face context cap, and `context_length` (every built-in name is listed
+by `kvnotes.zoo.catalog.builtin_names`, which imports the loaders)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from kvnotes.models.backends import DEFAULT_BACKEND, BackendName
 
 EMBEDDED = "gemma-3-270m"
 EMBEDDED_N_CTX = 8192  # Gemma 3 270M supports 32K; 8192 keeps RoPE tables and masks small
@@ -13,28 +16,7 @@ EMBEDDED_N_CTX = 8192  # Gemma 3 270M supports 32K; 8192 keeps RoPE tables and m
 N_CTX_CAP = 8192
 
 
-def builtin_names() -> list[str]:
-    """Every name `load_model` knows without a checkpoint: the embedded model, tiny models, organisms,
-    tracr's compiled programs."""
-    from kvnotes.models.gated import GATED_ORGANISMS
-    from kvnotes.models.mixed import MIXED_ORGANISMS
-    from kvnotes.models.organisms import NULL_ORGANISMS, ORGANISMS
-    from kvnotes.models.tiny import TINY_CONFIGS, TINY_HF
-    from kvnotes.models.tracr import library_names
-
-    return [
-        EMBEDDED,
-        *TINY_CONFIGS,
-        *TINY_HF,
-        *ORGANISMS,
-        *MIXED_ORGANISMS,
-        *GATED_ORGANISMS,
-        *NULL_ORGANISMS,
-        *library_names(),  # tracr's compiled programs (the tracr extra)
-    ]
-
-
-def context_length(name: str, backend: str = "transformer-lens") -> int | None:
+def context_length(name: str, backend: str = DEFAULT_BACKEND) -> int | None:
     """The context `load_model(name, backend=backend)` will have, where it is known without loading
     the model (the embedded model; a local checkpoint's config.json), so that a length that cannot
     fit is refused before the load; None where only the loaded model can tell.
@@ -42,7 +24,7 @@ def context_length(name: str, backend: str = "transformer-lens") -> int | None:
     >>> context_length("gemma-3-270m"), context_length("some/hub-model")
     (8192, None)
     """
-    if backend != "transformer-lens":
+    if backend != BackendName.TRANSFORMER_LENS:
         return None
     if name == EMBEDDED:
         return EMBEDDED_N_CTX

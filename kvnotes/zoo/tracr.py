@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvnotes.engine.transformer_lens.model import TransformerLensModel, from_hooked
 from kvnotes.errors import BadArgument, MissingDependency, UnknownModelError
-from kvnotes.models.model import KVModel, TransformerLensModel
 
 BOS, PAD, UNK = "BOS", "PAD", "UNK"
 PREFIX = "tracr-"
@@ -226,7 +226,7 @@ def compile_program(
     circuit = _known_circuit(program, graph, sources, craft)
     tokenizer, words_of, values = _tokenizer(vocab, assembled)
     tl = _hooked(assembled, words_of, name or f"{PREFIX}{program.label}", program.label)
-    base = KVModel.wrap(name or f"{PREFIX}{program.label}", tl, tokenizer)
+    base = from_hooked(name or f"{PREFIX}{program.label}", tl, tokenizer)
     return TracrModel(
         **{f.name: getattr(base, f.name) for f in fields(base)},
         circuit=circuit,
@@ -493,7 +493,7 @@ def load_tracr(name: str) -> TracrModel:
     if short not in programs:
         raise UnknownModelError(
             f"no tracr program {name!r}; shipped: {', '.join(library_names())} "
-            "(or compile your own with kvnotes.models.tracr.compile_program)"
+            "(or compile your own with kvnotes.zoo.tracr.compile_program)"
         )
     if name not in _LOADED:
         p = programs[short]

@@ -18,9 +18,10 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens.pretrained import weight_conversions as wc
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvnotes.engine.transformer_lens.model import from_hooked
 from kvnotes.errors import UnknownModelError, UnsupportedArchitecture
 from kvnotes.models.model import HFSource, KVModel
-from kvnotes.models.names import N_CTX_CAP  # the default context: min(max_position_embeddings, it)
+from kvnotes.zoo.names import N_CTX_CAP  # the default context: min(max_position_embeddings, it)
 
 _ACTIVATIONS = {  # transformers' ACT2FN name -> TransformerLens act_fn
     "silu": "silu",
@@ -83,7 +84,7 @@ def tl_from_hf_model(
     """
     cfg = tl_kwargs(hf_model, tokenizer, name, **cfg_overrides)
     state_dict = convert_weights(hf_model, cfg)
-    return KVModel.wrap(name, hooked_from_state_dict(cfg, state_dict), tokenizer, hf_source)
+    return from_hooked(name, hooked_from_state_dict(cfg, state_dict), tokenizer, hf_source)
 
 
 def tl_kwargs(
