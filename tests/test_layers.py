@@ -47,6 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvnotes.hooks",
             "kvnotes.prompt",
             "kvnotes.metrics",
+            "kvnotes.capture",
         ),
     ),
     ("tasks", ("kvnotes.tasks",)),
