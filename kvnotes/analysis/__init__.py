@@ -6,7 +6,7 @@ results every analysis returns, the runner, and the report that runs them and sa
 
 - `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`.
 - `results`: `Estimate`, `Curve`, `ProbeResult`, `SectionReport` (alias `ProbeReport`), the bootstrap.
-- `runner`: `run` (analyses over one context), `collect` and `run_section` (a section's report).
+- `runner`: `run_analysis` (analyses over one context), `collect` and `run_section` (a section's report).
 - `report`: `ReportConfig`, `Report`, `run_report` (`report.json`, resumable).
 
 The registry's names are imported eagerly (it is light: the CLI reads it without torch); the
@@ -42,7 +42,7 @@ _LAZY = {
     "ProbeReport": "kvnotes.analysis.results",
     "SectionReport": "kvnotes.analysis.results",
     "bootstrap_ci": "kvnotes.analysis.results",
-    "run": "kvnotes.analysis.runner",
+    "run_analysis": "kvnotes.analysis.runner",
     "collect": "kvnotes.analysis.runner",
     "run_section": "kvnotes.analysis.runner",
     "ReportConfig": "kvnotes.analysis.report",
@@ -73,7 +73,7 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "register",
     "refuse_unmet",
     "register_section",
-    "run",
+    "run_analysis",
     "run_report",
     "run_section",
     "sections",

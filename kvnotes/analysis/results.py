@@ -243,24 +243,24 @@ class Curve:
         )
 
 
-def encode(value: Any) -> Any:
+def to_json_value(value: Any) -> Any:
     """A result field as JSON-safe data: Estimates and Curves by their `to_dict`, dataclasses by
     field, tuples as lists, mapping keys as strings, numpy scalars as Python numbers."""
     if isinstance(value, Estimate | Curve):
         return value.to_dict()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return {str(k): encode(v) for k, v in value.items()}
+        return {str(k): to_json_value(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [encode(v) for v in value]
+        return [to_json_value(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
     return value
 
 
-def decode(hint: Any, data: Any, where: str = "result") -> Any:
-    """`data` (as `encode` wrote it) read back as the annotated type `hint`; wrong shapes raise
+def from_json_value(hint: Any, data: Any, where: str = "result") -> Any:
+    """`data` (as `to_json_value` wrote it) read back as the annotated type `hint`; wrong shapes raise
     ResultSchemaError naming `where`."""
     origin, args = get_origin(hint), get_args(hint)
     if hint is Any:
@@ -269,7 +269,7 @@ def decode(hint: Any, data: Any, where: str = "result") -> Any:
         if data is None and type(None) in args:
             return None
         arm = next(a for a in args if a is not type(None))
-        return decode(arm, data, where)
+        return from_json_value(arm, data, where)
     if hint in (Estimate, Curve):
         _expect(isinstance(data, Mapping), where, "a mapping", data)
         try:
@@ -282,16 +282,16 @@ def decode(hint: Any, data: Any, where: str = "result") -> Any:
     if origin is tuple:
         _expect(isinstance(data, list | tuple), where, "a list", data)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
+            return tuple(from_json_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
         _expect(len(data) == len(args), where, f"{len(args)} items", data)
-        return tuple(decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+        return tuple(from_json_value(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
     if origin in (list, Sequence, collections.abc.Sequence):
         _expect(isinstance(data, list | tuple), where, "a list", data)
-        return [decode(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(data)]
+        return [from_json_value(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(data)]
     if origin in (dict, Mapping, collections.abc.Mapping):
         _expect(isinstance(data, Mapping), where, "a mapping", data)
         key, val = args or (Any, Any)
-        return {(int(k) if key is int else k): decode(val, v, f"{where}.{k}") for k, v in data.items()}
+        return {(int(k) if key is int else k): from_json_value(val, v, f"{where}.{k}") for k, v in data.items()}
     if hint is float:
         _expect(isinstance(data, int | float) and not isinstance(data, bool), where, "a number", data)
         return float(data)
@@ -327,7 +327,7 @@ def _decode_fields(cls: type, data: Mapping, where: str) -> Any:
     ]
     if missing:
         raise ResultSchemaError(f"{where}: {cls.__name__} needs key(s) {missing}, which are missing")
-    return cls(**{n: decode(hints[n], v, f"{where}.{n}") for n, v in data.items()})
+    return cls(**{n: from_json_value(hints[n], v, f"{where}.{n}") for n, v in data.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,7 +379,7 @@ class ProbeResult(Displayable):
             )
         self._check_names()
         for f in self.detail_fields():
-            object.__setattr__(self, f, decode(_hints(type(self))[f], encode(getattr(self, f)), f))
+            object.__setattr__(self, f, from_json_value(_hints(type(self))[f], to_json_value(getattr(self, f)), f))
 
     def _check_names(self) -> None:
         if self.OPEN:
@@ -408,7 +408,7 @@ class ProbeResult(Displayable):
         hints = _hints(cls)
         return cls(
             **{
-                k: decode(hints[k], encode(v), k) if k in _TYPED_CORE or k not in _CORE else v
+                k: from_json_value(hints[k], to_json_value(v), k) if k in _TYPED_CORE or k not in _CORE else v
                 for k, v in fields_.items()
             }
         )
@@ -470,8 +470,8 @@ class ProbeResult(Displayable):
             **({"in_sample": self.in_sample()} if self.in_sample() else {}),
             **{k: v.to_dict() for k, v in self.parts.items()},
             **{k: v.to_dict() for k, v in self.curves.items()},
-            **{k: encode(v) for k, v in self.tables.items()},
-            "details": {f: encode(getattr(self, f)) for f in self.detail_fields()},
+            **{k: to_json_value(v) for k, v in self.tables.items()},
+            "details": {f: to_json_value(getattr(self, f)) for f in self.detail_fields()},
         }
 
     @classmethod

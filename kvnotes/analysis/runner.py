@@ -62,7 +62,7 @@ def run_meta() -> dict:
     }
 
 
-def run(
+def run_analysis(
     ctx: Context, names: Sequence[str], configs: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict]:
     """Run the named analyses (and what they need, first) in registry order on one context; any
@@ -140,7 +140,7 @@ def collect(
     cfgs = {k: (configs or {}).get(k) or get(k).make_config(preset, **over) for k in names}
     memo = memo if memo is not None else {}
     ctx = Context(model=model, task=task, seed=seed, min_effect=min_effect, progress=progress, memo=memo)
-    results, meta = run(ctx, names, cfgs)
+    results, meta = run_analysis(ctx, names, cfgs)
     sizes = [c.n for c in cfgs.values() if hasattr(c, "n")]
     return SectionReport(
         model=model.name,
@@ -165,4 +165,4 @@ def run_section(
     return collect(model, task, choose(command, names), **kwargs)
 
 
-__all__ = ["collect", "run", "run_meta", "run_section", "versions"]
+__all__ = ["collect", "run_analysis", "run_meta", "run_section", "versions"]
