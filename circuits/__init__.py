@@ -48,7 +48,7 @@ register_section(
     )
 )
 
-from circuits.attribution import Attribution, attribute, attribution  # noqa: E402  (registers on import)
+from circuits.attribution import Attribution, attribute, attribution  # noqa: E402
 from circuits.edge_bench import EdgeBenchReport, edge_bench  # noqa: E402  (`kvnotes bench edges`)
 from circuits.edge_circuits import EdgeCircuits, analyse_edges  # noqa: E402
 from circuits.features import sae_analysis  # noqa: E402

@@ -50,7 +50,7 @@ register_section(
 )
 
 from kvnotes.analysis.results import Estimate  # noqa: E402
-from probes.agent import agent_loop  # noqa: E402  (each module registers its analyses on import)
+from probes.agent import agent_loop  # noqa: E402
 from probes.causal import field_refresh, note_map, notes_transplant  # noqa: E402
 from probes.compose import seam_repair  # noqa: E402
 from probes.controls import dissociation, false_note_injection, knockout  # noqa: E402

@@ -9,33 +9,31 @@ results every analysis returns, the runner, and the report that runs them and sa
 - `runner`: `run_analysis` (analyses over one context), `collect` and `run_section` (a section's report).
 - `report`: `ReportConfig`, `Report`, `run_report` (`report.json`, resumable).
 
-The registry's names are imported eagerly (it is light: the CLI reads it without torch); the
-others on first use.
+- `discovery`: how the analyses are found (the packages walked, no hand-kept list).
+
+Every name is imported on first use: `kvnotes.analysis.discovery` is read without the registry.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from kvnotes.analysis.registry import (
-    MIN_EFFECT,
-    Analysis,
-    Context,
-    Need,
-    Options,
-    Section,
-    analyses,
-    analysis,
-    get,
-    option,
-    refuse_unmet,
-    register,
-    register_section,
-    sections,
-    unregister,
-)
-
 _LAZY = {
+    "MIN_EFFECT": "kvnotes.analysis.registry",
+    "Analysis": "kvnotes.analysis.registry",
+    "Context": "kvnotes.analysis.registry",
+    "Need": "kvnotes.analysis.registry",
+    "Options": "kvnotes.analysis.registry",
+    "Section": "kvnotes.analysis.registry",
+    "analyses": "kvnotes.analysis.registry",
+    "analysis": "kvnotes.analysis.registry",
+    "get": "kvnotes.analysis.registry",
+    "option": "kvnotes.analysis.registry",
+    "refuse_unmet": "kvnotes.analysis.registry",
+    "register": "kvnotes.analysis.registry",
+    "register_section": "kvnotes.analysis.registry",
+    "sections": "kvnotes.analysis.registry",
+    "unregister": "kvnotes.analysis.registry",
     "Estimate": "kvnotes.analysis.results",
     "Curve": "kvnotes.analysis.results",
     "ProbeResult": "kvnotes.analysis.results",

@@ -12,9 +12,11 @@ result. Adding an analysis is one `@analysis` (or `register`) beside its code
     from kvnotes.analysis.registry import analyses
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
-The built-in analyses register when their packages are imported; `analyses()` imports every
-module named in the `kvnotes.analyses` entry-point group (`probes`, `circuits` and each bench module
-that registers one), so another package can add its own the same way.
+The analyses register when their modules are imported; `analyses()` first imports every module
+that declares one, found by walking the built-in packages (probes, circuits, kvnotes.bench) and any
+package named in the `kvnotes.analyses` entry-point group (`kvnotes.analysis.discovery`): a new
+module is found without an edit to any `__init__.py`, and another package adds its own with one
+entry point.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
-from importlib.metadata import entry_points
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tqdm.auto import tqdm
@@ -196,14 +197,17 @@ def unregister(name: str) -> None:
 
 @cache
 def _load_builtin() -> None:
-    for ep in sorted(entry_points(group="kvnotes.analyses"), key=lambda e: e.name):
-        ep.load()
+    from kvnotes.analysis.discovery import load_all
+
+    load_all()
 
 
 def analyses() -> dict[str, Analysis]:
-    """Every registered analysis by name, in registration order."""
+    """Every registered analysis by name, by its section's order, then its own, then its name."""
     _load_builtin()
-    return dict(sorted(_ANALYSES.items(), key=lambda kv: (_SECTIONS[kv[1].section].order, kv[1].order)))
+    return dict(
+        sorted(_ANALYSES.items(), key=lambda kv: (_SECTIONS[kv[1].section].order, kv[1].order, kv[0]))
+    )
 
 
 def sections() -> dict[str, Section]:

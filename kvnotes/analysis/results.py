@@ -291,7 +291,9 @@ def from_json_value(hint: Any, data: Any, where: str = "result") -> Any:
     if origin in (dict, Mapping, collections.abc.Mapping):
         _expect(isinstance(data, Mapping), where, "a mapping", data)
         key, val = args or (Any, Any)
-        return {(int(k) if key is int else k): from_json_value(val, v, f"{where}.{k}") for k, v in data.items()}
+        return {
+            (int(k) if key is int else k): from_json_value(val, v, f"{where}.{k}") for k, v in data.items()
+        }
     if hint is float:
         _expect(isinstance(data, int | float) and not isinstance(data, bool), where, "a number", data)
         return float(data)
@@ -379,7 +381,9 @@ class ProbeResult(Displayable):
             )
         self._check_names()
         for f in self.detail_fields():
-            object.__setattr__(self, f, from_json_value(_hints(type(self))[f], to_json_value(getattr(self, f)), f))
+            object.__setattr__(
+                self, f, from_json_value(_hints(type(self))[f], to_json_value(getattr(self, f)), f)
+            )
 
     def _check_names(self) -> None:
         if self.OPEN:
