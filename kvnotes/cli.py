@@ -235,19 +235,19 @@ def cmd_task_analyses(args) -> int:
 
 
 def cmd_model_analysis(args) -> int:
-    from kvnotes.analysis.registry import Context, context_fields, get, refuse_unmet
+    from kvnotes.analysis.registry import Context, context_fields, get
+    from kvnotes.analysis.runner import run_one
     from kvnotes.errors import KVNotesError
 
     a = get(args.analysis)
     cfg = _configs([a.name], args)[a.name]
     model = _load(args) if a.needs_model else None
     if model is not None:
-        refuse_unmet([a.name], model=model)  # before any compute: a splice on learned positions
         cfg = _configs([a.name], args, model.n_ctx)[a.name]
     # lengths left at their defaults are fitted by the analysis too, to what its own layout leaves
     fit = not context_fields(a.config) & set(_given(args))
     ctx = Context(model=model, model_name=args.model, backend=args.backend, fit_context=fit)
-    result = a.run(ctx, cfg)
+    result = run_one(ctx, a.name, cfg)  # the runner refuses what the model cannot serve, first
     if result is None:
         sub = a.command or a.name.replace("_", "-")
         raise KVNotesError(f"{a.name} was sized to nothing; give it a size (kvnotes bench {sub} --help)")

@@ -37,13 +37,12 @@ from kvnotes.analysis.registry import (
     analyses,
     config_from_dict,
     config_to_dict,
-    refuse_unmet,
     report_analyses,
     sections,
     unmet,
 )
 from kvnotes.analysis.results import ResultSchemaError, SectionReport
-from kvnotes.analysis.runner import collect, run_meta
+from kvnotes.analysis.runner import collect, run_meta, run_one
 from kvnotes.batches import sharing_enabled
 from kvnotes.display import Displayable
 from kvnotes.errors import KVNotesError, ReportFileError
@@ -400,9 +399,10 @@ def _task_part(
 
 
 def _model_part(model: KVModel, a: Analysis, cfg: ReportConfig, progress: bool) -> Any:
-    refuse_unmet([a.name], model=model)  # the part is skipped, saying why, before any compute
+    """A model-level analysis through the runner: what the model cannot serve is refused (and the
+    part skipped, saying why) before any compute, and its calls are profiled under its name."""
     ctx = Context(model=model, seed=cfg.seed, min_effect=cfg.min_effect, progress=progress, fit_context=True)
-    return a.run(ctx, cfg.config(a.name))
+    return run_one(ctx, a.name, cfg.config(a.name))
 
 
 def _part_file(out: Path, key: str) -> Path:
