@@ -59,7 +59,13 @@ from circuits.read_write import read_heads, write_heads  # noqa: E402
 from circuits.scrubbing import scrubbing  # noqa: E402
 from probes.trials import make_trials  # noqa: E402
 
-ANALYSES = tuple(a.name for a in for_command("circuits"))
+
+def __getattr__(name: str):
+    """`ANALYSES`: the circuits command's analyses, read from the registry on first use (not at
+    import: finding the analyses imports this package's modules in turn)."""
+    if name == "ANALYSES":
+        return tuple(a.name for a in for_command("circuits"))
+    raise AttributeError(f"module 'circuits' has no attribute {name!r}")
 
 
 def check_analyses(names: Sequence[str]) -> list[str]:

@@ -63,7 +63,15 @@ from probes.regime import regime  # noqa: E402
 from probes.trials import Trial, make_trials  # noqa: E402
 from probes.weights import weight_edit  # noqa: E402
 
-PROBES = tuple(a.name for a in for_command("probe") if a.default)
+
+def __getattr__(name: str):
+    """`PROBES`: the probe command's default analyses, read from the registry on first use (not at
+    import: finding the analyses imports this package's modules, and circuits', in turn)."""
+    if name == "PROBES":
+        return tuple(a.name for a in for_command("probe") if a.default)
+    raise AttributeError(f"module 'probes' has no attribute {name!r}")
+
+
 UnknownProbeError = UnknownAnalysisError
 
 

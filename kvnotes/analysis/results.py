@@ -636,9 +636,10 @@ class SectionReport(Displayable):
 ProbeReport = SectionReport  # the probes' and every task section's report, under its older name
 
 
-# --- bench reports: a timing's machine and the JSON of its points ---------------------------------
+# --- reports of timed points: every bench's (kvnotes.bench, circuits' edge benches) and the placement
+# probe's. Here, not in kvnotes/bench, because circuits and probes may not import kvnotes.bench.
 def machine() -> str:
-    """The machine a benchmark computed on, as its report's header shows it: architecture, cores,
+    """The machine a timing was computed on, as a report's header shows it: architecture, cores,
     the torch version and its thread count (what a CPU timing depends on)."""
     import torch
 
@@ -654,7 +655,8 @@ def header(*parts: str) -> str:
 
 
 class BenchReport(Displayable):
-    """JSON for a benchmark report dataclass whose `results` are `POINT` dataclasses."""
+    """A report dataclass whose `results` are `POINT` dataclasses, following the result protocol:
+    `to_dict`, `from_dict(d)` and a notebook view."""
 
     POINT: ClassVar[type]
 
@@ -662,5 +664,5 @@ class BenchReport(Displayable):
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict):
+    def from_dict(cls, d: Mapping) -> BenchReport:
         return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})
