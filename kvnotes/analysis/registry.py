@@ -22,6 +22,7 @@ entry point.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import types
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -130,6 +131,7 @@ class Analysis:
     requires: tuple[Need, ...] = ()  # what it needs of the task and model, checked before any compute
 
     def __post_init__(self):
+        _check_result(self.name, self.result)
         if not dataclasses.is_dataclass(self.config):
             raise TypeError(f"analysis {self.name!r}: config must be a dataclass, got {self.config!r}")
         names = {f.name for f in dataclasses.fields(self.config)}
@@ -150,6 +152,27 @@ class Analysis:
             if isinstance(e, KVNotesError):
                 raise
             raise BadOption(f"{self.name}: {e}") from e
+
+
+def _check_result(name: str, cls: type) -> None:
+    """Refuse a result class that does not follow the result protocol
+    (`kvnotes.analysis.results.Result`): `to_dict()`, `from_dict(d)` and a notebook view."""
+    missing = [m for m in ("to_dict", "from_dict", "_repr_html_") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(
+            f"analysis {name!r}: its result {cls.__name__} lacks {missing}; give it to_dict, from_dict(d) "
+            "and a notebook view (inherit kvnotes.display.Displayable)"
+        )
+    params = [
+        p
+        for p in inspect.signature(cls.from_dict).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(params) != 1:
+        raise TypeError(
+            f"analysis {name!r}: {cls.__name__}.from_dict takes {[p.name for p in params]}; the result "
+            "protocol's is from_dict(d), reading what to_dict() wrote"
+        )
 
 
 _ANALYSES: dict[str, Analysis] = {}

@@ -18,12 +18,27 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Protocol, Union, get_args, get_origin, get_type_hints, runtime_checkable
 
 import numpy as np
 
 from kvnotes.display import Displayable
 from kvnotes.errors import ResultSchemaError
+
+
+@runtime_checkable
+class Result(Protocol):
+    """What every analysis's result is, task-level or model-level: JSON both ways with one signature
+    (`from_dict(d)` reads what `to_dict()` wrote) and a notebook view (`_repr_html_`, from
+    `kvnotes.display.Displayable`). The registry refuses a result class that does not follow it."""
+
+    def to_dict(self) -> dict: ...
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Result: ...
+
+    def _repr_html_(self) -> str: ...
+
 
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
@@ -468,6 +483,7 @@ class ProbeResult(Displayable):
 
     def to_dict(self) -> dict:
         return {
+            "name": self.name,
             **self.estimate.to_dict(),
             "headline": self.headline,
             "description": self.description,
@@ -479,9 +495,13 @@ class ProbeResult(Displayable):
         }
 
     @classmethod
-    def from_dict(cls, name: str, d: Mapping) -> ProbeResult:
-        """Read back what `to_dict` wrote, as the result class of analysis `name` (when called on
-        ProbeResult itself) or as this class."""
+    def from_dict(cls, d: Mapping) -> ProbeResult:
+        """Read back what `to_dict` wrote: as the result class of its analysis (`d["name"]`) when
+        called on ProbeResult itself, else as this class. A result saved before results carried
+        their name (report schema /3 and older) is read by `SectionReport.from_dict`, which knows it."""
+        named = isinstance(d, Mapping) and isinstance(d.get("name"), str)
+        _expect(named, "result", "a result with a name", d)
+        name = d["name"]
         if cls is ProbeResult:
             from kvnotes.analysis.registry import UnknownAnalysisError, result_type
 
@@ -541,7 +561,7 @@ class GenericResult(ProbeResult):
     OPEN: ClassVar[bool] = True
 
 
-_RESERVED = {"mean", "ci", "values", "clusters", "headline", "description", "details", "in_sample"}
+_RESERVED = {"name", "mean", "ci", "values", "clusters", "headline", "description", "details", "in_sample"}
 _CORE = {"name", "headline", "parts", "curves", "tables", "description"}
 _TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts and curves hold objects)
 
@@ -555,9 +575,9 @@ class SectionReport(Displayable):
     task, with the run's sizes and seed. `results` maps each analysis's name to its result;
     `.analyses` and `.probes` are the same mapping under the names older code reads.
 
-    One JSON layout for every section: `{"model", "task", "n", "seed", "probes": {name: result},
-    "meta"}`; `from_dict` also reads the circuits layout of `kvnotes.report/2` (each analysis a
-    top-level key)."""
+    One JSON layout for every section: `{"model", "task", "n", "seed", "results": {name: result},
+    "meta"}`; `from_dict` also reads the older layouts: `"probes"` for the results (report schema
+    /1 and /3) and the circuits layout of `kvnotes.report/2` (each analysis a top-level key)."""
 
     model: str
     task: str
@@ -600,23 +620,29 @@ class SectionReport(Displayable):
             "task": self.task,
             "n": self.n,
             "seed": self.seed,
-            "probes": {k: v.to_dict() for k, v in self.results.items()},
+            "results": {k: v.to_dict() for k, v in self.results.items()},
             "meta": dict(self.meta),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> SectionReport:
-        """Read what `to_dict` wrote, or a circuits section in the `kvnotes.report/2` layout."""
-        if "probes" in d:
+        """Read what `to_dict` wrote, or an older layout: the results under `"probes"`, or a
+        circuits section of `kvnotes.report/2` (each analysis a top-level key); a result saved
+        without its name (before /4) takes its key's."""
+        if "results" in d:
+            saved = d["results"]
+        elif "probes" in d:  # report schema /1 and /3
             saved = d["probes"]
         else:  # the old circuits layout: each analysis a top-level key
             saved = {k: v for k, v in d.items() if k not in _LEGACY_META}
+        _expect(isinstance(saved, Mapping), "a section's results", "a mapping", saved)
+        named = {k: {"name": k, **v} if isinstance(v, Mapping) else v for k, v in saved.items()}
         return cls(
             model=d["model"],
             task=d["task"],
             n=d["n"],
             seed=d["seed"],
-            results={k: ProbeResult.from_dict(k, v) for k, v in saved.items()},
+            results={k: ProbeResult.from_dict(v) for k, v in named.items()},
             meta=d.get("meta", {}),
         )
 

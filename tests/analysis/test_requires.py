@@ -88,7 +88,7 @@ def test_the_cli_runs_edges_on_pairs(tmp_path, pairs_file, capsys):
     argv = ["circuits", "edges", "--pairs", str(pairs_file), "--model", "tiny-llama", "--n", "2", *sizes]
     assert main([*argv, "--circuit-draws", "1", "--min-effect", "0", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
-    assert d["task"] == "toy" and "rho_eap" in d["probes"]["edges"]
+    assert d["task"] == "toy" and "rho_eap" in d["results"]["edges"]
 
 
 def test_the_cli_refuses_a_rule_analysis_on_pairs_in_one_line(pairs_file, capsys, no_forward):
