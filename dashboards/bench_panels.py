@@ -14,7 +14,7 @@ from dashboards.figures import (
     fmt,
     style,
 )
-from dashboards.registry import for_type, panel
+from dashboards.registry import panel
 
 # --- cost benches -------------------------------------------------------------------------------
 
@@ -278,7 +278,7 @@ def _serve_agent_panel(b, key: str) -> Panel:
     )
 
 
-@for_type("SlotSweep")
+@panel("slot_sweep")
 def slot_sweep_panels(r, key: str) -> list[Panel]:
     """The per-slot transplant sweep as one nnsight session (`kvnotes.serving.remote`): recovery per slot."""
     fig = go.Figure(

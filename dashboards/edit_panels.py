@@ -24,7 +24,7 @@ from dashboards.figures import (
     series,
     style,
 )
-from dashboards.registry import for_type, panel
+from dashboards.registry import panel
 from kvnotes.analysis.results import ProbeResult
 
 # --- edit and compose ---------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def memory_panels(r: ProbeResult, key: str) -> list[Panel]:
     ]
 
 
-@for_type("VerifyReport")
+@panel("verify")
 def verify_panels(v, key: str) -> list[Panel]:
     """The exactness invariants: each one's largest error against its tolerance (log scale)."""
     names = [plotly_text(r.name) for r in v.invariants]

@@ -23,7 +23,6 @@ PanelFn = Callable  # (result, key) -> list[Panel]
 
 PANELS: dict[str, PanelFn] = {}
 SUMMARIES: dict[str, PanelFn] = {}  # section -> (results by name, key) -> list[Panel]
-TYPES: dict[str, PanelFn] = {}  # result class name -> (result, key) -> list[Panel]
 
 
 def panel_modules() -> list[str]:
@@ -59,11 +58,6 @@ def panel(*names: str) -> Callable[[PanelFn], PanelFn]:
 def summary(section: str) -> Callable[[PanelFn], PanelFn]:
     """Register `fn(results, key) -> list[Panel]`, drawn first in `section` from all its results."""
     return _add_to(SUMMARIES, (section,))
-
-
-def for_type(*class_names: str) -> Callable[[PanelFn], PanelFn]:
-    """Register `fn(result, key) -> list[Panel]` for results of these classes (not analyses)."""
-    return _add_to(TYPES, class_names)
 
 
 def in_summary(result, key: str) -> list:

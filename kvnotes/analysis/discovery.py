@@ -1,6 +1,7 @@
 """Finding the analyses: no list of modules is kept by hand.
 
-The built-in packages (`BUILTIN`: probes, circuits, kvnotes.bench) and any package another
+The built-in packages (`BUILTIN`: probes, circuits, kvnotes.bench, and the module that declares
+the analyses behind `kvnotes verify` and `kvnotes sweep`) and any package another
 distribution names in the `kvnotes.analyses` entry-point group (one entry point per package) are
 walked, subpackages included, and every module whose source declares an analysis (`@analysis(` or
 `register(Analysis(`) is imported, which registers it. A new module dropped into `probes/` is found
@@ -10,7 +11,7 @@ environments) are not imported, so finding the analyses costs no more than impor
 This module imports nothing of kvnotes: `kvnotes.cli_spec` reads `packages()` without the registry.
 
     from kvnotes.analysis.discovery import packages, declaring
-    packages()                  # ['probes', 'circuits', 'kvnotes.bench', ...]
+    packages()                  # ['kvnotes.analysis.model_commands', 'probes', 'circuits', ...]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pkgutil
 from collections.abc import Iterable
 from pathlib import Path
 
-BUILTIN = ("probes", "circuits", "kvnotes.bench")
+BUILTIN = ("kvnotes.analysis.model_commands", "probes", "circuits", "kvnotes.bench")
 GROUP = "kvnotes.analyses"
 MARKERS = ("@analysis(", "register(Analysis(")
 

@@ -116,7 +116,8 @@ def test_once_taken_away_it_is_gone():
 
 
 def test_the_built_in_packages_are_walked_and_a_third_party_one_needs_one_entry_point(monkeypatch):
-    assert discovery.packages()[:3] == ["probes", "circuits", "kvnotes.bench"]
+    builtin = ["kvnotes.analysis.model_commands", "probes", "circuits", "kvnotes.bench"]
+    assert discovery.packages()[:4] == builtin
     found = discovery.declaring("kvnotes.bench")
     assert {"kvnotes.bench.ttft", "kvnotes.bench.sweep", "kvnotes.bench.prefill"} <= set(found)
     assert "kvnotes.bench.common" not in found  # helpers are not imported to find the analyses
@@ -125,4 +126,4 @@ def test_the_built_in_packages_are_walked_and_a_third_party_one_needs_one_entry_
         name, value = "mine", "my_analyses"
 
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [EntryPoint()])
-    assert discovery.packages() == ["probes", "circuits", "kvnotes.bench", "my_analyses"]
+    assert discovery.packages() == [*builtin, "my_analyses"]

@@ -12,6 +12,7 @@ from kvnotes.analysis.registry import Analysis, Context, Options, get, option, r
 from kvnotes.analysis.report import ReportConfig, _model_part
 from kvnotes.analysis.runner import run_one
 from kvnotes.cli import main
+from kvnotes.display import Displayable
 from kvnotes.engine import profile
 from kvnotes.errors import OutOfRange
 from kvnotes.models import load_model
@@ -25,7 +26,7 @@ class LayerConfig(Options):
 
 
 @dataclass(frozen=True)
-class LayerRead:
+class LayerRead(Displayable):
     layer: int
 
     def table(self) -> str:

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from dashboards import figures
-from dashboards.registry import PANELS, SUMMARIES, TYPES, load_panels, panel_modules
+from dashboards.registry import PANELS, SUMMARIES, load_panels, panel_modules
 
 
 def test_load_panels_imports_every_panel_module_and_their_panels():
@@ -17,7 +17,7 @@ def test_load_panels_imports_every_panel_module_and_their_panels():
     )
     assert all(name in sys.modules for name in panel_modules())
     assert {"note_map", "read_heads", "write_heads", "sae", "regime", "ttft", "serve"} <= set(PANELS)
-    assert "probes" in SUMMARIES and "PromptAttribution" in TYPES
+    assert "probes" in SUMMARIES and {"verify", "prompt_attribution", "slot_sweep"} <= set(PANELS)
 
 
 def test_the_shared_helpers_keep_their_old_address():

@@ -83,11 +83,15 @@ def test_report_json_round_trips_into_the_same_objects(report_dir):
 def test_every_section_writes_one_layout(report_dir):
     _, report = report_dir
     d = report.to_dict()
-    assert d["schema"] == "kvnotes.report/3"
+    assert d["schema"] == "kvnotes.report/4"
     for key, part in d["parts"].items():
+        assert part["name"] == key.rpartition("/")[2], key  # a part names its section or analysis
         if not key.startswith("model/"):
-            assert part["kind"] == "SectionReport", key
-            assert set(part["result"]) == {"model", "task", "n", "seed", "probes", "meta"}, key
+            assert part["kind"] == "section", key
+            assert set(part["result"]) == {"model", "task", "n", "seed", "results", "meta"}, key
+            assert all(r["name"] == k for k, r in part["result"]["results"].items()), key
+        else:
+            assert part["kind"] == "analysis", key
     circuits = report.part("order-cancel", "circuits")
     assert isinstance(circuits, CircuitReport) and isinstance(circuits, ProbeReport)
     assert circuits.results is circuits.analyses is circuits.probes
