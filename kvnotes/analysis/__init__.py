@@ -5,10 +5,11 @@ results every analysis returns, the runner, and the report that runs them and sa
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
 - `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`.
-- `results`: `Estimate`, `Curve`, `ProbeResult`, `SectionReport` (alias `ProbeReport`), the bootstrap.
-- `runner`: `run_analysis` (analyses over one context), `collect` and `run_section` (a section's report).
+- `results`: the result protocol `Result`; `Estimate`, `Curve`, `ProbeResult`, `SectionReport`
+  (alias `ProbeReport`), `BenchReport`, the bootstrap.
+- `runner`: `run_analysis` (analyses over one context), `run_one` (one, at any level),
+  `collect` and `run_section` (a section's report).
 - `report`: `ReportConfig`, `Report`, `run_report` (`report.json`, resumable).
-
 - `discovery`: how the analyses are found (the packages walked, no hand-kept list).
 
 Every name is imported on first use: `kvnotes.analysis.discovery` is read without the registry.
@@ -41,6 +42,7 @@ _LAZY = {
     "SectionReport": "kvnotes.analysis.results",
     "bootstrap_ci": "kvnotes.analysis.results",
     "run_analysis": "kvnotes.analysis.runner",
+    "run_one": "kvnotes.analysis.runner",
     "collect": "kvnotes.analysis.runner",
     "run_section": "kvnotes.analysis.runner",
     "ReportConfig": "kvnotes.analysis.report",
@@ -72,6 +74,7 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "refuse_unmet",
     "register_section",
     "run_analysis",
+    "run_one",
     "run_report",
     "run_section",
     "sections",
