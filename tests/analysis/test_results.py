@@ -24,10 +24,14 @@ SMALL = {
     "tokens": (128,),
     "slots": 8,
     "cot_tokens": 4,
+    "prompt": "Policy: an order may be cancelled while its status is pending.\norder_status: shipped.\nA:",
+    "answers": (" yes", " no"),
+    "top": 2,
+    "steps": 1,
 }
 # analyses that need a server, not a model (`bench serve`), round-trip in their own tests against it
-# (tests/test_vllm.py)
-NAMES = [n for n, a in analyses().items() if a.needs_model]
+# (tests/test_vllm.py); so does the slot sweep, one nnsight session (tests/serving/test_remote.py)
+NAMES = [n for n, a in analyses().items() if a.needs_model and n != "slot_sweep"]
 
 
 @pytest.fixture(scope="module")
