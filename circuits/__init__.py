@@ -48,7 +48,7 @@ register_section(
     )
 )
 
-from circuits.attribution import Attribution, attribute, attribution  # noqa: E402  (registers on import)
+from circuits.attribution import Attribution, attribute, attribution  # noqa: E402
 from circuits.edge_bench import EdgeBenchReport, edge_bench  # noqa: E402  (`kvnotes bench edges`)
 from circuits.edge_circuits import EdgeCircuits, analyse_edges  # noqa: E402
 from circuits.features import sae_analysis  # noqa: E402
@@ -59,7 +59,13 @@ from circuits.read_write import read_heads, write_heads  # noqa: E402
 from circuits.scrubbing import scrubbing  # noqa: E402
 from probes.trials import make_trials  # noqa: E402
 
-ANALYSES = tuple(a.name for a in for_command("circuits"))
+
+def __getattr__(name: str):
+    """`ANALYSES`: the circuits command's analyses, read from the registry on first use (not at
+    import: finding the analyses imports this package's modules in turn)."""
+    if name == "ANALYSES":
+        return tuple(a.name for a in for_command("circuits"))
+    raise AttributeError(f"module 'circuits' has no attribute {name!r}")
 
 
 def check_analyses(names: Sequence[str]) -> list[str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from circuits.attribution import SlotAttribution, slot_attribution
+from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.display import Displayable
 from kvnotes.errors import OutOfRange, PromptAttributionError, TokenCountChanged
 from kvnotes.metrics import logit_diff, spearman
@@ -266,3 +267,41 @@ def _exact(
 
 def _ld(logits: torch.Tensor) -> torch.Tensor:
     return logit_diff(logits, (0, 1))
+
+
+@dataclass(frozen=True)
+class PromptAttributionConfig(Options):
+    prompt: str = option("", "the prompt text; its last token is the decision")
+    answers: tuple[str, ...] = option((), "the two answer strings: ld = logit[first] - logit[second]")
+    counterfactual: str | None = option(None, "a prompt of the same token count whose K/V replace the slots")
+    top: int = option(8, "slots transplanted exactly", least=1)
+    steps: int = option(
+        4, "gradient passes along the path to the source (1: plain attribution patching)", least=1
+    )
+
+
+@analysis(
+    "prompt_attribution",
+    "tools",
+    PromptAttributionConfig,
+    PromptAttribution,
+    in_report=False,
+    default=False,
+    order=2,
+)
+def _run_prompt_attribution(ctx: Context, cfg: PromptAttributionConfig) -> PromptAttribution:
+    """Which slots of any prompt's notebook carry the decision at its last token (`kvnotes attribute`)."""
+    if len(cfg.answers) != 2:
+        raise PromptAttributionError(
+            f"give exactly two answers, the decision's two outcomes; got {list(cfg.answers)}"
+        )
+    first, second = cfg.answers
+    return attribute_prompt(
+        ctx.model,
+        cfg.prompt,
+        (first, second),
+        counterfactual=cfg.counterfactual,
+        top=cfg.top,
+        steps=cfg.steps,
+        progress=ctx.progress,
+    )

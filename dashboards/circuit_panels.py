@@ -36,7 +36,7 @@ from dashboards.figures import (
     token_text,
     visible,
 )
-from dashboards.registry import for_type, panel
+from dashboards.registry import panel
 from kvnotes.analysis.results import Curve
 from probes.controls import crossing_summary
 
@@ -334,7 +334,7 @@ def _sae_scan_panel(r: SAEFeatures, key: str) -> Panel | None:
     return None
 
 
-@for_type("PromptAttribution")
+@panel("prompt_attribution")
 def prompt_attribution_panels(a, key: str = "attribution") -> list[Panel]:
     """A single prompt's attribution (`circuits.PromptAttribution`): coloured text and slot × layer."""
     tokens, est_grid = a.tokens, a.estimate

@@ -1,8 +1,10 @@
 """Which panels draw which result. Panel modules register a function per analysis (by the name it
-has in `kvnotes.analysis.registry`), per section (a summary over several analyses' results) or per result
-type (results that are not analyses: `verify`, a prompt's attribution). The modules that register
-them are listed once, in `PANEL_MODULES`; `render` loads them (`load_panels`) and looks them up;
-an analysis without a panel of its own gets the generic one (its parts as bars with CIs).
+has in `kvnotes.analysis.registry`) or per section (a summary over several analyses' results); every
+result, `verify` and a prompt's attribution included, is an analysis, so a result's panel is found
+by its analysis's name alone. The panel modules are found, not listed: every module of this package
+whose name ends in `_panels` (`panel_modules()`); `render` loads them (`load_panels`) and looks
+them up; an analysis without a panel of its own gets the generic one (its parts as bars with CIs),
+or its text table.
 
     from dashboards.registry import panel
     @panel("my_analysis")
@@ -13,24 +15,29 @@ an analysis without a panel of its own gets the generic one (its parts as bars w
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from functools import cache
 
 PanelFn = Callable  # (result, key) -> list[Panel]
 
-# every module that registers panels, in one place: `load_panels` imports them
-PANEL_MODULES = ("dashboards.probe_panels", "dashboards.circuit_panels", "dashboards.edit_panels")
-
 PANELS: dict[str, PanelFn] = {}
 SUMMARIES: dict[str, PanelFn] = {}  # section -> (results by name, key) -> list[Panel]
-TYPES: dict[str, PanelFn] = {}  # result class name -> (result, key) -> list[Panel]
+
+
+def panel_modules() -> list[str]:
+    """Every module of `dashboards` whose name ends in `_panels` (each registers its panels)."""
+    import dashboards
+
+    found = pkgutil.iter_modules(dashboards.__path__, "dashboards.")
+    return sorted(m.name for m in found if m.name.endswith("_panels"))
 
 
 @cache
 def load_panels() -> None:
-    """Import `PANEL_MODULES` (each registers its panels): the renderer calls this before it looks
-    a panel up, so which panels exist is read from one list, not from scattered imports."""
-    for name in PANEL_MODULES:
+    """Import `panel_modules()`: the renderer calls this before it looks a panel up, so a new panel
+    module registers by its name alone, with no list or import to edit."""
+    for name in panel_modules():
         importlib.import_module(name)
 
 
@@ -51,11 +58,6 @@ def panel(*names: str) -> Callable[[PanelFn], PanelFn]:
 def summary(section: str) -> Callable[[PanelFn], PanelFn]:
     """Register `fn(results, key) -> list[Panel]`, drawn first in `section` from all its results."""
     return _add_to(SUMMARIES, (section,))
-
-
-def for_type(*class_names: str) -> Callable[[PanelFn], PanelFn]:
-    """Register `fn(result, key) -> list[Panel]` for results of these classes (not analyses)."""
-    return _add_to(TYPES, class_names)
 
 
 def in_summary(result, key: str) -> list:

@@ -19,23 +19,51 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
 from dashboards.figures import Panel, ci_bars, esc, est, n_note
-from dashboards.registry import PANELS, SUMMARIES, TYPES, load_panels
+from dashboards.registry import PANELS, SUMMARIES, load_panels
 from kvnotes.analysis.registry import analyses, sections
 from kvnotes.analysis.results import ProbeResult, SectionReport
+from kvnotes.models.backends import BackendName
 
 # --- from results to panels ---------------------------------------------------------------------
 
 
 def panels(obj, key: str = "") -> list[Panel]:
-    """Every panel of a result object: a Report, a section's report (SectionReport),
-    one analysis's result, or another kvnotes result with panels (verify, a prompt attribution).
+    """Every panel of a result object: a Report (its parts), a section's report (SectionReport: its
+    results), or one analysis's result, of any level (`verify` and a prompt's attribution too).
 
+    One dispatch: a result is drawn by the panel registered for the name of the analysis that made
+    it (`analysis_of`), else by the generic panel (a ProbeResult) or its text table.
     `key` is the part's key ("order-cancel/probes", "model/ttft"); panel keys extend it."""
     load_panels()
-    kind = type(obj).__name__
-    if kind == "Report":
+    if type(obj).__name__ == "Report":
         return [p for _, ps in report_sections(obj) for p in ps]
-    if isinstance(obj, SectionReport) and obj.meta.get("skipped"):
+    if isinstance(obj, SectionReport):
+        return _section_panels(obj, key)
+    name = analysis_of(obj)
+    if isinstance(obj, ProbeResult):
+        return result_panels({name: obj}, key or name)
+    if name in PANELS:
+        return PANELS[name](obj, key or name)
+    return [table_panel(obj, analyses()[name].title or name, key or name)]
+
+
+def analysis_of(obj) -> str:
+    """The name of the analysis whose result `obj` is (a ProbeResult carries it; another result is
+    known by its class, the one analysis registered with it); a TypeError for anything else."""
+    if isinstance(obj, ProbeResult):
+        return obj.name
+    made = [name for name, a in analyses().items() if type(obj) is a.result]
+    if not made:
+        raise TypeError(
+            f"dashboards cannot render a {type(obj).__name__}; it renders kvnotes results: a Report, "
+            "a SectionReport, or the result of a registered analysis (kvnotes.analysis.registry)"
+        )
+    return made[0]
+
+
+def _section_panels(obj: SectionReport, key: str) -> list[Panel]:
+    """A section's results, or why the part could not run here."""
+    if obj.meta.get("skipped"):
         return [
             Panel(
                 title="Not run",
@@ -43,21 +71,7 @@ def panels(obj, key: str = "") -> list[Panel]:
                 key=f"{key or obj.task}/skipped",
             )
         ]
-    if isinstance(obj, SectionReport):
-        return result_panels(obj.results, key or obj.task)
-    if isinstance(obj, ProbeResult):
-        return result_panels({obj.name: obj}, key or obj.name)
-    for name, a in analyses().items():
-        if type(obj) is a.result and name in PANELS:
-            return PANELS[name](obj, key or name)
-        if type(obj) is a.result and callable(getattr(obj, "table", None)):
-            return [table_panel(obj, a.title or name, key or name)]
-    if kind in TYPES:
-        return TYPES[kind](obj, key or kind)
-    raise TypeError(
-        f"dashboards cannot render a {kind}; it renders kvnotes result objects "
-        "(Report, SectionReport, an analysis's result, VerifyReport, PromptAttribution)"
-    )
+    return result_panels(obj.results, key or obj.task)
 
 
 def table_panel(obj, title: str, key: str) -> Panel:
@@ -283,7 +297,7 @@ def report_facts(report) -> list[tuple[str, str]]:
             "model",
             f"{report.model} ({info.get('n_layers', '?')} layers, {info.get('n_heads', '?')} query heads, "
             f"{info.get('n_kv_heads', '?')} KV heads, d_head {info.get('d_head', '?')}; "
-            f"{info.get('backend', 'transformer-lens')} backend)",
+            f"{info.get('backend', BackendName.TRANSFORMER_LENS)} backend)",
         ),
         ("tasks", ", ".join(report.tasks)),
         (

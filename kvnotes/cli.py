@@ -45,10 +45,17 @@ def _load(args):
     return load_model(args.model, backend=args.backend)
 
 
-def cmd_verify(args) -> int:
-    from kvnotes.conformance import verify
+def _run_model_tool(name: str, model, **options):
+    """Model-level analysis `name` ("verify", "prompt_attribution", "slot_sweep") on `model`, with
+    `options` for its config, through the runner like every other analysis."""
+    from kvnotes.analysis.registry import Context, get
+    from kvnotes.analysis.runner import run_one
 
-    report = verify(_load(args))
+    return run_one(Context(model=model, seed=options.pop("seed", 0)), name, get(name).make_config(**options))
+
+
+def cmd_verify(args) -> int:
+    report = _run_model_tool("verify", _load(args))
     _emit(report, args.json)
     return 0 if report.passed else 1
 
@@ -235,19 +242,19 @@ def cmd_task_analyses(args) -> int:
 
 
 def cmd_model_analysis(args) -> int:
-    from kvnotes.analysis.registry import Context, context_fields, get, refuse_unmet
+    from kvnotes.analysis.registry import Context, context_fields, get
+    from kvnotes.analysis.runner import run_one
     from kvnotes.errors import KVNotesError
 
     a = get(args.analysis)
     cfg = _configs([a.name], args)[a.name]
     model = _load(args) if a.needs_model else None
     if model is not None:
-        refuse_unmet([a.name], model=model)  # before any compute: a splice on learned positions
         cfg = _configs([a.name], args, model.n_ctx)[a.name]
     # lengths left at their defaults are fitted by the analysis too, to what its own layout leaves
     fit = not context_fields(a.config) & set(_given(args))
     ctx = Context(model=model, model_name=args.model, backend=args.backend, fit_context=fit)
-    result = a.run(ctx, cfg)
+    result = run_one(ctx, a.name, cfg)  # the runner refuses what the model cannot serve, first
     if result is None:
         sub = a.command or a.name.replace("_", "-")
         raise KVNotesError(f"{a.name} was sized to nothing; give it a size (kvnotes bench {sub} --help)")
@@ -272,7 +279,6 @@ def _read_text(path: str, what: str) -> str:
 
 
 def cmd_attribute(args) -> int:
-    from circuits.prompt_attribution import attribute_prompt
     from kvnotes.errors import KVNotesError
 
     if len(args.answers) != 2:  # before the (slow) model load
@@ -282,11 +288,11 @@ def cmd_attribute(args) -> int:
         )
     prompt = _read_text(args.prompt, "prompt")
     counterfactual = _read_text(args.counterfactual, "counterfactual") if args.counterfactual else None
-    model = _load(args)
-    result = attribute_prompt(
-        model,
-        prompt,
-        (args.answers[0], args.answers[1]),
+    result = _run_model_tool(
+        "prompt_attribution",
+        _load(args),
+        prompt=prompt,
+        answers=(args.answers[0], args.answers[1]),
         counterfactual=counterfactual,
         top=args.top,
         steps=args.steps,
@@ -395,19 +401,28 @@ def cmd_export(args) -> int:
 
 def cmd_sweep(args) -> int:
     from kvnotes.errors import KVNotesError
-    from kvnotes.serving.remote import slot_sweep
+    from kvnotes.models.backends import BackendName
     from kvnotes.tasks import load_task
-    from kvnotes.tasks.sampler import sample
     from kvnotes.zoo import default_task, load_model
 
-    if args.backend != "nnsight":
+    if (
+        args.backend != BackendName.NNSIGHT
+    ):  # asked for by name before the load: the sweep is one nnsight session
         raise KVNotesError("kvnotes sweep runs as one nnsight session: add --backend nnsight")
     remote = "local" if args.dry_run else args.remote
-    task = load_task(args.task or default_task(args.model))  # a bad task fails before the model loads
+    task = args.task or default_task(args.model)
+    load_task(task)  # a bad task fails before the model loads
     model = load_model(args.model, backend="nnsight", remote=remote not in (False, "local"))
-    pair = sample(task, model, 1, seed=args.seed)[0]
-    slots = pair.downstream()[-args.slots :] if args.slots else None
-    result = slot_sweep(model, pair, slots, batch_size=args.batch_size, remote=remote)
+    where = ("ndif" if remote else "") if isinstance(remote, bool) else remote  # the config's names
+    result = _run_model_tool(
+        "slot_sweep",
+        model,
+        task=task,
+        slots=args.slots,
+        batch_size=args.batch_size,
+        remote=where,
+        seed=args.seed,
+    )
     code = _emit(result, args.json)
     if args.html:
         from dashboards.render import write_page

@@ -18,14 +18,16 @@ import inspect
 import json
 import os
 import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 
 SHIPPED = Path(__file__).with_name("cli_spec.json")
 
 
 def _entry_points() -> list[str]:
-    return sorted(f"{ep.name}={ep.value}" for ep in entry_points(group="kvnotes.analyses"))
+    """The packages the analyses are found in (`kvnotes.analysis.discovery.packages`), as lines."""
+    from kvnotes.analysis.discovery import packages
+
+    return [f"analyses={p}" for p in packages()]
 
 
 def _tops() -> list[str]:
@@ -46,7 +48,7 @@ def _place(rel: str) -> Path | None:
 
 
 def digest(files: list[str]) -> str:
-    """The digest the shipped spec is keyed by: the analysis entry points and the text of `files`."""
+    """The digest the shipped spec is keyed by: the packages walked for analyses and the text of `files`."""
     h = hashlib.sha256("\n".join(_entry_points()).encode())
     for rel in sorted(files):
         path = _place(rel)
@@ -56,13 +58,13 @@ def digest(files: list[str]) -> str:
 
 def sources() -> list[str]:
     """The files the registry's spec is read from: each analysis's run function and config (and its
-    bases), each entry-point module, and the registry itself; as "package/module.py" paths."""
+    bases), each package walked for analyses, and the registry itself; as "package/module.py" paths."""
     from kvnotes.analysis import registry
 
     objects: list = [registry]
     for a in registry.analyses().values():
         objects += [a.run, *(c for c in inspect.getmro(a.config) if c is not object)]
-    for e in _entry_points():  # each entry-point module and the packages above it (a section's home)
+    for e in _entry_points():  # each package walked and the packages above it (a section's home)
         parts = e.split("=", 1)[1].split(":")[0].split(".")
         objects += [sys.modules[".".join(parts[:i])] for i in range(1, len(parts) + 1)]
     out = set()

@@ -50,7 +50,7 @@ register_section(
 )
 
 from kvnotes.analysis.results import Estimate  # noqa: E402
-from probes.agent import agent_loop  # noqa: E402  (each module registers its analyses on import)
+from probes.agent import agent_loop  # noqa: E402
 from probes.causal import field_refresh, note_map, notes_transplant  # noqa: E402
 from probes.compose import seam_repair  # noqa: E402
 from probes.controls import dissociation, false_note_injection, knockout  # noqa: E402
@@ -63,7 +63,15 @@ from probes.regime import regime  # noqa: E402
 from probes.trials import Trial, make_trials  # noqa: E402
 from probes.weights import weight_edit  # noqa: E402
 
-PROBES = tuple(a.name for a in for_command("probe") if a.default)
+
+def __getattr__(name: str):
+    """`PROBES`: the probe command's default analyses, read from the registry on first use (not at
+    import: finding the analyses imports this package's modules, and circuits', in turn)."""
+    if name == "PROBES":
+        return tuple(a.name for a in for_command("probe") if a.default)
+    raise AttributeError(f"module 'probes' has no attribute {name!r}")
+
+
 UnknownProbeError = UnknownAnalysisError
 
 

@@ -19,4 +19,4 @@ def test_probes_run_on_every_general_task(gemma):
         # exact: invariant 4, slots before the field are the same computation
         assert fr["deviation_before_field"].values == (0.0, 0.0), task
         d = report.to_dict()
-        assert all({"mean", "ci", "values"} <= set(p) for p in d["probes"].values()), task
+        assert all({"mean", "ci", "values"} <= set(p) for p in d["results"].values()), task

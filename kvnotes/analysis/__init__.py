@@ -5,44 +5,44 @@ results every analysis returns, the runner, and the report that runs them and sa
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
 - `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`.
-- `results`: `Estimate`, `Curve`, `ProbeResult`, `SectionReport` (alias `ProbeReport`), the bootstrap.
-- `runner`: `run` (analyses over one context), `collect` and `run_section` (a section's report).
+- `results`: the result protocol `Result`; `Estimate`, `Curve`, `ProbeResult`, `SectionReport`
+  (alias `ProbeReport`), `BenchReport`, the bootstrap.
+- `runner`: `run_analysis` (analyses over one context), `run_one` (one, at any level),
+  `collect` and `run_section` (a section's report).
 - `report`: `ReportConfig`, `Report`, `run_report` (`report.json`, resumable).
+- `discovery`: how the analyses are found (the packages walked, no hand-kept list).
 
-The registry's names are imported eagerly (it is light: the CLI reads it without torch); the
-others on first use.
+Every name is imported on first use: `kvnotes.analysis.discovery` is read without the registry.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from kvnotes.analysis.registry import (
-    MIN_EFFECT,
-    Analysis,
-    Context,
-    Need,
-    Options,
-    Section,
-    analyses,
-    analysis,
-    get,
-    option,
-    refuse_unmet,
-    register,
-    register_section,
-    sections,
-    unregister,
-)
-
 _LAZY = {
+    "MIN_EFFECT": "kvnotes.analysis.registry",
+    "Analysis": "kvnotes.analysis.registry",
+    "Context": "kvnotes.analysis.registry",
+    "Need": "kvnotes.analysis.registry",
+    "Options": "kvnotes.analysis.registry",
+    "Section": "kvnotes.analysis.registry",
+    "analyses": "kvnotes.analysis.registry",
+    "analysis": "kvnotes.analysis.registry",
+    "get": "kvnotes.analysis.registry",
+    "option": "kvnotes.analysis.registry",
+    "refuse_unmet": "kvnotes.analysis.registry",
+    "register": "kvnotes.analysis.registry",
+    "register_section": "kvnotes.analysis.registry",
+    "sections": "kvnotes.analysis.registry",
+    "unregister": "kvnotes.analysis.registry",
     "Estimate": "kvnotes.analysis.results",
     "Curve": "kvnotes.analysis.results",
     "ProbeResult": "kvnotes.analysis.results",
     "ProbeReport": "kvnotes.analysis.results",
     "SectionReport": "kvnotes.analysis.results",
     "bootstrap_ci": "kvnotes.analysis.results",
-    "run": "kvnotes.analysis.runner",
+    "run_analysis": "kvnotes.analysis.runner",
+    "run_one": "kvnotes.analysis.runner",
     "collect": "kvnotes.analysis.runner",
     "run_section": "kvnotes.analysis.runner",
     "ReportConfig": "kvnotes.analysis.report",
@@ -73,7 +73,8 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "register",
     "refuse_unmet",
     "register_section",
-    "run",
+    "run_analysis",
+    "run_one",
     "run_report",
     "run_section",
     "sections",

@@ -12,26 +12,29 @@ result. Adding an analysis is one `@analysis` (or `register`) beside its code
     from kvnotes.analysis.registry import analyses
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
-The built-in analyses register when their packages are imported; `analyses()` imports every
-module named in the `kvnotes.analyses` entry-point group (`probes`, `circuits` and each bench module
-that registers one), so another package can add its own the same way.
+The analyses register when their modules are imported; `analyses()` first imports every module
+that declares one, found by walking the built-in packages (probes, circuits, kvnotes.bench) and any
+package named in the `kvnotes.analyses` entry-point group (`kvnotes.analysis.discovery`): a new
+module is found without an edit to any `__init__.py`, and another package adds its own with one
+entry point.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import types
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
-from importlib.metadata import entry_points
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tqdm.auto import tqdm
 
 from kvnotes.errors import BadOption, KVNotesError, NeedUnmet, OutOfRange, UnknownAnalysisError
+from kvnotes.models.backends import DEFAULT_BACKEND
 from kvnotes.tasks.pairs import is_pairs
 
 
@@ -129,6 +132,7 @@ class Analysis:
     requires: tuple[Need, ...] = ()  # what it needs of the task and model, checked before any compute
 
     def __post_init__(self):
+        _check_result(self.name, self.result)
         if not dataclasses.is_dataclass(self.config):
             raise TypeError(f"analysis {self.name!r}: config must be a dataclass, got {self.config!r}")
         names = {f.name for f in dataclasses.fields(self.config)}
@@ -149,6 +153,27 @@ class Analysis:
             if isinstance(e, KVNotesError):
                 raise
             raise BadOption(f"{self.name}: {e}") from e
+
+
+def _check_result(name: str, cls: type) -> None:
+    """Refuse a result class that does not follow the result protocol
+    (`kvnotes.analysis.results.Result`): `to_dict()`, `from_dict(d)` and a notebook view."""
+    missing = [m for m in ("to_dict", "from_dict", "_repr_html_") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(
+            f"analysis {name!r}: its result {cls.__name__} lacks {missing}; give it to_dict, from_dict(d) "
+            "and a notebook view (inherit kvnotes.display.Displayable)"
+        )
+    params = [
+        p
+        for p in inspect.signature(cls.from_dict).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(params) != 1:
+        raise TypeError(
+            f"analysis {name!r}: {cls.__name__}.from_dict takes {[p.name for p in params]}; the result "
+            "protocol's is from_dict(d), reading what to_dict() wrote"
+        )
 
 
 _ANALYSES: dict[str, Analysis] = {}
@@ -196,14 +221,17 @@ def unregister(name: str) -> None:
 
 @cache
 def _load_builtin() -> None:
-    for ep in sorted(entry_points(group="kvnotes.analyses"), key=lambda e: e.name):
-        ep.load()
+    from kvnotes.analysis.discovery import load_all
+
+    load_all()
 
 
 def analyses() -> dict[str, Analysis]:
-    """Every registered analysis by name, in registration order."""
+    """Every registered analysis by name, by its section's order, then its own, then its name."""
     _load_builtin()
-    return dict(sorted(_ANALYSES.items(), key=lambda kv: (_SECTIONS[kv[1].section].order, kv[1].order)))
+    return dict(
+        sorted(_ANALYSES.items(), key=lambda kv: (_SECTIONS[kv[1].section].order, kv[1].order, kv[0]))
+    )
 
 
 def sections() -> dict[str, Section]:
@@ -432,7 +460,7 @@ class Context:
     model: Any
     task: Any = None
     model_name: str | None = None  # the name the model was asked for by (set when model is not loaded)
-    backend: str = "transformer-lens"  # the backend the model was asked for on (kvnotes.models.BackendName)
+    backend: str = DEFAULT_BACKEND  # the backend the model was asked for on (a BackendName)
     seed: int = 0
     min_effect: float = MIN_EFFECT
     progress: bool = True

@@ -37,24 +37,26 @@ from kvnotes.analysis.registry import (
     analyses,
     config_from_dict,
     config_to_dict,
-    refuse_unmet,
     report_analyses,
     sections,
     unmet,
 )
 from kvnotes.analysis.results import ResultSchemaError, SectionReport
-from kvnotes.analysis.runner import collect, run_meta
+from kvnotes.analysis.runner import collect, run_meta, run_one
 from kvnotes.batches import sharing_enabled
 from kvnotes.display import Displayable
 from kvnotes.engine import backend_of
 from kvnotes.errors import KVNotesError, ReportFileError
+from kvnotes.models.backends import BackendName
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import TaskSource, load_task
 
-SCHEMA = "kvnotes.report/3"
+SCHEMA = "kvnotes.report/4"
 # /1 is migrated on load (its config was flat); /2 wrote a circuits section in a layout of its own
-# (kind "CircuitReport", each analysis a top-level key), which SectionReport still reads
-READS = ("kvnotes.report/1", "kvnotes.report/2", SCHEMA)
+# (kind "CircuitReport", each analysis a top-level key), which SectionReport still reads; /1 to /3
+# keyed a section's results as "probes" and a part's kind by its result's class name (/4: "results",
+# and each part's kind is "section" or "analysis", with the section's or the analysis's name)
+READS = ("kvnotes.report/1", "kvnotes.report/2", "kvnotes.report/3", SCHEMA)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,17 +223,27 @@ class ReportConfig:
         )
 
 
-_SECTION_KINDS = ("SectionReport", "ProbeReport", "CircuitReport")  # the last two: schema /1 and /2
+_SECTION_KINDS = ("SectionReport", "ProbeReport", "CircuitReport")  # schema /1 to /3: class names
+SECTION, ANALYSIS = "section", "analysis"  # a part's kind from schema /4
 
 
-def _kinds() -> dict[str, type]:
-    """Result classes a part may hold, by the name stored in its "kind": a task section's report
-    (under its name today and its older ones) and each model-level analysis's result."""
-    kinds: dict[str, type] = dict.fromkeys(_SECTION_KINDS, SectionReport)
-    kinds |= {
-        a.result.__name__: a.result for a in analyses().values() if sections()[a.section].level == MODEL
-    }
-    return kinds
+def _result_class(key: str, d: Mapping) -> type:
+    """The class a saved part's result is read as: a task section's (or a skipped part's)
+    SectionReport, or the result class of the model-level analysis the part is named by (schema /4:
+    its `name`; older: the key's last segment, else the class name once stored as its kind)."""
+    kind, name = d.get("kind"), d.get("name") or key.rpartition("/")[2]
+    if kind == SECTION or kind in _SECTION_KINDS:
+        return SectionReport
+    found = analyses()
+    if name in found and sections()[found[name].section].level == MODEL:
+        return found[name].result
+    by_class = {a.result.__name__: a.result for a in found.values() if sections()[a.section].level == MODEL}
+    if kind != ANALYSIS and kind in by_class:
+        return by_class[kind]
+    raise ReportFileError(
+        f"part {key!r} has kind {kind!r} and name {name!r}; kvnotes reads a section, or a model-level "
+        f"analysis of {sorted(n for n, a in found.items() if sections()[a.section].level == MODEL)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -243,14 +255,19 @@ class Part:
     seconds: float
 
     def to_dict(self) -> dict:
-        return {"kind": type(self.result).__name__, "seconds": self.seconds, "result": self.result.to_dict()}
+        """`kind` "section" (a task section's results, or a part that was skipped) or "analysis" (a
+        model-level analysis's result), and `name`: the section's or the analysis's."""
+        kind = SECTION if isinstance(self.result, SectionReport) else ANALYSIS
+        return {
+            "kind": kind,
+            "name": self.key.rpartition("/")[2],
+            "seconds": self.seconds,
+            "result": self.result.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, key: str, d: Mapping) -> Part:
-        kinds = _kinds()
-        if d.get("kind") not in kinds:
-            raise ReportFileError(f"part {key!r} has kind {d.get('kind')!r}; kvnotes reads {sorted(kinds)}")
-        return cls(key=key, result=kinds[d["kind"]].from_dict(d["result"]), seconds=d["seconds"])
+        return cls(key=key, result=_result_class(key, d).from_dict(d["result"]), seconds=d["seconds"])
 
 
 @dataclass(frozen=True)
@@ -401,9 +418,10 @@ def _task_part(
 
 
 def _model_part(model: KVModel, a: Analysis, cfg: ReportConfig, progress: bool) -> Any:
-    refuse_unmet([a.name], model=model)  # the part is skipped, saying why, before any compute
+    """A model-level analysis through the runner: what the model cannot serve is refused (and the
+    part skipped, saying why) before any compute, and its calls are profiled under its name."""
     ctx = Context(model=model, seed=cfg.seed, min_effect=cfg.min_effect, progress=progress, fit_context=True)
-    return a.run(ctx, cfg.config(a.name))
+    return run_one(ctx, a.name, cfg.config(a.name))
 
 
 def _part_file(out: Path, key: str) -> Path:
@@ -424,7 +442,9 @@ def _load_part(path: Path, key: str, head: Mapping) -> Part | None:
         return None
     try:
         d = json.loads(path.read_text())
-        if any(d.get(k, "transformer-lens" if k == "backend" else None) != v for k, v in head.items()):
+        # a part saved before backends were recorded ran on TransformerLens
+        old = BackendName.TRANSFORMER_LENS
+        if any(d.get(k, old if k == "backend" else None) != v for k, v in head.items()):
             return None
         return Part.from_dict(key, d)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, ReportFileError):

@@ -18,12 +18,27 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Protocol, Union, get_args, get_origin, get_type_hints, runtime_checkable
 
 import numpy as np
 
 from kvnotes.display import Displayable
 from kvnotes.errors import ResultSchemaError
+
+
+@runtime_checkable
+class Result(Protocol):
+    """What every analysis's result is, task-level or model-level: JSON both ways with one signature
+    (`from_dict(d)` reads what `to_dict()` wrote) and a notebook view (`_repr_html_`, from
+    `kvnotes.display.Displayable`). The registry refuses a result class that does not follow it."""
+
+    def to_dict(self) -> dict: ...
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Result: ...
+
+    def _repr_html_(self) -> str: ...
+
 
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
@@ -243,24 +258,24 @@ class Curve:
         )
 
 
-def encode(value: Any) -> Any:
+def to_json_value(value: Any) -> Any:
     """A result field as JSON-safe data: Estimates and Curves by their `to_dict`, dataclasses by
     field, tuples as lists, mapping keys as strings, numpy scalars as Python numbers."""
     if isinstance(value, Estimate | Curve):
         return value.to_dict()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return {str(k): encode(v) for k, v in value.items()}
+        return {str(k): to_json_value(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [encode(v) for v in value]
+        return [to_json_value(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
     return value
 
 
-def decode(hint: Any, data: Any, where: str = "result") -> Any:
-    """`data` (as `encode` wrote it) read back as the annotated type `hint`; wrong shapes raise
+def from_json_value(hint: Any, data: Any, where: str = "result") -> Any:
+    """`data` (as `to_json_value` wrote it) read back as the annotated type `hint`; wrong shapes raise
     ResultSchemaError naming `where`."""
     origin, args = get_origin(hint), get_args(hint)
     if hint is Any:
@@ -269,7 +284,7 @@ def decode(hint: Any, data: Any, where: str = "result") -> Any:
         if data is None and type(None) in args:
             return None
         arm = next(a for a in args if a is not type(None))
-        return decode(arm, data, where)
+        return from_json_value(arm, data, where)
     if hint in (Estimate, Curve):
         _expect(isinstance(data, Mapping), where, "a mapping", data)
         try:
@@ -282,16 +297,18 @@ def decode(hint: Any, data: Any, where: str = "result") -> Any:
     if origin is tuple:
         _expect(isinstance(data, list | tuple), where, "a list", data)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
+            return tuple(from_json_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
         _expect(len(data) == len(args), where, f"{len(args)} items", data)
-        return tuple(decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+        return tuple(from_json_value(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
     if origin in (list, Sequence, collections.abc.Sequence):
         _expect(isinstance(data, list | tuple), where, "a list", data)
-        return [decode(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(data)]
+        return [from_json_value(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(data)]
     if origin in (dict, Mapping, collections.abc.Mapping):
         _expect(isinstance(data, Mapping), where, "a mapping", data)
         key, val = args or (Any, Any)
-        return {(int(k) if key is int else k): decode(val, v, f"{where}.{k}") for k, v in data.items()}
+        return {
+            (int(k) if key is int else k): from_json_value(val, v, f"{where}.{k}") for k, v in data.items()
+        }
     if hint is float:
         _expect(isinstance(data, int | float) and not isinstance(data, bool), where, "a number", data)
         return float(data)
@@ -327,7 +344,7 @@ def _decode_fields(cls: type, data: Mapping, where: str) -> Any:
     ]
     if missing:
         raise ResultSchemaError(f"{where}: {cls.__name__} needs key(s) {missing}, which are missing")
-    return cls(**{n: decode(hints[n], v, f"{where}.{n}") for n, v in data.items()})
+    return cls(**{n: from_json_value(hints[n], v, f"{where}.{n}") for n, v in data.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,7 +396,9 @@ class ProbeResult(Displayable):
             )
         self._check_names()
         for f in self.detail_fields():
-            object.__setattr__(self, f, decode(_hints(type(self))[f], encode(getattr(self, f)), f))
+            object.__setattr__(
+                self, f, from_json_value(_hints(type(self))[f], to_json_value(getattr(self, f)), f)
+            )
 
     def _check_names(self) -> None:
         if self.OPEN:
@@ -408,7 +427,7 @@ class ProbeResult(Displayable):
         hints = _hints(cls)
         return cls(
             **{
-                k: decode(hints[k], encode(v), k) if k in _TYPED_CORE or k not in _CORE else v
+                k: from_json_value(hints[k], to_json_value(v), k) if k in _TYPED_CORE or k not in _CORE else v
                 for k, v in fields_.items()
             }
         )
@@ -464,20 +483,25 @@ class ProbeResult(Displayable):
 
     def to_dict(self) -> dict:
         return {
+            "name": self.name,
             **self.estimate.to_dict(),
             "headline": self.headline,
             "description": self.description,
             **({"in_sample": self.in_sample()} if self.in_sample() else {}),
             **{k: v.to_dict() for k, v in self.parts.items()},
             **{k: v.to_dict() for k, v in self.curves.items()},
-            **{k: encode(v) for k, v in self.tables.items()},
-            "details": {f: encode(getattr(self, f)) for f in self.detail_fields()},
+            **{k: to_json_value(v) for k, v in self.tables.items()},
+            "details": {f: to_json_value(getattr(self, f)) for f in self.detail_fields()},
         }
 
     @classmethod
-    def from_dict(cls, name: str, d: Mapping) -> ProbeResult:
-        """Read back what `to_dict` wrote, as the result class of analysis `name` (when called on
-        ProbeResult itself) or as this class."""
+    def from_dict(cls, d: Mapping) -> ProbeResult:
+        """Read back what `to_dict` wrote: as the result class of its analysis (`d["name"]`) when
+        called on ProbeResult itself, else as this class. A result saved before results carried
+        their name (report schema /3 and older) is read by `SectionReport.from_dict`, which knows it."""
+        named = isinstance(d, Mapping) and isinstance(d.get("name"), str)
+        _expect(named, "result", "a result with a name", d)
+        name = d["name"]
         if cls is ProbeResult:
             from kvnotes.analysis.registry import UnknownAnalysisError, result_type
 
@@ -537,7 +561,7 @@ class GenericResult(ProbeResult):
     OPEN: ClassVar[bool] = True
 
 
-_RESERVED = {"mean", "ci", "values", "clusters", "headline", "description", "details", "in_sample"}
+_RESERVED = {"name", "mean", "ci", "values", "clusters", "headline", "description", "details", "in_sample"}
 _CORE = {"name", "headline", "parts", "curves", "tables", "description"}
 _TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts and curves hold objects)
 
@@ -551,9 +575,9 @@ class SectionReport(Displayable):
     task, with the run's sizes and seed. `results` maps each analysis's name to its result;
     `.analyses` and `.probes` are the same mapping under the names older code reads.
 
-    One JSON layout for every section: `{"model", "task", "n", "seed", "probes": {name: result},
-    "meta"}`; `from_dict` also reads the circuits layout of `kvnotes.report/2` (each analysis a
-    top-level key)."""
+    One JSON layout for every section: `{"model", "task", "n", "seed", "results": {name: result},
+    "meta"}`; `from_dict` also reads the older layouts: `"probes"` for the results (report schema
+    /1 and /3) and the circuits layout of `kvnotes.report/2` (each analysis a top-level key)."""
 
     model: str
     task: str
@@ -596,23 +620,29 @@ class SectionReport(Displayable):
             "task": self.task,
             "n": self.n,
             "seed": self.seed,
-            "probes": {k: v.to_dict() for k, v in self.results.items()},
+            "results": {k: v.to_dict() for k, v in self.results.items()},
             "meta": dict(self.meta),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> SectionReport:
-        """Read what `to_dict` wrote, or a circuits section in the `kvnotes.report/2` layout."""
-        if "probes" in d:
+        """Read what `to_dict` wrote, or an older layout: the results under `"probes"`, or a
+        circuits section of `kvnotes.report/2` (each analysis a top-level key); a result saved
+        without its name (before /4) takes its key's."""
+        if "results" in d:
+            saved = d["results"]
+        elif "probes" in d:  # report schema /1 and /3
             saved = d["probes"]
         else:  # the old circuits layout: each analysis a top-level key
             saved = {k: v for k, v in d.items() if k not in _LEGACY_META}
+        _expect(isinstance(saved, Mapping), "a section's results", "a mapping", saved)
+        named = {k: {"name": k, **v} if isinstance(v, Mapping) else v for k, v in saved.items()}
         return cls(
             model=d["model"],
             task=d["task"],
             n=d["n"],
             seed=d["seed"],
-            results={k: ProbeResult.from_dict(k, v) for k, v in saved.items()},
+            results={k: ProbeResult.from_dict(v) for k, v in named.items()},
             meta=d.get("meta", {}),
         )
 
@@ -632,9 +662,10 @@ class SectionReport(Displayable):
 ProbeReport = SectionReport  # the probes' and every task section's report, under its older name
 
 
-# --- bench reports: a timing's machine and the JSON of its points ---------------------------------
+# --- reports of timed points: every bench's (kvnotes.bench, circuits' edge benches) and the placement
+# probe's. Here, not in kvnotes/bench, because circuits and probes may not import kvnotes.bench.
 def machine() -> str:
-    """The machine a benchmark computed on, as its report's header shows it: architecture, cores,
+    """The machine a timing was computed on, as a report's header shows it: architecture, cores,
     the torch version and its thread count (what a CPU timing depends on)."""
     import torch
 
@@ -650,7 +681,8 @@ def header(*parts: str) -> str:
 
 
 class BenchReport(Displayable):
-    """JSON for a benchmark report dataclass whose `results` are `POINT` dataclasses."""
+    """A report dataclass whose `results` are `POINT` dataclasses, following the result protocol:
+    `to_dict`, `from_dict(d)` and a notebook view."""
 
     POINT: ClassVar[type]
 
@@ -658,5 +690,5 @@ class BenchReport(Displayable):
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict):
+    def from_dict(cls, d: Mapping) -> BenchReport:
         return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})

@@ -1,7 +1,9 @@
-"""Running analyses: a section's analyses (and what they need) over one context, in registry order,
-each timed; `collect` gathers a task section's results in one `SectionReport` (the report's task
-parts and the CLI's task commands call it), and `run_section`, which checks the names against a
-command first, is the runner behind `run_probes` and `run_circuits`.
+"""Running analyses: one entry for every analysis, task-level or model-level. `run_analysis` runs
+analyses (and what they need) over one context, in registry order, each checked first and timed;
+`run_one` runs one (a bench, `verify`, a prompt's attribution: how the CLI and the report run a
+model-level analysis); `collect` gathers a task section's results in one `SectionReport` (the
+report's task parts and the CLI's task commands call it), and `run_section`, which checks the names
+against a command first, is the runner behind `run_probes` and `run_circuits`.
 
     from kvnotes import load_model
     from kvnotes.analysis.runner import run_section
@@ -62,7 +64,7 @@ def run_meta() -> dict:
     }
 
 
-def run(
+def run_analysis(
     ctx: Context, names: Sequence[str], configs: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict]:
     """Run the named analyses (and what they need, first) in registry order on one context; any
@@ -100,6 +102,14 @@ def run(
     if ctx.task is not None:
         meta["task_source"] = ctx.task.source
     return {n: ctx.results[n] for n in analyses() if n in wanted and n in ctx.results}, meta
+
+
+def run_one(ctx: Context, name: str, cfg: Any = None) -> Any:
+    """Run analysis `name` (and what it needs) through `run_analysis`, with the same checks, profile
+    label and progress; its result, or None where `cfg` sized it to nothing. A model-level analysis
+    (a bench, `verify`, a prompt's attribution) runs this way from the CLI and the report."""
+    results, _ = run_analysis(ctx, [name], {name: cfg} if cfg is not None else None)
+    return results.get(name)
 
 
 def _with_needs(names: Sequence[str]) -> set[str]:
@@ -140,7 +150,7 @@ def collect(
     cfgs = {k: (configs or {}).get(k) or get(k).make_config(preset, **over) for k in names}
     memo = memo if memo is not None else {}
     ctx = Context(model=model, task=task, seed=seed, min_effect=min_effect, progress=progress, memo=memo)
-    results, meta = run(ctx, names, cfgs)
+    results, meta = run_analysis(ctx, names, cfgs)
     sizes = [c.n for c in cfgs.values() if hasattr(c, "n")]
     return SectionReport(
         model=model.name,
@@ -165,4 +175,4 @@ def run_section(
     return collect(model, task, choose(command, names), **kwargs)
 
 
-__all__ = ["collect", "run", "run_meta", "run_section", "versions"]
+__all__ = ["collect", "run_analysis", "run_meta", "run_one", "run_section", "versions"]

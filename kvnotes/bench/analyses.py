@@ -25,8 +25,9 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.batches import sharing
-from kvnotes.bench.common import BenchReport, growth_exponent, header, machine
+from kvnotes.bench.common import growth_exponent
 from kvnotes.engine.profile import profile
 from kvnotes.models.model import KVModel
 from kvnotes.prompt import Template

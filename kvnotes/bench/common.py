@@ -1,6 +1,6 @@
-"""What every benchmark shares: the machine it ran on, its report's header and JSON, the growth
-exponent of a figure over prompt lengths, neutral filler text, the answer tokens of a model and
-the models to run on both backends."""
+"""What every benchmark shares: the growth exponent of a figure over prompt lengths, neutral filler
+text, the answer tokens of a model and the models to run on both backends (a report's JSON and
+header are the result protocol's, in `kvnotes.analysis.results`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvnotes.analysis.results import BenchReport, header, machine  # noqa: F401  (the benches' own names)
 from kvnotes.engine import Capability, has
 from kvnotes.errors import BadArgument
 from kvnotes.fixtures import FILLER

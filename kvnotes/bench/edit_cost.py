@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from kvnotes import ops
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.bench.common import BenchReport, header, machine
+from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.errors import OutOfRange
 from kvnotes.fixtures import FILLER
 from kvnotes.models.model import KVModel

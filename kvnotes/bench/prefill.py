@@ -35,7 +35,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.bench.common import BenchReport, both_backends, growth_exponent, header, machine
+from kvnotes.analysis.results import BenchReport, header, machine
+from kvnotes.bench.common import both_backends, growth_exponent
 from kvnotes.bench.memory import MIB, RUSAGE, available_bytes, maxrss, measured, memory_method
 from kvnotes.bench.prefill_ways import (
     CALLS,

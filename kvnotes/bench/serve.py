@@ -42,7 +42,7 @@ from typing import ClassVar
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.bench.common import BenchReport
+from kvnotes.analysis.results import BenchReport
 from kvnotes.bench.serve_client import (
     answer_ld,
     drive,

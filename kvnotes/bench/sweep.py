@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from kvnotes import ops
 from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.bench.baselines import (
     BATCH_SIZES,
     WAYS,
@@ -36,7 +37,7 @@ from kvnotes.bench.baselines import (
     time_side_by_side,
     unavailable,
 )
-from kvnotes.bench.common import BenchReport, both_backends, header, machine
+from kvnotes.bench.common import both_backends
 from kvnotes.engine import run
 from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadOption

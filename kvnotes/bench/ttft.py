@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 
 from kvnotes import ops
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
-from kvnotes.bench.common import BenchReport, growth_exponent, header, machine, text_ids
+from kvnotes.analysis.results import BenchReport, header, machine
+from kvnotes.bench.common import growth_exponent, text_ids
 from kvnotes.bench.edit_cost import EditCostReport, edit_cost  # noqa: F401 - their old address
 from kvnotes.bench.multihost import (
     DEFAULT_SEAM,

@@ -117,7 +117,7 @@ def test_it_runs_from_its_command(registered, tmp_path, capsys):
         == 0
     )
     assert "decision_flips.flips *" in capsys.readouterr().out
-    d = json.loads(out.read_text())["probes"]["decision_flips"]
+    d = json.loads(out.read_text())["results"]["decision_flips"]
     # exact: the config value, stored and read back
     assert d["details"]["threshold"] == 0.5 and len(d["flips"]["values"]) == 3
 
@@ -133,7 +133,7 @@ def test_it_runs_in_the_report_is_saved_reads_back_and_draws_its_panel(registere
     assert main(argv.split()) == 0
     saved = json.loads((out / "report.json").read_text())
     assert list(saved["parts"]) == ["order-cancel/probes"]
-    r = saved["parts"]["order-cancel/probes"]["result"]["probes"]["decision_flips"]
+    r = saved["parts"]["order-cancel/probes"]["result"]["results"]["decision_flips"]
     assert r["headline"] == "flips" and r["details"] == {
         "excluded": [],
         "not_applicable": None,

@@ -10,7 +10,7 @@ import pytest
 
 from kvnotes.analysis.registry import Context, Need, analyses, get
 from kvnotes.analysis.report import ReportConfig, plan_parts
-from kvnotes.analysis.runner import collect, run
+from kvnotes.analysis.runner import collect, run_analysis
 from kvnotes.cli import main
 from kvnotes.errors import NeedUnmet
 from kvnotes.tasks import PairSet, load_pairs
@@ -40,13 +40,13 @@ def test_rule_analyses_refuse_a_pair_set_before_any_forward(no_forward):
     ctx = Context(model=get_model("tiny-llama"), task=load_pairs(FOUR), progress=False)
     for name in ("dissociation", "false_note_injection", "edit_methods", "scrubbing", "regime"):
         with pytest.raises(NeedUnmet, match=f"^{name} needs a task .* is a pair dataset: run it with --task"):
-            run(ctx, [name])
+            run_analysis(ctx, [name])
 
 
 def test_moving_chunks_refuse_learned_positions_before_any_forward(no_forward):
     ctx = Context(model=get_model("tiny-attn-only"), task="order-cancel", progress=False)
     with pytest.raises(NeedUnmet, match="memory_blocks moves chunks .* residual stream"):
-        run(ctx, ["memory_blocks"])
+        run_analysis(ctx, ["memory_blocks"])
 
 
 def test_every_splicing_analysis_declares_moving_chunks():
@@ -88,7 +88,7 @@ def test_the_cli_runs_edges_on_pairs(tmp_path, pairs_file, capsys):
     argv = ["circuits", "edges", "--pairs", str(pairs_file), "--model", "tiny-llama", "--n", "2", *sizes]
     assert main([*argv, "--circuit-draws", "1", "--min-effect", "0", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
-    assert d["task"] == "toy" and "rho_eap" in d["probes"]["edges"]
+    assert d["task"] == "toy" and "rho_eap" in d["results"]["edges"]
 
 
 def test_the_cli_refuses_a_rule_analysis_on_pairs_in_one_line(pairs_file, capsys, no_forward):

@@ -24,10 +24,14 @@ SMALL = {
     "tokens": (128,),
     "slots": 8,
     "cot_tokens": 4,
+    "prompt": "Policy: an order may be cancelled while its status is pending.\norder_status: shipped.\nA:",
+    "answers": (" yes", " no"),
+    "top": 2,
+    "steps": 1,
 }
 # analyses that need a server, not a model (`bench serve`), round-trip in their own tests against it
-# (tests/test_vllm.py)
-NAMES = [n for n, a in analyses().items() if a.needs_model]
+# (tests/test_vllm.py); so does the slot sweep, one nnsight session (tests/serving/test_remote.py)
+NAMES = [n for n, a in analyses().items() if a.needs_model and n != "slot_sweep"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,7 @@ def test_every_result_round_trips_exactly(results, name):
     r = results[name]
     assert isinstance(r, get(name).result)
     data = json.loads(json.dumps(r.to_dict()))  # through JSON text, as report.json holds it
-    back = ProbeResult.from_dict(name, data) if isinstance(r, ProbeResult) else type(r).from_dict(data)
+    back = type(r).from_dict(data)
     assert type(back) is type(r)
     assert back == r
     assert back.to_dict() == data
@@ -77,7 +81,7 @@ def test_a_renamed_field_fails_the_page_not_silently(results):
     with pytest.raises(AttributeError, match="ks"):
         panels(drifted)
     with pytest.raises(ResultSchemaError, match=r"unknown key\(s\) \['sizes'\]"):
-        ProbeResult.from_dict("false_note_injection", drifted.to_dict())
+        ProbeResult.from_dict(drifted.to_dict())
 
 
 def test_a_renamed_or_undeclared_part_fails_where_it_is_made(results):
@@ -93,23 +97,23 @@ def test_saved_json_missing_a_typed_field_is_refused(results):
     d = results["note_map"].to_dict()
     del d["details"]["layer_window"]
     with pytest.raises(ResultSchemaError, match=r"needs key\(s\) \['layer_window'\]"):
-        ProbeResult.from_dict("note_map", d)
+        ProbeResult.from_dict(d)
     d = results["note_map"].to_dict()
     d["details"]["maps"][0]["recovery"] = "high"
     with pytest.raises(ResultSchemaError, match=r"maps\[0\]\.recovery should be a list"):
-        ProbeResult.from_dict("note_map", d)
+        ProbeResult.from_dict(d)
 
 
 def test_an_unknown_analysis_name_is_refused():
     with pytest.raises(ResultSchemaError, match="unknown analysis 'nope'"):
-        ProbeResult.from_dict("nope", {"headline": "x", "x": Estimate.of([1.0]).to_dict()})
+        ProbeResult.from_dict({"name": "nope", "headline": "x", "x": Estimate.of([1.0]).to_dict()})
 
 
 def test_generic_results_take_any_names():
     r = GenericResult(
         name="mine", headline="a", parts={"a": Estimate.of([1.0, 2.0]), "b.seconds": Estimate.of([])}
     )
-    assert GenericResult.from_dict("mine", json.loads(json.dumps(r.to_dict()))) == r
+    assert GenericResult.from_dict(json.loads(json.dumps(r.to_dict()))) == r
 
 
 def _fields(r) -> dict:

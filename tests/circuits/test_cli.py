@@ -14,7 +14,7 @@ def test_circuits_command_writes_every_analysis(tmp_path, notes_organism, capsys
     rc = main(["circuits", "--model", "notes-organism", "--n", "4", "--draws", "4", "--json", str(out)])
     assert rc == 0
     d = json.loads(out.read_text())
-    a = d["probes"]  # every section's report keeps its analyses under one key
+    a = d["results"]  # every section's report keeps its analyses under one key
     assert {"ranking", "topk_curve", "random_curve"} <= set(a["read_heads"])
     assert "write_heads" in a and "scrubbing" in a
     assert {"rank_correlation", "speedup"} <= set(a["attribution"])
@@ -57,7 +57,7 @@ def test_circuits_command_uses_a_saved_sae_and_refuses_a_missing_one(tmp_path, n
         ]
     )
     assert rc == 0
-    d = json.loads(out.read_text())["probes"]["sae"]
+    d = json.loads(out.read_text())["results"]["sae"]
     assert d["details"]["hook_name"] == "blocks.0.hook_resid_post"
     assert "train" not in d["details"]["seconds"]  # the saved SAE, not a new one
     assert (

@@ -387,7 +387,7 @@ def test_the_analysis_on_the_mixed_organism():
     top = {row["edge"] for row in r.tables["edges"][:14]}
     assert top == set(designed_edges(0.25))
     assert "other half" in r.circuits_note
-    assert EdgeCircuits.from_dict("edges", r.to_dict()).to_dict() == r.to_dict()
+    assert EdgeCircuits.from_dict(r.to_dict()).to_dict() == r.to_dict()
 
 
 def test_circuits_edges_command(tmp_path, capsys):
@@ -407,7 +407,7 @@ def test_circuits_edges_command(tmp_path, capsys):
         ]
     )
     assert rc == 0
-    d = json.loads(out.read_text())["probes"]["edges"]
+    d = json.loads(out.read_text())["results"]["edges"]
     assert {"faithfulness", "random", "greedy", "graph"} <= set(d)
     assert "edges.faithfulness_auc" in capsys.readouterr().out
 

@@ -219,9 +219,9 @@ def test_circuit_report_round_trips_through_json(notes_organism):
         progress=False,
     )
     d = r.to_dict()
-    assert {"read_heads", "scrubbing", "attribution"} <= set(d["probes"])
-    assert {"ranking", "topk_curve", "random_curve"} <= set(d["probes"]["read_heads"])
-    assert {"rank_correlation", "speedup"} <= set(d["probes"]["attribution"])
+    assert {"read_heads", "scrubbing", "attribution"} <= set(d["results"])
+    assert {"ranking", "topk_curve", "random_curve"} <= set(d["results"]["read_heads"])
+    assert {"rank_correlation", "speedup"} <= set(d["results"]["attribution"])
     back = CircuitReport.from_dict(d)
     assert back.to_dict() == d
 

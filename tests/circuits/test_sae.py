@@ -294,7 +294,7 @@ def test_sae_analysis_result_round_trips(organism_trials, organism_sae):
         "details",
     ):
         assert key in d, key
-    again = ProbeResult.from_dict("sae", json.loads(json.dumps(d)))
+    again = ProbeResult.from_dict(json.loads(json.dumps(d)))
     assert again.to_dict() == d
     assert d["headline"] == "single_feature_recovery"
     assert len(d["topk_curve"]["x"]) == SMALL["max_k"] and d["random_curve"]["x"] == [1, 2, 4]

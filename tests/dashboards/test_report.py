@@ -13,6 +13,7 @@ import pytest
 from circuits import CircuitReport
 from dashboards.figures import esc
 from dashboards.render import figure, html, panels, report_html, write_report
+from kvnotes.analysis.registry import get
 from kvnotes.analysis.report import Part, Report, ReportConfig, ReportFileError, run_report
 from kvnotes.analysis.results import Estimate, ProbeReport, ProbeResult
 from kvnotes.bench.ttft import EditCostReport, TTFTReport
@@ -82,32 +83,39 @@ def test_report_json_round_trips_into_the_same_objects(report_dir):
 def test_every_section_writes_one_layout(report_dir):
     _, report = report_dir
     d = report.to_dict()
-    assert d["schema"] == "kvnotes.report/3"
+    assert d["schema"] == "kvnotes.report/4"
     for key, part in d["parts"].items():
+        assert part["name"] == key.rpartition("/")[2], key  # a part names its section or analysis
         if not key.startswith("model/"):
-            assert part["kind"] == "SectionReport", key
-            assert set(part["result"]) == {"model", "task", "n", "seed", "probes", "meta"}, key
+            assert part["kind"] == "section", key
+            assert set(part["result"]) == {"model", "task", "n", "seed", "results", "meta"}, key
+            assert all(r["name"] == k for k, r in part["result"]["results"].items()), key
+        else:
+            assert part["kind"] == "analysis", key
     circuits = report.part("order-cancel", "circuits")
     assert isinstance(circuits, CircuitReport) and isinstance(circuits, ProbeReport)
     assert circuits.results is circuits.analyses is circuits.probes
 
 
 def _as_v2(d: dict) -> dict:
-    """A report's JSON as `kvnotes.report/2` wrote it: ProbeReport parts, and the circuits part a
-    CircuitReport with each analysis a top-level key."""
+    """A report's JSON as `kvnotes.report/2` wrote it: ProbeReport parts keyed "probes", results
+    without their names, and the circuits part a CircuitReport with each analysis a top-level key."""
     old = json.loads(json.dumps(d))
     old["schema"] = "kvnotes.report/2"
     for key, part in old["parts"].items():
-        if part["kind"] != "SectionReport":
+        if part.pop("kind") != "section":
+            part["kind"] = get(part.pop("name")).result.__name__  # a class name, as /1 to /3 stored it
             continue
+        del part["name"]
+        results = {
+            k: {f: v for f, v in r.items() if f != "name"} for k, r in part["result"].pop("results").items()
+        }
         if key.endswith("/circuits"):
             part["kind"] = "CircuitReport"
-            part["result"] = {
-                **{k: v for k, v in part["result"].items() if k != "probes"},
-                **part["result"]["probes"],
-            }
+            part["result"] = {**part["result"], **results}
         else:
             part["kind"] = "ProbeReport"
+            part["result"]["probes"] = results
     return old
 
 
@@ -126,7 +134,7 @@ def test_report_files_of_schema_1_and_2_still_load(report_dir, tmp_path):
         back = Report.load(tmp_path)
         assert {k: p.to_dict() for k, p in back.parts.items()} == want, old["schema"]
         read = back.part("order-cancel", "circuits").analyses["read_heads"]
-        assert read.to_dict() == want["order-cancel/circuits"]["result"]["probes"]["read_heads"]
+        assert read.to_dict() == want["order-cancel/circuits"]["result"]["results"]["read_heads"]
 
 
 def test_html_renders_from_the_json_alone(report_dir):

@@ -241,7 +241,7 @@ def test_probe_all_on_the_command_line(tmp_path, capsys):
     main(["probe", "all", "--model", name, "--n", "8", "--json", str(out)])
     d = json.loads(out.read_text())
     assert d["task"] == "mixed-organism"
-    probes_ = d["probes"]
+    probes_ = d["results"]
     assert abs(probes_["field_refresh"]["recovery"]["mean"] - want["field_refresh"]) < TOL
     for part in ("kv", "k_only", "v_only"):
         assert abs(probes_["notes_transplant"][part]["mean"] - want[part]) < TOL, part

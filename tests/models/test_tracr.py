@@ -204,7 +204,7 @@ def test_the_command_line_writes_a_program_s_pairs_and_runs_edges_on_them(tmp_pa
         ["circuits", "edges", "--model", "tracr-reverse", "--pairs", str(pairs_file), "--n", "3"]
         + ["--json", str(out)]
     )
-    assert rc == 0 and "edges" in json.loads(out.read_text())["probes"]  # every section keys "probes"
+    assert rc == 0 and "edges" in json.loads(out.read_text())["results"]  # every section keys "results"
     assert main(["pairs", "tracr", "--model", "tiny-llama", "--n", "3", "--out", str(pairs_file)]) == 2
     assert "not a tracr program" in capsys.readouterr().err
 

@@ -43,7 +43,7 @@ def test_cli_compose(tmp_path):
         ]
     )
     assert rc == 0
-    probes = json.loads(out.read_text())["probes"]
+    probes = json.loads(out.read_text())["results"]
     d = probes["seam_repair"]
     assert d["headline"] == "cosine@2" and len(d["values"]) == 1
     assert {"cosine@3", "agree@3", "follows"} <= set(probes["agent_loop"])

@@ -58,6 +58,6 @@ def test_cli_edit_with_cot(tmp_path):
         )
         == 0
     )
-    probes = json.loads(out.read_text())["probes"]
+    probes = json.loads(out.read_text())["results"]
     assert {"edit_methods", "cot_refresh"} <= set(probes)
     assert all(v <= 3 for v in probes["cot_refresh"]["edited_tokens"]["values"])

@@ -98,7 +98,7 @@ def test_compose_keystone_command_writes_its_part(tmp_path):
         ]
     )
     assert rc == 0
-    d = json.loads(out.read_text())["probes"]["keystone"]
+    d = json.loads(out.read_text())["results"]["keystone"]
     assert "gap.erratum" in d and d["details"]["diagonal"]["method"]
 
 

@@ -107,7 +107,7 @@ def test_probe_memory_placement_command_writes_its_part(tmp_path):
     argv = ["probe", "memory-placement", "--model", "notes-organism", "--facts", "2"]
     rc = main([*argv, "--memory-sizes", "280", "--episodes", "2", "--json", str(out)])
     assert rc == 0
-    d = json.loads(out.read_text())["probes"]["memory_placement"]
+    d = json.loads(out.read_text())["results"]["memory_placement"]
     assert "cost@280" in d and d["details"]["tost"]["280"]["margin"] == pytest.approx(0.03, abs=1e-12)
 
 

@@ -144,7 +144,7 @@ def test_report_round_trips_through_json():
     assert list(report.probes) == list(PROBES)
     d = json.loads(json.dumps(report.to_dict()))
     assert ProbeReport.from_dict(d).to_dict() == d
-    for name, p in d["probes"].items():
+    for name, p in d["results"].items():
         assert {"mean", "ci", "values", "headline"} <= set(p), name
         assert p["mean"] == p[p["headline"]]["mean"]
         # a pair without a matched control leaves the out-of-sample headline, counted in dropped
@@ -184,8 +184,8 @@ def test_cli_probe_all_writes_the_documented_json(tmp_path, capsys):
     assert rc == 0
     d = json.loads(out.read_text())
     assert (d["model"], d["task"], d["n"]) == ("tiny-llama", TASK, 2)
-    assert set(d["probes"]) == set(PROBES)
-    for p in d["probes"].values():
+    assert set(d["results"]) == set(PROBES)
+    for p in d["results"].values():
         # a pair without a matched control leaves the out-of-sample headline, counted in dropped
         assert len(p["values"]) + p.get("dropped", 0) == 2
         assert (p["ci"] is None) == (len(p["values"]) < 2) and (p["ci"] is None or len(p["ci"]) == 2)
@@ -215,7 +215,7 @@ def test_cli_regime_on_a_tiny_model(tmp_path):
         ]
     )
     assert rc == 0
-    r = json.loads(out.read_text())["probes"]["regime"]
+    r = json.loads(out.read_text())["results"]["regime"]
     assert set(r) >= {"field_refresh@0", "notes_transplant@24", "mean", "ci"}
     assert r["details"]["distance"][1] >= r["details"]["distance"][0] + 24
 

@@ -88,6 +88,6 @@ def test_probe_cli_keeps_to_one_template(tmp_path):
     assert main([*argv, "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["meta"]["configs"]["field_refresh"]["template"] == 1
-    effect = d["probes"]["field_refresh"]["effect"]
+    effect = d["results"]["field_refresh"]["effect"]
     assert effect["clusters"] == [1, 1]  # both pairs from template 1
     assert main([*argv[:-1], "9"]) == 2  # out of range: an error that names the count

@@ -156,7 +156,7 @@ def test_drift_and_seconds_are_measured(result):
 
 def test_result_round_trips_json(result):
     _, r = result
-    back = ProbeResult.from_dict("weight_edit", json.loads(json.dumps(r.to_dict())))
+    back = ProbeResult.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back.headline == r.headline and back.parts == r.parts
     assert back.pairs == r.pairs
 
@@ -268,12 +268,12 @@ def test_rome_has_no_path_above_layer_0_on_the_organism(notes_organism, trials):
 
 def test_rome_result_round_trips_and_old_json_reads_as_decision_keyed(result, rome_results):
     _, _, r, _ = rome_results
-    back = ProbeResult.from_dict("weight_edit_rome", json.loads(json.dumps(r.to_dict())))
+    back = ProbeResult.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back == r and back.name == "weight_edit_rome"
     old = result[1].to_dict()
     for key in ("method", "key_position", "covariance_seconds"):
         old["details"].pop(key)  # as saved before ROME was added
-    back = ProbeResult.from_dict("weight_edit", old)
+    back = ProbeResult.from_dict(old)
     assert back.method == "decision" and back.key_position == "decision" and back.covariance_seconds is None
 
 
