@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.engine import require, run
+from kvnotes.engine import Capability, require, run
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import Metric, logit_diff
@@ -209,7 +209,7 @@ def applied(model: KVModel, edit: RankOneEdit) -> Iterator[KVModel]:
 def check_layer(model: KVModel, layer: int | None) -> int:
     """The layer to edit: `layer`, or the middle one (n_layers // 2) when None. Weight edits write
     TransformerLens's MLP weights (`W_out`), so they run on that backend only."""
-    require(model, "weights", "weight edits (they write TransformerLens's MLP weights)")
+    require(model, Capability.WEIGHTS, "weight edits (they write TransformerLens's MLP weights)")
     if layer is None:
         return model.n_layers // 2
     if not 0 <= layer < model.n_layers:

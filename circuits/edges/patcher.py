@@ -25,7 +25,7 @@ from circuits.edges.graph import (
     edge_graph,
 )
 from kvnotes.capture import CaptureRun, RunCapture, capture_pair
-from kvnotes.engine import require, run
+from kvnotes.engine import Capability, require, run
 from kvnotes.engine.plan import softcap
 from kvnotes.engine.transformer_lens import kv_weights
 from kvnotes.errors import BadArgument
@@ -474,8 +474,8 @@ def groups_of(model: KVModel, pair: Pair) -> tuple[int, list[int]]:
 
 def edge_patcher(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> EdgePatcher:
     """`pair` prepared for edge patching and scoring: the prefix prefilled once, both runs captured."""
-    require(model, "hook_attn_scores", "edge-level circuits")
-    require(model, "weights", "edge-level circuits")
+    require(model, Capability.HOOK_ATTN_SCORES, "edge-level circuits")
+    require(model, Capability.WEIGHTS, "edge-level circuits")
     if len(pair.old.ids) != len(pair.new.ids):
         raise BadArgument("the pair's prompts differ in length; edge patching needs aligned prompts")
     start, grp = groups_of(model, pair)

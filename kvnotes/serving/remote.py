@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvnotes.display import Displayable
-from kvnotes.engine import require
+from kvnotes.engine import Capability, require
 from kvnotes.errors import BadArgument, KVNotesError
 
 KEY_HELP = (
@@ -116,7 +116,7 @@ def slot_sweep(
     or True / a host URL (NDIF); see the module docstring.
     """
     where = " on NDIF (load with remote=True)" if remote is True else ""
-    require(model, "remote", f"remote experiments{where}")
+    require(model, Capability.REMOTE, f"remote experiments{where}")
     stop = pair.old.span("decision").start
     slots = list(pair.downstream() if slots is None else slots)
     bad = [s for s in slots if not 0 <= s < stop]
