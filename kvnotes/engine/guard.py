@@ -19,13 +19,13 @@ arithmetic, `.to`, modules' own calls) is checked as it returns. A call fails th
   where it meets keys and values;
 - with `factories=True` (the default), a floating tensor made from no floating input (a factory
   such as `torch.zeros`, `torch.full`, `torch.tensor`, or a cast of an integer index such as
-  `one_hot(groups).double()`) by kvnotes, probes or circuits without `device=`: on the CPU it
+  `one_hot(groups).double()`) without `device=`: on the CPU it
   lands on the model's device by luck, on a GPU it would stay on the CPU, so this catches on the
   CPU what would fail on CUDA.
 
-Precision inside the model's own modules is theirs: TransformerLens's and transformers' norms
-compute bfloat16 inputs in float32 and cast back; the dtype rule applies to calls made from
-kvnotes, probes and circuits.
+Precision inside the model's own libraries is theirs (`LIBRARIES`: TransformerLens's and
+transformers' norms compute bfloat16 inputs in float32 and cast back); the dtype and device= rules
+apply to calls made anywhere else: kvnotes, probes, circuits and the user's own code under the guard.
 
 What leaves the device on purpose is allowed: `.cpu()`, `.numpy()`, `.tolist()`, `.item()` and
 Python's `float()`/`int()`/`bool()` of a tensor, the results' way out at the end. Code that means to
@@ -108,7 +108,7 @@ class _Guard(TorchFunctionMode):
             host_index = t.device.type == "cpu" and not t.is_floating_point()
             if not same_device(t.device, self.device) and t.device not in prior and not host_index:
                 return f"torch {name} made a tensor on {t.device}; the model is on {self.device}"
-        if not _caller().startswith(PROJECT):  # the model's own modules keep their own precision
+        if _caller() in LIBRARIES:  # the model's own modules keep their own precision
             return None
         dtypes = {t.dtype for t in floats} | {self.dtype} | _ALLOWED.get()
         for t in made:
@@ -141,16 +141,23 @@ def _tensors(x) -> Iterator[object]:
         yield x
 
 
-_SKIP = (str(Path(__file__).resolve()), str(Path(torch.__file__).parent), "jaxtyping", "typeguard")
+# frames passed over to find who made a call: this module, torch's wrappers, the type checkers'
+_WRAPPERS = frozenset({"torch", "jaxtyping", "typeguard", "contextlib"})
+# the model's own libraries: their modules keep their own precision (norms in float32)
+LIBRARIES = frozenset({"transformer_lens", "transformers", "nnsight", "einops", "fancy_einsum", "accelerate"})
+
+
+def _package(frame) -> str:
+    return str(frame.f_globals.get("__name__", "")).split(".")[0]
 
 
 def _caller() -> str:
-    """The file of the Python code that made the call (torch's and the type checkers' wrappers
-    passed over)."""
+    """The top-level package of the Python code that made the call (this module, torch's and the
+    type checkers' wrappers passed over)."""
     frame = sys._getframe(3)
-    while frame is not None and any(s in frame.f_code.co_filename for s in _SKIP):
+    while frame is not None and (frame.f_globals.get("__name__") == __name__ or _package(frame) in _WRAPPERS):
         frame = frame.f_back
-    return frame.f_code.co_filename if frame is not None else ""
+    return _package(frame) if frame is not None else ""
 
 
 def _where() -> str:
@@ -161,7 +168,7 @@ def _where() -> str:
     inner = None
     while frame is not None:
         path = frame.f_code.co_filename
-        if not any(s in path for s in _SKIP):
+        if frame.f_globals.get("__name__") != __name__ and _package(frame) not in _WRAPPERS:
             inner = inner or f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
             if path.startswith(PROJECT):
                 outer = f"{_short(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
