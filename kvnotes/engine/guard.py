@@ -17,15 +17,16 @@ arithmetic, `.to`, modules' own calls) is checked as it returns. A call fails th
   tensors may live on the CPU: a notebook keeps its positions and tokens there (host-side
   indices, read by Python without a device sync), and the engine moves an index to the device
   where it meets keys and values;
-- with `factories=True` (the default), a floating tensor made from no floating input (a factory
-  such as `torch.zeros`, `torch.full`, `torch.tensor`, or a cast of an integer index such as
-  `one_hot(groups).double()`) without `device=`: on the CPU it
-  lands on the model's device by luck, on a GPU it would stay on the CPU, so this catches on the
-  CPU what would fail on CUDA.
+- with `factories=True` (the default), a floating tensor made on the host: by a factory called
+  without `device=` (`torch.zeros(n)`, `torch.tensor(floats)`), or from such tensors only (a
+  cast of an index made so, `one_hot(torch.tensor(groups)).double()`). On the CPU it lands on
+  the model's device by luck, on a GPU it would stay on the CPU, so this catches on the CPU what
+  would fail on CUDA.
 
-Precision inside the model's own libraries is theirs (`LIBRARIES`: TransformerLens's and
-transformers' norms compute bfloat16 inputs in float32 and cast back); the dtype and device= rules
-apply to calls made anywhere else: kvnotes, probes, circuits and the user's own code under the guard.
+What the model's own libraries do inside is theirs (`LIBRARIES`: TransformerLens's and
+transformers' norms compute bfloat16 inputs in float32 and cast back, sae-lens builds an SAE on the
+meta device first); the rules apply to calls made anywhere else: kvnotes, probes, circuits and the
+user's own code under the guard.
 
 What leaves the device on purpose is allowed: `.cpu()`, `.numpy()`, `.tolist()`, `.item()` and
 Python's `float()`/`int()`/`bool()` of a tensor, the results' way out at the end. Code that means to
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,6 +83,7 @@ class _Guard(TorchFunctionMode):
         super().__init__()
         self.device, self.dtype, self.factories, self.collect = device, dtype, factories, collect
         self.violations: list[str] = []
+        self.host: dict[int, weakref.ref] = {}  # id -> the tensors `_on_host` made (by identity)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -97,7 +100,7 @@ class _Guard(TorchFunctionMode):
 
     def _problem(self, name: str, out, args, kwargs) -> str | None:
         made = [t for t in _tensors(out) if isinstance(t, torch.Tensor)]
-        if not made:
+        if not made or _caller() in LIBRARIES:  # the model's own libraries run as they do
             return None
         given = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor)]
         floats = [t for t in given if t.is_floating_point()]
@@ -108,19 +111,33 @@ class _Guard(TorchFunctionMode):
             host_index = t.device.type == "cpu" and not t.is_floating_point()
             if not same_device(t.device, self.device) and t.device not in prior and not host_index:
                 return f"torch {name} made a tensor on {t.device}; the model is on {self.device}"
-        if _caller() in LIBRARIES:  # the model's own modules keep their own precision
-            return None
         dtypes = {t.dtype for t in floats} | {self.dtype} | _ALLOWED.get()
         for t in made:
             if t.is_floating_point() and t.dtype not in dtypes:
                 return f"torch {name} made a {t.dtype} tensor; the model computes in {self.dtype}"
-        if self.factories and not floats and any(t.is_floating_point() for t in made):
-            if not _names_device(args, kwargs):
+        if self.factories and self._on_host(made, given, args, kwargs):
+            if any(t.is_floating_point() for t in made):
                 return (
-                    f"torch {name} made a floating tensor from no floating input without device= "
-                    "(on a GPU it would be on the CPU)"
+                    f"torch {name} made a floating tensor on the host without device= "
+                    "(on a GPU it would be on the CPU, not with the model)"
                 )
         return None
+
+    def _on_host(self, made, given, args, kwargs) -> bool:
+        """Whether `made` stays on the CPU wherever the model is: made with no device named from
+        nothing (a factory) or only from such tensors (`torch.arange(n) + 0.5`). Remembered, so
+        what is computed from them is too; tensors made before the guard count as the model's."""
+        host = not _names_device(args, kwargs) and all(self._is_host(t) for t in given)
+        if host:
+            for t in made:
+                if t.device.type == "cpu":
+                    key = id(t)
+                    self.host[key] = weakref.ref(t, lambda _, key=key: self.host.pop(key, None))
+        return host
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        ref = self.host.get(id(t))
+        return ref is not None and ref() is t
 
 
 def _names_device(args, kwargs) -> bool:
@@ -144,7 +161,9 @@ def _tensors(x) -> Iterator[object]:
 # frames passed over to find who made a call: this module, torch's wrappers, the type checkers'
 _WRAPPERS = frozenset({"torch", "jaxtyping", "typeguard", "contextlib"})
 # the model's own libraries: their modules keep their own precision (norms in float32)
-LIBRARIES = frozenset({"transformer_lens", "transformers", "nnsight", "einops", "fancy_einsum", "accelerate"})
+LIBRARIES = frozenset(
+    {"transformer_lens", "transformers", "nnsight", "einops", "fancy_einsum", "accelerate", "sae_lens"}
+)
 
 
 def _package(frame) -> str:
