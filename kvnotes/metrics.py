@@ -83,6 +83,17 @@ def recovery(
         return torch.where(flat, math.nan, out) if undefined == "nan" else out
 
 
+def undefined_recovery(n: int, device: torch.device | str | None = None) -> Float[Tensor, " n"]:
+    """`n` recoveries that are undefined (NaN; `n` = 0: none), float64 on `device` as `recovery`'s
+    are, for an analysis with nothing to measure.
+
+    >>> undefined_recovery(2).tolist(), undefined_recovery(0).shape
+    ([nan, nan], torch.Size([0]))
+    """
+    with allow(torch.float64):
+        return torch.full((n,), math.nan, dtype=torch.float64, device=device)
+
+
 def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Spearman's rank correlation of `a` and `b`; None when either is constant (rho is undefined)."""
     if len(set(a)) < 2 or len(set(b)) < 2:
