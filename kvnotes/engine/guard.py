@@ -42,9 +42,10 @@ from __future__ import annotations
 import contextvars
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -131,9 +132,11 @@ class _Guard(TorchFunctionMode):
         if host:
             for t in made:
                 if t.device.type == "cpu":
-                    key = id(t)
-                    self.host[key] = weakref.ref(t, lambda _, key=key: self.host.pop(key, None))
+                    self.host[id(t)] = weakref.ref(t, self._forget(id(t)))
         return host
+
+    def _forget(self, key: int) -> Callable[[weakref.ref], object]:
+        return lambda _: self.host.pop(key, None)  # the tensor is gone; its id may come again
 
     def _is_host(self, t: torch.Tensor) -> bool:
         ref = self.host.get(id(t))
@@ -173,7 +176,7 @@ def _package(frame) -> str:
 def _caller() -> str:
     """The top-level package of the Python code that made the call (this module, torch's and the
     type checkers' wrappers passed over)."""
-    frame = sys._getframe(3)
+    frame: FrameType | None = sys._getframe(3)
     while frame is not None and (frame.f_globals.get("__name__") == __name__ or _package(frame) in _WRAPPERS):
         frame = frame.f_back
     return _package(frame) if frame is not None else ""
@@ -182,7 +185,7 @@ def _caller() -> str:
 def _where() -> str:
     """The innermost kvnotes/probes/circuits line on the stack (this module left out), and the
     line that made the call where it is elsewhere (TransformerLens, torch)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     outer = None
     inner = None
     while frame is not None:
