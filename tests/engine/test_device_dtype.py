@@ -87,6 +87,16 @@ def test_every_loader_takes_device_and_dtype(name, backend):
     assert (model.device, model.dtype) == (torch.device("cpu"), torch.float16)
 
 
+@pytest.mark.parametrize("backend", ["transformer-lens", "nnsight"])
+def test_a_checkpoint_directory_loads_in_the_dtype_asked_for(backend, tmp_path):
+    from kvnotes.zoo.export import export
+
+    out = export(load_model("tiny-gpt2"), tmp_path / "tiny-gpt2", progress=False)
+    model = load_model(str(out), backend=backend, device="cpu", dtype="bfloat16")
+    assert (model.device, model.dtype) == (torch.device("cpu"), torch.bfloat16)
+    assert model.fingerprint != load_model(str(out), backend=backend).fingerprint
+
+
 def test_a_cached_tracr_model_stays_float32():
     pytest.importorskip("tracr")
     half = load_model("tracr-count", dtype="bfloat16")
