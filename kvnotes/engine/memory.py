@@ -9,8 +9,10 @@ H query heads, G key/value heads, d_head, d_model, d_mlp, V = d_vocab_out):
   slots of its own (`row_bytes`): its overlay `P * 2 * L * G * d_head * b` (every layer), plus one
   block's activations at a time, `q * (4 * d_model + 2 * H * d_head + 2 * G * d_head + m * d_mlp) * b`
   (residual copies, queries and attention out, keys and values, m = 3 for a gated MLP else 2),
-  the scores and pattern `2 * H * q * k * b` and the keys laid end to end `2 * G * d_head * k * b`
-  over its `k = S + P + q` keys, plus the read logits `4 * V` (float32, one position).
+  the scores and pattern `2 * H * q * k * b`, the keys and values laid end to end for two blocks
+  `4 * G * d_head * k * b` (one block's copy may live while the next is made) and the mask, bias
+  and positions `(5 * q + KEY_BOOKKEEPING) * k` over its `k = S + P + q` keys, plus the read
+  logits `4 * V` (float32, one position).
 
 The terms are upper bounds of what one block holds at once; the planner lets a batch take
 `FRACTION` of the free memory, so that what the estimate leaves out (allocator slack, temporaries)
@@ -32,6 +34,7 @@ from kvnotes.models.model import ModelFacts
 
 FRACTION = 0.5  # of the free memory, what one batch's rows may take
 MIB = 2**20
+KEY_BOOKKEEPING = 64  # bytes a key costs in positions and masks (int64 and bool copies; 45 measured)
 
 FreeReader = Callable[[torch.device], "int | None"]
 _reader: ContextVar[FreeReader | None] = ContextVar("kvnotes_free_reader", default=None)
@@ -55,8 +58,9 @@ def row_bytes(facts: ModelFacts, itemsize: int, n_query: int, n_slots: int, n_pa
     k = n_slots + n_patched + q
     mlp = (3 if f.gated_mlp else 2) * (f.d_mlp or 0)
     act = q * (4 * f.d_model + 2 * f.n_heads * f.d_head + 2 * f.n_kv_heads * f.d_head + mlp)
-    attn = 2 * f.n_heads * q * k + 2 * f.n_kv_heads * f.d_head * k
-    return n_patched * slot_bytes(f, itemsize) + (act + attn) * itemsize + 4 * f.d_vocab_out
+    attn = 2 * f.n_heads * q * k + 4 * f.n_kv_heads * f.d_head * k
+    per_key = (5 * q + KEY_BOOKKEEPING) * k  # float32 bias, bool mask, int64 positions and liveness
+    return n_patched * slot_bytes(f, itemsize) + (act + attn) * itemsize + per_key + 4 * f.d_vocab_out
 
 
 def system_free(device: torch.device) -> int | None:
