@@ -146,7 +146,7 @@ def peak_bytes(call: Callable[[], Any], device: torch.device) -> int:
     return live.peak
 
 
-def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+def slope(xs: Sequence[int | float], ys: Sequence[int | float]) -> float:
     """Least-squares slope of ys against xs."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
