@@ -13,7 +13,8 @@
 # exit code and wall time. On CUDA with Gemma 3 270M it aims at about 5 minutes (10 at most).
 # --dry-run: the same steps at CI sizes on tiny-llama (about a minute on 2 CPU cores).
 # The exit code is 0 when every step passed, 1 when one failed, 2 for bad arguments.
-# KVNOTES (default: kvnotes) is the command run, e.g. KVNOTES="python -m kvnotes.cli".
+# KVNOTES (default: kvnotes) is the command run, e.g. KVNOTES="python -m kvnotes.cli"; PYTHON
+# (default: python3) runs the memory bench.
 set -euo pipefail
 
 usage="usage: scripts/device-check.sh --out DIR [--device cpu|cuda|cuda:N|mps] [--dry-run]"
@@ -45,18 +46,21 @@ if ! [[ $device =~ ^(cpu|cuda|cuda:[0-9]+|mps)$ ]]; then
 fi
 mkdir -p "$out"
 read -r -a kv <<< "${KVNOTES:-kvnotes}"
+read -r -a py <<< "${PYTHON:-python3}"
 
 if [ "$dry" = 1 ]; then
   model=tiny-llama
   sweep=(--tokens 64 --slots 4 --repeats 1 --batch-sizes 4)
-  prefill=(--lengths 128,256 --repeats 1)
-  memory=(--tokens 64,128,256 --batches 2,4,8)
+  prefill=(--lengths "128,256" --repeats 1)
+  memory=(--tokens "64,128,256" --batches "2,4,8")
+  report=(--n 2)
   limit=120
 else
   model=gemma-3-270m
-  sweep=(--tokens 256,1024 --slots 32 --repeats 3 --batch-sizes 16,32,64)
-  prefill=(--lengths 1024,4096 --repeats 2)
-  memory=(--tokens 256,512,1024,2048 --batches 4,8,16,32)
+  sweep=(--tokens "256,1024" --slots 32 --repeats 3 --batch-sizes "16,32,64")
+  prefill=(--lengths "1024,4096" --repeats 2)
+  memory=(--tokens "256,512,1024,2048" --batches "4,8,16,32")
+  report=()
   limit=150
 fi
 on=(--model "$model" --device "$device")
@@ -87,10 +91,10 @@ step verify-bfloat16 "$limit" "${kv[@]}" verify "${on[@]}" --dtype bfloat16 --js
 step patch-sweep "$limit" "${kv[@]}" bench patch-sweep "${on[@]}" --dtype float32 "${sweep[@]}" \
   --json "$out/patch-sweep.json"
 step prefill "$limit" "${kv[@]}" bench prefill "${on[@]}" --dtype float32 "${prefill[@]}" --json "$out/prefill.json"
-step memory "$limit" python3 -m kvnotes.bench.memory "${on[@]}" --dtype float32 "${memory[@]}" \
+step memory "$limit" "${py[@]}" -m kvnotes.bench.memory "${on[@]}" --dtype float32 "${memory[@]}" \
   --json "$out/memory.json"
 step report "$((limit * 2))" "${kv[@]}" report "${on[@]}" --dtype float32 --task order-cancel --quick \
-  --out "$out/report"
+  "${report[@]}" --out "$out/report"
 
 python3 - "$out" "$device" "$dry" "$(($(date +%s) - start))" <<'PY'
 import json, platform, shutil, subprocess, sys

@@ -259,10 +259,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--tokens", default="64,128,256,512", help="notebook lengths (comma-separated)")
     p.add_argument("--batches", default="2,4,8,16", help="batch sizes (comma-separated)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--json", help="also write the result as JSON")
     a = p.parse_args(argv)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    d = scaling(load_model(a.model), ints(a.tokens), ints(a.batches))
+    d = scaling(load_model(a.model, device=a.device, dtype=a.dtype), ints(a.tokens), ints(a.batches))
     print(scaling_table(d))
     if a.json:
         Path(a.json).write_text(json.dumps(d, indent=2))
