@@ -143,3 +143,24 @@ def test_a_sweep_that_would_not_fit_is_refused_before_it_starts(model, monkeypat
             check_fits(model, 4 * n, (1,), full=True)
         r = patch_sweep(model, n, n_slots=2, repeats=1, batch_sizes=(2, 3), progress=False)
     assert prefills and r.n_patches == 2
+
+
+def test_an_edge_analysis_that_would_not_fit_is_refused_before_any_forward(model, monkeypatch):
+    from circuits.edges import patcher as P
+    from kvnotes.tasks import load_task
+    from kvnotes.tasks.sampler import sample
+
+    pair = sample(load_task("order-cancel"), model, 1, seed=0)[0]
+    start, _ = P.groups_of(model, pair)
+    n = len(pair.new.ids) - start
+    need = (2 + P.PATCH_ROWS) * model.n_layers * row_bytes(model.facts, model.dtype.itemsize, n, start)
+    forwards: list[int] = []
+    real_prefill, real_capture = P.prefill, P.capture_pair
+    monkeypatch.setattr(P, "prefill", lambda *a, **k: forwards.append(1) or real_prefill(*a, **k))
+    monkeypatch.setattr(P, "capture_pair", lambda *a, **k: forwards.append(1) or real_capture(*a, **k))
+    with pretend_free(int(need / FRACTION) - 1), pytest.raises(BadArgument, match="shorter prompt"):
+        P.edge_patcher(model, pair)
+    assert forwards == []
+    with pretend_free(int(need / FRACTION) + 1):
+        site = P.edge_patcher(model, pair)
+    assert forwards and site.n_tokens == n
