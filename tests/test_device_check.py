@@ -49,7 +49,9 @@ def test_every_step_is_recorded_in_the_summary(tmp_path):
     assert [s["step"] for s in summary["steps"]] == STEPS
     assert all(s["exit_code"] == 0 and s["wall_s"] >= 0 and s["timeout_s"] > 0 for s in summary["steps"])
     verify = summary["steps"][1]["command"]
-    assert verify[:1] == ["true"] and "--dtype" in verify and verify[verify.index("--dtype") + 1] == "bfloat16"
+    assert (
+        verify[:1] == ["true"] and "--dtype" in verify and verify[verify.index("--dtype") + 1] == "bfloat16"
+    )
     assert {"torch", "device_name", "nvidia_smi", "machine"} <= set(summary)
 
 

@@ -531,7 +531,7 @@ def check_fits(model: KVModel, n_prefix: int, n_tokens: int) -> None:
         raise BadArgument(
             f"edge patching {n_tokens} tokens from the changed field on needs ~{mib(need)}, more than "
             f"{FRACTION:.0%} of the free memory on {model.device} ({mib(room)}); use a task whose field "
-            "sits nearer the decision (a shorter prompt after it), or leave edges out (a report's --skip edges)"
+            "sits nearer the decision (a shorter prompt after it), or leave edges out (report --skip edges)"
         )
 
 
