@@ -185,7 +185,7 @@ def rows_per_forward(
     if want is not None and want > fit:
         raise BadArgument(
             f"a batch of {want - 1} rows needs ~{mib(want * per)}, more than {where}; "
-            f"pass --batch-size {fit - 1} or less"
+            f"pass batch_size={fit - 1} or less"
         )
     return min(fit, MAX_ROWS + 1)
 

@@ -113,7 +113,7 @@ def test_a_batch_that_would_not_fit_is_refused_before_any_forward(model, pair, m
     free = int(6 * per / FRACTION) + 1  # room for 6 rows: a batch of 5 and the unchanged one
     specs = [ops.Patch(positions=(p,)) for p in range(dst.n_slots - 12, dst.n_slots)]
     calls = _count_forwards(monkeypatch)
-    with pretend_free(free), pytest.raises(BadArgument, match=r"--batch-size 5 or less"):
+    with pretend_free(free), pytest.raises(BadArgument, match=r"batch_size=5 or less"):
         ops.decide_patched(model, dst, src, specs, new, batch_size=12)
     assert calls == []  # refused before any forward
     with pretend_free(free):
