@@ -21,6 +21,7 @@ from kvnotes.capture import CaptureRun, capture_pair, capture_runs
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument
 from kvnotes.hooks import hook_name
+from kvnotes.metrics import undefined_recovery
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Tensor
 from probes.trials import Trial, clusters_of
@@ -60,7 +61,7 @@ class FeaturePatcher:
         self, sets: Sequence[Sequence[int]], *, error: bool = False
     ) -> Float[Tensor, "batch pos d_model"]:
         """What each feature set adds to the old run's residual at the region's positions."""
-        mask = torch.zeros(len(sets), self.decoder.shape[0])
+        mask = self.decoder.new_zeros(len(sets), self.decoder.shape[0])  # the decoder's dtype and device
         for i, feats in enumerate(sets):
             mask[i, list(feats)] = 1.0
         delta = (mask[:, None, :] * (self.a_new - self.a_old)[None]) @ self.decoder
@@ -72,7 +73,7 @@ class FeaturePatcher:
             self.lds(self.base_old, self.deltas(sets[i : i + ROWS], error=error))
             for i in range(0, len(sets), ROWS)
         ]
-        return self.trial.recovery(torch.cat(lds)) if lds else torch.zeros(0, dtype=torch.float64)
+        return self.trial.recovery(torch.cat(lds)) if lds else undefined_recovery(0, self.decoder.device)
 
     def ld_reconstructed(self) -> float:
         """The new run's decision logit difference with the region's residual replaced by the SAE's
@@ -176,7 +177,7 @@ def residual_scan(t: Trial, region: str) -> Float[Tensor, " layer"]:
     names = [hook_name(l, "hook_resid_post") for l in range(L)]
     runs = region_runs(t, region)
     if runs is None:
-        return torch.full((L,), float("nan"), dtype=torch.float64)
+        return undefined_recovery(L, model.device)
     (ref,) = capture_runs(model, runs[1:], names)
     base_old, tokens, positions = runs[0].notebook, runs[0].tokens, runs[0].positions
     rows = torch.arange(L)

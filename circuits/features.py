@@ -68,6 +68,7 @@ from circuits.sae import (
 )
 from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
+from kvnotes.engine.guard import allow
 from kvnotes.errors import BadArgument
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
@@ -416,6 +417,7 @@ def _check_seeds(trials: Sequence[Trial], cfg: SAEConfig) -> None:
         )
 
 
+@allow(torch.float32)  # an SAE is a model of its own, trained and read in float32 (sae-lens's dtype)
 @torch.no_grad()
 def _decoding(sae, held: Residuals, cfg: SAEConfig, answers: Sequence[str]) -> dict:
     """Per-feature AUC on the held-out prompts' site activations, and reconstruction figures."""

@@ -29,6 +29,7 @@ import torch
 from kvnotes.batches import fixed_batches, run_rows
 from kvnotes.capture import CaptureRun, capture_pair, capture_runs
 from kvnotes.hooks import hook_name
+from kvnotes.metrics import undefined_recovery
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import query_tokens
@@ -203,7 +204,7 @@ def head_rows(
     """Recovery of each head set: `ids` at `positions` after `nb`, with `hooks(masks)` for each
     batch's `[row, layer, head]` masks (one unchanged row more where `run_rows` asks for it)."""
     if not sets:
-        return torch.zeros(0, dtype=torch.float64)
+        return undefined_recovery(0, t.model.device)
 
     def make(rows: list[int], base: bool) -> tuple[list, None]:
         return hooks(masks_for(t.model, [sets[i] for i in rows] + ([[]] if base else []))), None
@@ -295,7 +296,7 @@ def write_sweep(
     recomputed note slots as it would after writing them; batched as `read_sweep` is."""
     cap = write_capture(t)
     if cap is None:
-        return torch.full((len(sets),), float("nan"), dtype=torch.float64)
+        return undefined_recovery(len(sets), t.model.device)
     n = len(cap.tokens)
 
     hooks = partial(write_hooks, z_new=cap.z_new, n_total=n)

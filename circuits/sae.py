@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes.engine import run
+from kvnotes.engine.guard import allow
 from kvnotes.errors import (
     BadArgument,
     MissingDependency,
@@ -172,6 +173,7 @@ class Residuals:
         return [v[-1:] for v in self.vectors]
 
 
+@allow(torch.float32)  # an SAE is a model of its own, trained and read in float32 (sae-lens's dtype)
 def collect_residuals(
     model: KVModel, pairs: Sequence[Pair], hook_name: str, *, progress: bool = True
 ) -> Residuals:
@@ -226,6 +228,7 @@ def train_sae(
     return fit_sae(residuals, cfg, model=model, task=task.name, progress=progress)
 
 
+@allow(torch.float32)  # an SAE is a model of its own, trained and read in float32 (sae-lens's dtype)
 def fit_sae(
     residuals: Residuals,
     cfg: SAEConfig = SAEConfig(),
@@ -430,6 +433,7 @@ def check_sae(sae, model: KVModel | None = None, *, layer: int | None = None) ->
     return hook, at
 
 
+@allow(torch.float32)  # an SAE is a model of its own, trained and read in float32 (sae-lens's dtype)
 @torch.no_grad()
 def decoder_rows(sae) -> Float[Tensor, "d_sae d_model"]:
     """The direction each feature adds to the residual: decode(a) = a @ rows + decode(0).

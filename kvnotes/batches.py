@@ -161,7 +161,7 @@ def run_rows(
         if out is None:
             out = r.last.new_zeros(n, width)
         out[rows] = r.last[: len(rows)]
-    return out if out is not None else torch.zeros(0, width)
+    return out if out is not None else torch.zeros(0, width, dtype=model.dtype, device=model.device)
 
 
 def rows_per_forward(

@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kvnotes.engine.guard import allow
 from kvnotes.errors import BadArgument
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Tensor
@@ -26,17 +27,20 @@ def logit_diff(
 
     The default `Metric`: `logit_diff(logits, (a, b))`; `logit_diff(logits, a, b)` is the same.
     Both logits are cast before subtracting, so the difference of float32 or bfloat16 logits is
-    not rounded back to their precision (every figure reads the same, exact, margin).
+    not rounded back to their precision (every figure reads the same, exact, margin). The cast
+    stays on the logits' device, the one upcast `kvnotes.engine.guard` allows here.
     """
     if b is None:
         a, b = a
-    return logits[..., a].double() - logits[..., b].double()
+    with allow(torch.float64):
+        return logits[..., a].double() - logits[..., b].double()
 
 
 def answer_logprob(logits: Float[Tensor, "*b d_vocab"], answers: tuple[int, int]) -> Float[Tensor, "*b"]:
     """log p(answers[0]) over the whole vocabulary, in float64: a `Metric` that, unlike the logit
     difference, also moves when probability shifts to tokens outside the answer pair."""
-    return torch.log_softmax(logits.double(), dim=-1)[..., answers[0]]
+    with allow(torch.float64):
+        return torch.log_softmax(logits.double(), dim=-1)[..., answers[0]]
 
 
 def answer_columns(metric: Metric, answers: Sequence[int]) -> tuple[tuple[int, int] | None, tuple[int, int]]:
@@ -66,13 +70,28 @@ def recovery(
     """
     if undefined not in ("raise", "nan"):
         raise BadArgument(f"undefined must be 'raise' or 'nan', got {undefined!r}")
-    patched, old, new = (torch.as_tensor(x, dtype=torch.float64) for x in (patched, old, new))
-    denom = new - old
-    flat = denom.abs() < 1e-9
-    if undefined == "raise" and flat.any():
-        raise ValueError("recovery is undefined: the old and new metrics are equal for some prompt")
-    out = (patched - old) / denom
-    return torch.where(flat, math.nan, out) if undefined == "nan" else out
+    device = next((x.device for x in (patched, old, new) if isinstance(x, Tensor)), None)
+    with allow(torch.float64):  # on the metrics' device: numbers given as floats join them there
+        patched, old, new = (
+            torch.as_tensor(x, dtype=torch.float64, device=device) for x in (patched, old, new)
+        )
+        denom = new - old
+        flat = denom.abs() < 1e-9
+        if undefined == "raise" and flat.any():
+            raise ValueError("recovery is undefined: the old and new metrics are equal for some prompt")
+        out = (patched - old) / denom
+        return torch.where(flat, math.nan, out) if undefined == "nan" else out
+
+
+def undefined_recovery(n: int, device: torch.device | str | None = None) -> Float[Tensor, " n"]:
+    """`n` recoveries that are undefined (NaN; `n` = 0: none), float64 on `device` as `recovery`'s
+    are, for an analysis with nothing to measure.
+
+    >>> undefined_recovery(2).tolist(), undefined_recovery(0).shape
+    ([nan, nan], torch.Size([0]))
+    """
+    with allow(torch.float64):
+        return torch.full((n,), math.nan, dtype=torch.float64, device=device)
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -86,7 +105,8 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
 
 def logit_cosine(a: Float[Tensor, "*b d_vocab"], b: Float[Tensor, "*b d_vocab"]) -> Float[Tensor, "*b"]:
     """Cosine similarity of two logit vectors (over the vocabulary)."""
-    return F.cosine_similarity(a.double(), b.double(), dim=-1)
+    with allow(torch.float64):
+        return F.cosine_similarity(a.double(), b.double(), dim=-1)
 
 
 def agreement(
@@ -94,7 +114,7 @@ def agreement(
 ) -> Tensor:
     """Whether two logit vectors pick the same token: among `answers`, or top-1 over the vocab."""
     if answers is not None:
-        idx = torch.tensor(answers)
+        idx = torch.tensor(answers, device=a.device)
         a, b = a[..., idx], b[..., idx]
     return a.argmax(-1) == b.argmax(-1)
 

@@ -107,7 +107,7 @@ class Notebook:
                 f"position(s) {bad[:8]} not in this notebook (it holds "
                 f"{self.n_slots} slots, positions {self._pos_summary()})"
             )
-        return match.float().argmax(1)
+        return match.to(torch.uint8).argmax(1)  # each row has one match; no float made
 
     def _pos_summary(self) -> str:
         if self.n_slots == 0:

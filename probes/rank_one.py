@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from kvnotes.engine import Capability, require, run
+from kvnotes.engine.guard import allow
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import Metric, logit_diff
@@ -132,6 +133,7 @@ class KeyCovariance:
         )
 
 
+@allow(torch.float64)  # the keys' second moment accumulates in float64 on the model's device
 def key_covariance(
     model: KVModel,
     task: Task | str,
@@ -156,7 +158,7 @@ def key_covariance(
     task = load_task(task)
     post = hook_name(layer, "mlp.hook_post")
     d = model.facts.d_mlp
-    total, n = torch.zeros(d, d, dtype=torch.float64), 0
+    total, n = torch.zeros(d, d, dtype=torch.float64, device=model.device), 0
     with torch.no_grad():
         for pair in sample(task, model, prompts, seed=seed):
             ids = list(pair.old.ids)

@@ -132,10 +132,10 @@ class EdgePatcher:
         query group]."""
         gr = self.graph
         b = keep.shape[0]
-        dtype = self.new.x[0].dtype
-        res = torch.zeros(b, gr.n_readers, gr.n_writers, len(GROUPS), dtype=dtype)
-        att = torch.zeros(b, gr.n_layers, gr.n_heads, len(GROUPS), len(GROUPS), dtype=dtype)
-        off = 1 - keep.to(dtype)
+        here = dict(dtype=self.new.x[0].dtype, device=self.new.x[0].device)
+        res = torch.zeros(b, gr.n_readers, gr.n_writers, len(GROUPS), **here)
+        att = torch.zeros(b, gr.n_layers, gr.n_heads, len(GROUPS), len(GROUPS), **here)
+        off = 1 - keep.to(**here)
         r = np.flatnonzero(gr.kind == RESIDUAL)
         t = np.flatnonzero(gr.kind == ATTENTION)
         res[:, gr.b[r], gr.a[r], gr.c[r]] = off[:, r]

@@ -25,8 +25,10 @@ import torch
 from circuits.edges.graph import GROUPS, RESIDUAL
 from circuits.edges.patcher import EdgePatcher, _Grad
 from circuits.edges.scores import _gradients, writer_deltas
+from kvnotes.engine.guard import allow
 
 
+@allow(torch.float64)  # accumulated in float64 on the model's device, as `score_edges`
 def position_scores(patcher: EdgePatcher) -> np.ndarray:
     """`[readers, writers, T]`, recovery units: -(writer w's change at position t) · (the metric's
     gradient at reader r's input at t) / effect, at the new run (EAP), for every residual edge of the
@@ -36,10 +38,11 @@ def position_scores(patcher: EdgePatcher) -> np.ndarray:
     `score_edges(patcher, "eap")`'s score of that residual edge."""
     gr = patcher.graph
     L, B, T = gr.n_layers, gr.block, patcher.n_tokens
-    grads, _ = _gradients(patcher, _Grad(torch.ones(1, dtype=torch.float64), patcher.old.emb))
+    here = dict(dtype=torch.float64, device=patcher.model.device)
+    grads, _ = _gradients(patcher, _Grad(torch.ones(1, **here), patcher.old.emb))
     D = writer_deltas(patcher).double()  # [W, T, d]
     with torch.no_grad():
-        out = torch.zeros(gr.n_readers, gr.n_writers, T, dtype=torch.float64)
+        out = torch.zeros(gr.n_readers, gr.n_writers, T, **here)
         for l in range(L):
             ga = grads[("attn", l)].double().sum(0)  # [H + KVH, T, d]: query heads, then KV heads
             gm = grads[("mlp", l)].double().sum(0)[None]  # [1, T, d]

@@ -13,6 +13,7 @@ import torch
 from circuits.edges.graph import ATTENTION, GROUPS, RESIDUAL, EdgeGraph
 from circuits.edges.patcher import EdgePatcher, _Grad, _post_delta, _Run
 from circuits.edges.qk import EXACT_KEYS, qk_fix
+from kvnotes.engine.guard import allow
 from kvnotes.errors import BadArgument
 from kvnotes.types import Tensor
 
@@ -31,6 +32,7 @@ class EdgeScores:
     steps: int = 1
 
 
+@allow(torch.float64)  # the scores accumulate in float64 on the model's device, whatever its dtype
 def score_edges(
     patcher: EdgePatcher, method: str = "eap-ig", *, steps: int = 16, chunk: int = 4, keys: str = "changed"
 ) -> EdgeScores:
@@ -53,9 +55,9 @@ def score_edges(
         steps = 1
     else:
         if method == "eap-ig":  # the midpoint rule over the field embeddings' path
-            alphas = (torch.arange(steps, dtype=torch.float64) + 0.5) / steps
+            alphas = (torch.arange(steps, dtype=torch.float64, device=patcher.model.device) + 0.5) / steps
         else:
-            alphas = torch.ones(1, dtype=torch.float64)
+            alphas = torch.ones(1, dtype=torch.float64, device=patcher.model.device)
             steps = 1
         acc = _Accumulator(patcher, keys)
         for a in range(0, len(alphas), chunk):
@@ -88,7 +90,8 @@ def _graddrop(patcher: EdgePatcher, keys: str = "changed") -> np.ndarray:
     edge's reader off (the package docstring)."""
     L = patcher.graph.n_layers
     drop = torch.arange(L)
-    grads, st = _gradients(patcher, _Grad(torch.ones(L, dtype=torch.float64), patcher.old.emb, drop))
+    ones = torch.ones(L, dtype=torch.float64, device=patcher.model.device)
+    grads, st = _gradients(patcher, _Grad(ones, patcher.old.emb, drop))
     dst_layer = _reader_layers(patcher.graph)
     total = np.zeros(len(patcher.graph))
     for m in range(L):
@@ -112,10 +115,11 @@ class _Accumulator:
     def __init__(self, patcher: EdgePatcher, keys: str = "changed"):
         self.patcher, self.keys = patcher, keys
         gr = patcher.graph
-        self.res = torch.zeros(gr.n_readers, gr.n_writers, len(GROUPS), dtype=torch.float64)
-        self.att = torch.zeros(gr.n_layers, gr.n_heads, len(GROUPS), len(GROUPS), dtype=torch.float64)
+        here = dict(dtype=torch.float64, device=patcher.model.device)
+        self.res = torch.zeros(gr.n_readers, gr.n_writers, len(GROUPS), **here)
+        self.att = torch.zeros(gr.n_layers, gr.n_heads, len(GROUPS), len(GROUPS), **here)
         self.deltas = writer_deltas(patcher)  # [W, T, d]: each writer's input change, new -> old
-        self.onehot = torch.nn.functional.one_hot(patcher.groups, len(GROUPS)).to(torch.float64)  # [T, G]
+        self.onehot = torch.nn.functional.one_hot(patcher.groups, len(GROUPS)).to(**here)  # [T, G]
 
     def add(self, grads: dict, st: _Run, *, exact: bool) -> None:
         """One gradient run's rows: linear in every edge, or (`exact`, AtP*) with the edges that
@@ -137,7 +141,7 @@ class _Accumulator:
             gm = grads[("mlp", l)].double().sum(0)[None]  # [1, T, d]
             readers = torch.cat([ga, gm])  # the readers of layer l
             self.res[l * B : (l + 1) * B] += torch.einsum("wtd,rtd,tg->rwg", D, readers, self.onehot)
-        gl = torch.zeros(1, patcher.n_tokens, D.shape[-1], dtype=torch.float64)
+        gl = torch.zeros(1, patcher.n_tokens, D.shape[-1], dtype=torch.float64, device=D.device)
         gl[0, -1] = grads[("logit",)].double().sum(0)[0]
         self.res[L * B :] += torch.einsum("wtd,rtd,tg->rwg", D, gl, self.onehot)
 

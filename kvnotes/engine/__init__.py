@@ -137,7 +137,8 @@ def _compute(
         resume=resume,
     )
     if plan.tok.shape[1] == 0:  # nothing to compute: the notebook as it is, an empty readout
-        return notebook, Readout(logits=torch.zeros(notebook.batch, 0, plan.width), positions=())
+        empty = torch.zeros(notebook.batch, 0, plan.width, dtype=model.dtype, device=model.device)
+        return notebook, Readout(logits=empty, positions=())
     plain = not hooks and not capture and overlay is None and resume is None
     if plain and _chunkable(model, notebook, plan.pos):
         return _run_in_chunks(model, notebook, plan.tok, plan.pos, plan.read, vocab, write)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from kvnotes.errors import UnknownModelError
 from kvnotes.models.backends import DEFAULT_BACKEND, BackendName
-from kvnotes.models.placement import placement
 from kvnotes.zoo.catalog import builtin_names
 from kvnotes.zoo.names import EMBEDDED
 
@@ -54,6 +53,8 @@ def load_model(name: str, *, backend: str = DEFAULT_BACKEND, device=None, dtype=
     """
     if backend not in set(BackendName):
         raise UnknownModelError(f"unknown backend {backend!r}; the backends are {', '.join(BackendName)}")
+    from kvnotes.models.placement import placement  # torch: not at import, so the CLI refuses cheaply
+
     device, dtype = placement(device, dtype)  # refused here, before any loader runs
     kwargs.update(device=device, dtype=dtype)
     if backend == BackendName.NNSIGHT:
