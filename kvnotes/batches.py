@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes.engine import Capability, Hook, Resume, has, run
+from kvnotes.engine.memory import FRACTION, budget, free_bytes, mib, row_bytes
 from kvnotes.errors import BadArgument
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
@@ -60,14 +61,16 @@ def plan_batches(
     n_layers: int,
     n_query: int,
     fits: Callable[[int, int], bool] | None = None,
+    max_rows: int = MAX_ROWS,
 ) -> list[list[int]]:
     """Rows `0..len(first)-1`, in order, cut into the batches of least summed cost.
 
     A batch of rows i..j-1 starts at block `first[i]` (rows come sorted by their first block) and
     costs `(n_layers - first[i]) * (FORWARD_TOKEN_ROWS + rows * n_query)`: every block it runs
     streams its weights whatever the rows (Gemma 3 270M on 2 cores: 9 ms a block for 7 rows of a
-    2-token decision, 32 ms for 126), then pays per row. Each batch holds at most `MAX_ROWS`
-    rows, and `fits(i, j)` (when given) must accept it (a memory bound, say).
+    2-token decision, 32 ms for 126), then pays per row. Each batch holds at most `max_rows`
+    rows (`MAX_ROWS` by default; `run_rows` passes what fits the device's free memory,
+    `rows_per_forward`), and `fits(i, j)` (when given) must accept it (a memory bound, say).
 
     >>> [len(b) for b in plan_batches([0] * 2 + [5] * 100, 6, 1)]   # the late rows go together
     [2, 100]
@@ -76,7 +79,7 @@ def plan_batches(
     best = [0.0] + [float("inf")] * n  # best[j]: the cheapest batches of rows[:j]
     cut = [0] * (n + 1)
     for i in range(n):
-        for j in range(i + 1, min(n, i + MAX_ROWS) + 1):
+        for j in range(i + 1, min(n, i + max(1, min(max_rows, MAX_ROWS))) + 1):
             if j - i > 1 and fits is not None and not fits(i, j):
                 break
             cost = best[i] + (n_layers - first[i]) * (FORWARD_TOKEN_ROWS + (j - i) * n_query)
@@ -102,6 +105,7 @@ def run_rows(
     resume: bool = True,
     progress: bool = False,
     desc: str = "rows",
+    patched: int = 0,
 ) -> Float[Tensor, "n d_vocab"]:
     """Decision logits of each row: `ids` at `pos` read after `nb`, row r changed from block
     `first[r]` on by what `make` returns for its batch.
@@ -111,16 +115,21 @@ def run_rows(
     decision whose residual later batches resume from. `batches` (row indices; default
     `plan_batches` over the rows sorted by first block) are run in turn, each from its lowest
     first block when the backend can resume and `resume` allows (False where a hook outside
-    `make`'s may sit below a row's first block): from block 0 otherwise."""
+    `make`'s may sit below a row's first block): from block 0 otherwise. Before any forward, the
+    batches are held to what fits the device's free memory (`rows_per_forward`, each row reading
+    at most `patched` slots of its own): planned batches are cut to fit, and given batches that
+    cannot fit are refused in one line naming the batch size that does."""
     n, L = len(first), model.n_layers
     width = model.facts.d_vocab_out if vocab is None else len(vocab)
     if batches is None and not _sharing:
         batches = fixed_batches(n, UNSHARED_ROWS)
     resume = resume and _sharing and has(model, Capability.RESUME) and n > 0 and max(first) > 0
+    want = max((len(b) for b in batches), default=0) + 1 if batches is not None else None
+    cap = rows_per_forward(model, nb, len(ids), patched=patched, want=want) - 1  # one base row more
     if batches is None:
         order = sorted(range(n), key=lambda i: first[i]) if resume else list(range(n))
         at = [first[i] if resume else 0 for i in order]
-        batches = [[order[k] for k in b] for b in plan_batches(at, L, len(ids))]
+        batches = [[order[k] for k in b] for b in plan_batches(at, L, len(ids), max_rows=cap)]
     starts = {min(first[i] for i in b) for b in batches} if resume else set()
     need = sorted(l for l in starts if l > 0)
     resid: dict[int, Tensor] = {}
@@ -155,6 +164,32 @@ def run_rows(
     return out if out is not None else torch.zeros(0, width, dtype=model.dtype, device=model.device)
 
 
+def rows_per_forward(
+    model: KVModel, nb: Notebook, n_query: int, *, patched: int = 0, want: int | None = None
+) -> int:
+    """Rows one forward of `n_query` tokens after `nb` may hold: `MAX_ROWS`, or fewer where
+    `kvnotes.engine.memory.row_bytes` of them would pass `FRACTION` of the device's free memory
+    (at least 2: a row and the unchanged one). Refuses, before any forward, when `want` rows
+    (a given batch size) or two rows do not fit, naming the way out."""
+    per = row_bytes(model.facts, model.dtype.itemsize, n_query, nb.n_slots, patched)
+    room = budget(model.device)
+    if room is None:
+        return MAX_ROWS
+    fit = room // per
+    where = f"{FRACTION:.0%} of the {mib(free_bytes(model.device) or 0)} free on {model.device}"
+    if fit < 2:
+        raise BadArgument(
+            f"one row of this forward ({n_query} query tokens over {nb.n_slots} slots, {patched} "
+            f"patched) needs ~{mib(per)}, more than {where}; use a shorter prompt or fewer slots"
+        )
+    if want is not None and want > fit:
+        raise BadArgument(
+            f"a batch of {want - 1} rows needs ~{mib(want * per)}, more than {where}; "
+            f"pass batch_size={fit - 1} or less"
+        )
+    return min(fit, MAX_ROWS + 1)
+
+
 def fixed_batches(n: int, size: int | None) -> list[list[int]] | None:
     """Rows `0..n-1` in batches of `size`, in order (None for `size` None: let `run_rows` plan them)."""
     if size is None:
@@ -180,6 +215,7 @@ __all__ = [
     "fixed_batches",
     "layer_inputs",
     "plan_batches",
+    "rows_per_forward",
     "run_rows",
     "sharing",
     "sharing_enabled",

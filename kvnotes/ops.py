@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvnotes.batches import fixed_batches, plan_batches, run_rows, sharing_enabled
+from kvnotes.batches import fixed_batches, plan_batches, rows_per_forward, run_rows, sharing_enabled
 from kvnotes.engine import Capability, Hook, Readout, has, move_keys, run
 from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
 from kvnotes.models.model import KVModel
@@ -410,16 +410,18 @@ def decide_patched(
     resume = not hooks and has(model, Capability.RESUME)
     first = [first_layer(s, dst.n_layers) if resume else 0 for s in specs]
     batches = fixed_batches(len(specs), batch_size)
+    most = max((dst.n_slots if s.positions is None else len(s.positions) for s in specs), default=0)
     if batches is None and sharing_enabled():
         order = sorted(range(len(specs)), key=lambda i: first[i])
         at = patch_batches(dst, [specs[i] for i in order], len(ids), [first[i] for i in order])
-        batches = [[order[k] for k in b] for b in at]
+        cap = rows_per_forward(model, dst, len(ids), patched=most) - 1  # what the free memory holds
+        batches = [[order[k] for k in b[a : a + cap]] for b in at for a in range(0, len(b), cap)]
 
     def make(rows: list[int], base: bool) -> tuple[Sequence[Hook], Notebook]:
         chosen = [specs[i] for i in rows] + ([Patch(positions=())] if base else [])
         return hooks, patched_slots(dst, src, chosen)
 
-    kw = dict(vocab=vocab, batches=batches, resume=resume, progress=progress, desc="patches")
+    kw = dict(vocab=vocab, batches=batches, resume=resume, progress=progress, desc="patches", patched=most)
     return run_rows(model, dst, ids, pos, first, make, **kw)
 
 

@@ -26,6 +26,7 @@ from circuits.edges.graph import (
 )
 from kvnotes.capture import CaptureRun, RunCapture, capture_pair
 from kvnotes.engine import Capability, require, run
+from kvnotes.engine.memory import FRACTION, budget, mib, row_bytes
 from kvnotes.engine.plan import softcap
 from kvnotes.engine.transformer_lens import kv_weights
 from kvnotes.errors import BadArgument
@@ -482,6 +483,7 @@ def edge_patcher(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> 
     differ = [p for p, (a, b) in enumerate(zip(pair.old.ids, pair.new.ids)) if a != b]
     if differ and differ[0] < start:
         raise BadArgument(f"the prompts differ at position {differ[0]}, before the changed field at {start}")
+    check_fits(model, start, len(pair.new.ids) - start)
     with torch.no_grad():
         prefix = prefill(model, list(pair.new.ids), upto=start) if start > 0 else Notebook.empty(model)
     patcher = EdgePatcher(
@@ -512,6 +514,25 @@ def edge_patcher(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> 
         setattr(patcher, name, _run_of(model, cap))
         setattr(patcher, f"ld_{name}", float(metric(cap.readout.last, columns)[0]))
     return patcher
+
+
+PATCH_ROWS = 16  # circuits per forward (`EdgePatcher.patch`'s batch)
+
+
+def check_fits(model: KVModel, n_prefix: int, n_tokens: int) -> None:
+    """Refuse, before any forward, a pair the device cannot patch: both runs captured at every
+    layer and a forward of `PATCH_ROWS` circuits whose every layer autograd keeps (EAP-IG), each
+    a layer's `kvnotes.engine.memory.row_bytes` over the `n_tokens` from the field on and the
+    `n_prefix` slots before it, must fit `FRACTION` of the free memory."""
+    room = budget(model.device)
+    per_layer = row_bytes(model.facts, model.dtype.itemsize, n_tokens, n_prefix)
+    need = (2 + PATCH_ROWS) * model.n_layers * per_layer
+    if room is not None and need > room:
+        raise BadArgument(
+            f"edge patching {n_tokens} tokens from the changed field on needs ~{mib(need)}, more than "
+            f"{FRACTION:.0%} of the free memory on {model.device} ({mib(room)}); use a task whose field "
+            "sits nearer the decision (a shorter prompt after it), or leave edges out (report --skip edges)"
+        )
 
 
 # what the patches read of each run, per layer: `_Run` field -> hook point (`_run_of` adds the rest)

@@ -39,6 +39,7 @@ from kvnotes.bench.baselines import (
 )
 from kvnotes.bench.common import both_backends
 from kvnotes.engine import run
+from kvnotes.engine.memory import FRACTION, budget, mib, notebook_bytes, row_bytes
 from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadOption
 from kvnotes.fixtures import POLICY, QUERY, STATE, filled_pair
@@ -375,6 +376,7 @@ def patch_sweep(
     if bad:
         raise BadOption(f"unknown baseline(s) {bad}; the baselines are {', '.join(WAYS)}")
     wanted = [WAYS[n] for n in WAYS if n in baselines]
+    check_fits(model, n_tokens, (batch_size,) if batch_size else batch_sizes, full=bool(wanted))
     twin = twin if twin is not None else hf_twin(model, need=any(w.hf for w in wanted))
     skipped = _skipped(model, baselines, wanted, twin, nn)
     with torch.no_grad():
@@ -402,6 +404,32 @@ def patch_sweep(
     return _result(s, timed, sizes, skipped, repeats)
 
 
+DECISION_TOKENS = 16  # the sweep's decision tokens at most (the query after the field), for the estimate
+
+
+def check_fits(model: KVModel, n_tokens: int, sizes: Sequence[int], *, full: bool) -> None:
+    """Refuse, before any forward, a sweep whose largest batch would not fit the device: two
+    notebooks of `n_tokens` slots, plus `max(sizes)` rows, each a full forward of `n_tokens`
+    tokens where a full-forward baseline runs (`full`), else a decision of `DECISION_TOKENS`
+    reading the notebook and one patched slot (`kvnotes.engine.memory.row_bytes`), within
+    `FRACTION` of the free memory. The message names the batch sizes or lengths that fit."""
+    room = budget(model.device)
+    if room is None or not sizes:
+        return
+    f, b = model.facts, model.dtype.itemsize
+    fixed = 2 * notebook_bytes(f, b, n_tokens)
+    per = row_bytes(f, b, n_tokens, 0) if full else row_bytes(f, b, DECISION_TOKENS, n_tokens, 1)
+    need = fixed + max(sizes) * per
+    if need <= room:
+        return
+    fit = (room - fixed) // per
+    way = f"pass --batch-sizes {fit} or less" if fit >= 1 else "pass shorter --tokens"
+    raise BadOption(
+        f"the patch sweep at {n_tokens} tokens, {max(sizes)} rows a forward, needs ~{mib(need)}, "
+        f"more than {FRACTION:.0%} of the free memory on {model.device} ({mib(room)}); {way}"
+    )
+
+
 def patch_sweep_report(
     model: KVModel,
     lengths: list[int],
@@ -412,6 +440,9 @@ def patch_sweep_report(
 ) -> SweepReport:
     """`patch_sweep` at each length; the Hugging Face counterpart, if a baseline needs it, loads once
     (or is `nn`'s own module, when the nnsight backend runs beside)."""
+    sizes = (kwargs["batch_size"],) if kwargs.get("batch_size") else kwargs.get("batch_sizes", BATCH_SIZES)
+    for n in lengths:  # every length checked before the first one runs
+        check_fits(model, n, sizes, full=any(b in WAYS for b in baselines))
     need = any(WAYS[n].hf for n in baselines if n in WAYS)
     twin = HFTwin(hf=nn.hf, lm=nn.lm) if nn is not None else hf_twin(model, need=need)
     return SweepReport(
