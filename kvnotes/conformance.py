@@ -41,10 +41,12 @@ from kvnotes.prompt import Prompt
 # each tensor's tolerance is GAP_MULTIPLE times the gap of the same computation in the model's
 # dtype from float64 in that tensor (the dtype's rounding there, as measured), and at least
 # GAP_FLOOR x the tensor's largest magnitude (two float32 ulps, for a tensor that float32 happens
-# to round almost exactly; in another dtype, as many of its own ulps: `gap_floor`). Measured (docs/engine.md, "Exactness"): the engine's
-# error is at most 3.03x that gap on the tiny Hugging Face families (1.90x on Gemma 3 270M), while an
-# RMSNorm eps of 1e-5 where the checkpoint says 1e-6 moves some tensor by 4.7-26x it on every tiny
-# family but one (gemma-mha, 1.3x: float32 cannot see it there) and by 1e5x on Gemma 3 270M.
+# to round almost exactly; in another dtype, as many of its own ulps: `gap_floor`). Measured
+# (docs/engine.md, "Exactness"): in float32 the engine's error is at most 3.03x that gap on the
+# tiny Hugging Face families (1.90x on Gemma 3 270M), while an RMSNorm eps of 1e-5 where the
+# checkpoint says 1e-6 moves some tensor by 4.7-26x it on every tiny family but one (gemma-mha,
+# 1.3x: float32 cannot see it there) and by 1e5x on Gemma 3 270M; in bfloat16 and float16 the
+# engine stays under 2.5x the dtype's own gap on the tiny models.
 GAP_MULTIPLE = 4.0
 GAP_FLOOR = 2.5e-7
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -259,9 +261,7 @@ def hf_reference(
     keys, values, logits = ({label: f64[label][i] for label in ids} for i in range(3))
     dtype = dtype_name(model.dtype)
     source += f"; float64 throughout (the truth), {dtype} beside it for the rounding gap"
-    return Reference(
-        source=source, ids=ids, keys=keys, values=values, logits=logits, gaps=gaps, dtype=dtype
-    )
+    return Reference(source=source, ids=ids, keys=keys, values=values, logits=logits, gaps=gaps, dtype=dtype)
 
 
 def _hf_forward(hf_model, ids: list[int]):
@@ -526,9 +526,7 @@ def verify(
                 f"the reference was computed {what}, not as verify runs {model.name} "
                 f"({dtype_name(model.dtype)}); compute it with hf_reference(model) for this model"
             )
-    errors: dict[str, dict[str, list]] = {
-        n: {} for n in names if n in SELF_INVARIANTS and n not in moot
-    }
+    errors: dict[str, dict[str, list]] = {n: {} for n in names if n in SELF_INVARIANTS and n not in moot}
     measures: dict[str, list[Gauged]] = {n: [] for n in wants_hf if n not in skipped}
     with torch.no_grad():
         bar = tqdm(list(prompts.items()), desc=f"verify {model.name}", disable=not progress, unit="prompt")
