@@ -145,3 +145,66 @@ def add_model(parser: argparse.ArgumentParser) -> None:
     from kvnotes.zoo.names import EMBEDDED
 
     parser.add_argument("--model", default=EMBEDDED, metavar="NAME", help=MODEL_HELP)
+
+
+DEVICE_HELP = (
+    "where the model runs: cpu (the default), cuda, cuda:N or mps; a device not present here is "
+    "refused before the model loads"
+)
+DTYPE_HELP = (
+    "the model's dtype: float32 (the default), bfloat16 or float16; models built in float32 (tiny, "
+    "organisms, the embedded Gemma) are cast once after loading"
+)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of `names`, or (with `indexed`) one of them followed by `:N` ("cuda:1"), checked by its
+    spelling only: no torch import, so refusing a value stays cheap. Whether the device is present
+    here is `load_model`'s check (`kvnotes.models.placement`), still before anything loads."""
+
+    what: str
+    names: tuple[str, ...]
+    indexed: tuple[str, ...] = ()
+
+    @property
+    def __name__(self) -> str:
+        return self.what
+
+    def __call__(self, text: str) -> str:
+        value = text.strip().lower().removeprefix("torch.")
+        kind, _, index = value.partition(":")
+        if value in self.names or (kind in self.indexed and index.isdigit()):
+            return value
+        spelled = ", ".join([*self.names, *(f"{k}:N" for k in self.indexed)])
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a {self.what} kvnotes runs on; give one of {spelled}"
+        )
+
+
+DEVICE = Choice("device", ("cpu", "cuda", "mps"), indexed=("cuda",))
+DTYPE = Choice("dtype", ("float32", "bfloat16", "float16"))
+
+
+def add_placement(parser: argparse.ArgumentParser) -> None:
+    """`--device` and `--dtype` beside `--model`: where the model runs and in what precision,
+    passed to `load_model` as `args.model_device` and `args.model_dtype` (defaults cpu and
+    float32). A command with its own option of that name keeps it (`bench serve --dtype` is the
+    launched server's), and its model loads with the default.
+
+    >>> p = argparse.ArgumentParser()
+    >>> add_placement(p)
+    >>> a = p.parse_args(["--device", "cuda:1", "--dtype", "bfloat16"])
+    >>> a.model_device, a.model_dtype, p.parse_args([]).model_device, p.parse_args([]).model_dtype
+    ('cuda:1', 'bfloat16', 'cpu', 'float32')
+    """
+    taken = {s for a in parser._actions for s in a.option_strings}
+    for flag, kind, default, text in (
+        ("--device", DEVICE, "cpu", DEVICE_HELP),
+        ("--dtype", DTYPE, "float32", DTYPE_HELP),
+    ):
+        if flag not in taken:
+            dest = f"model_{flag[2:]}"
+            parser.add_argument(
+                flag, dest=dest, type=kind, default=default, metavar=kind.what.upper(), help=text
+            )

@@ -39,10 +39,15 @@ def _ints(text: str) -> list[int]:
 
 
 def _load(args):
-    """The model `--model` names, on the backend `--backend` names."""
+    """The model `--model` names, on the backend `--backend` names, on `--device` in `--dtype`."""
     from kvnotes.zoo import load_model
 
-    return load_model(args.model, backend=args.backend)
+    return load_model(args.model, backend=args.backend, **_placement(args))
+
+
+def _placement(args) -> dict:
+    """`--device` and `--dtype` as `load_model` takes them (a command without them: the defaults)."""
+    return {"device": getattr(args, "model_device", None), "dtype": getattr(args, "model_dtype", None)}
 
 
 def _run_model_tool(name: str, model, **options):
@@ -395,7 +400,7 @@ def cmd_export(args) -> int:
     from kvnotes.zoo import load_model
     from kvnotes.zoo.export import export
 
-    print(f"wrote {export(load_model(args.model), args.dir)}")
+    print(f"wrote {export(load_model(args.model, **_placement(args)), args.dir)}")
     return 0
 
 
@@ -412,7 +417,12 @@ def cmd_sweep(args) -> int:
     remote = "local" if args.dry_run else args.remote
     task = args.task or default_task(args.model)
     load_task(task)  # a bad task fails before the model loads
-    model = load_model(args.model, backend="nnsight", remote=remote not in (False, "local"))
+    model = load_model(
+        args.model,
+        backend="nnsight",
+        remote=remote not in (False, "local"),
+        **_placement(args),
+    )
     where = ("ndif" if remote else "") if isinstance(remote, bool) else remote  # the config's names
     result = _run_model_tool(
         "slot_sweep",
@@ -726,7 +736,9 @@ def _add_auto_circuit_env(sub) -> None:
 
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
-    """`--backend` on every command that takes `--model`, however deep its subcommand."""
+    """`--backend`, `--device` and `--dtype` on every command that takes `--model`, however deep
+    its subcommand."""
+    from kvnotes.args import add_placement
     from kvnotes.models.backends import DEFAULT_BACKEND, BackendName
 
     for action in parser._actions:
@@ -742,6 +754,7 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
             "default) or nnsight (the Hugging Face model itself, wrapped by nnsight; "
             "docs/backends.md)",
         )
+        add_placement(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,16 @@ from kvnotes.zoo.catalog import builtin_names
 from kvnotes.zoo.names import EMBEDDED
 
 
-def load_model(name: str, *, backend: str = DEFAULT_BACKEND, **kwargs):
-    """Load `name` as a `KVModel`.
+def load_model(name: str, *, backend: str = DEFAULT_BACKEND, device=None, dtype=None, **kwargs):
+    """Load `name` as a `KVModel`, on `device` in `dtype`.
+
+    device: "cpu" (the default), "cuda", "cuda:N", "mps" or a `torch.device`; dtype: "float32" (the
+    default), "bfloat16", "float16" or a `torch.dtype` (`kvnotes.models.placement`). A device not
+    present here or another dtype is refused in one line before anything loads. Models whose
+    weights are built or stored in float32 (the tiny models, the organisms, the embedded Gemma's
+    cache) load in float32 and are cast and moved once; Hugging Face checkpoints load in `dtype`.
+    The fingerprint does not change with the device, and does with the dtype: a notebook written by
+    the float32 model is refused by the bfloat16 one (their weights differ by bfloat16's rounding).
 
     backend: "transformer-lens" (default: TransformerLens's HookedTransformer, converted from the
     weights) or "nnsight" (the Hugging Face model itself, wrapped by nnsight, on its own attention
@@ -45,6 +53,10 @@ def load_model(name: str, *, backend: str = DEFAULT_BACKEND, **kwargs):
     """
     if backend not in set(BackendName):
         raise UnknownModelError(f"unknown backend {backend!r}; the backends are {', '.join(BackendName)}")
+    from kvnotes.models.placement import placement  # torch: not at import, so the CLI refuses cheaply
+
+    device, dtype = placement(device, dtype)  # refused here, before any loader runs
+    kwargs.update(device=device, dtype=dtype)
     if backend == BackendName.NNSIGHT:
         from kvnotes.zoo.nnsight import load_nnsight
 
@@ -65,15 +77,15 @@ def load_model(name: str, *, backend: str = DEFAULT_BACKEND, **kwargs):
     if name in ORGANISMS:
         return load_organism(name, **kwargs)
     if name in MIXED_ORGANISMS:
-        return load_mixed_organism(name)
+        return load_mixed_organism(name, **kwargs)
     if name in GATED_ORGANISMS:
-        return load_gated_organism(name)
+        return load_gated_organism(name, **kwargs)
     if name in NULL_ORGANISMS:
-        return load_null_organism(name)
+        return load_null_organism(name, **kwargs)
     if name.startswith("tracr-"):
         from kvnotes.zoo.tracr import load_tracr
 
-        return load_tracr(name)
+        return load_tracr(name, **kwargs)
     if Path(name).expanduser().is_dir() or "/" in name:
         from kvnotes.zoo.hf import load_hf
 

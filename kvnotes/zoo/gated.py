@@ -312,7 +312,7 @@ def decision_ids(tokenizer) -> list[int]:
     return tokenizer(span.group(1), add_special_tokens=False)["input_ids"]
 
 
-def load_gated_organism(name: str = NAME) -> KVModel:
+def load_gated_organism(name: str = NAME, *, device=None, dtype=None) -> KVModel:
     """The gated organism as a KVModel (module docstring; `designed_edges` is its circuit).
 
     >>> m = load_gated_organism()
@@ -321,13 +321,16 @@ def load_gated_organism(name: str = NAME) -> KVModel:
     """
     from transformer_lens import HookedTransformer
 
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)  # compiled in float32, then cast and moved once
     if name not in GATED_ORGANISMS:
         raise UnknownModelError(f"unknown gated organism {name!r}; it is {NAME!r}")
     tokenizer = _tokenizer()
     with torch.random.fork_rng(devices=[]):  # the initial draw is overwritten; keep the caller's RNG
         tl = HookedTransformer(hooked_config(name, len(tokenizer)), move_to_device=False)
     compile_weights(tl)
-    return from_hooked(name, tl, tokenizer)
+    return from_hooked(name, tl, tokenizer, device=device, dtype=dtype)
 
 
 @lru_cache(maxsize=1)

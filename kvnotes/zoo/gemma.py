@@ -28,12 +28,20 @@ _OVERRIDES = {"n_ctx": EMBEDDED_N_CTX}
 _INSTALL = "pip install 'kvnotes[gemma]'"
 
 
-def load_gemma_270m(cache_dir: str | Path | None = None, progress: bool = True) -> KVModel:
+def load_gemma_270m(
+    cache_dir: str | Path | None = None, progress: bool = True, *, device=None, dtype=None
+) -> KVModel:
     """Gemma 3 270M as a `KVModel`: from the cache, or converted from the GGUF and cached.
 
     cache_dir: default `$KVNOTES_CACHE` or `~/.cache/kvnotes`; files go in
     `<cache_dir>/gemma-3-270m/`.
+    device, dtype: where it runs and in what (default cpu, float32); the cache stays float32, and
+    the model is read in float32, then cast and moved once.
     """
+    from kvnotes.engine.transformer_lens.model import placed
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / NAME
     model = _from_cache(root, progress)
     if model is None:
@@ -42,7 +50,7 @@ def load_gemma_270m(cache_dir: str | Path | None = None, progress: bool = True) 
             if model is None:
                 model, cfg = _from_gguf(root, progress)
                 _write_cache(root, model, cfg)
-    return model
+    return placed(model, device, dtype, copy=False)
 
 
 # --- first load: GGUF -> transformers -> TransformerLens -----------------------------------------

@@ -47,13 +47,17 @@ _CONVERTERS: dict[str, Callable] = {
 
 
 # --- loading -------------------------------------------------------------------------------------
-def load_hf(name_or_dir: str, *, dtype: torch.dtype = torch.float32, n_ctx: int | None = None) -> KVModel:
-    """Load a local checkpoint directory or a hub name (HF cache first) as a `KVModel`.
+def load_hf(name_or_dir: str, *, dtype=None, device=None, n_ctx: int | None = None) -> KVModel:
+    """Load a local checkpoint directory or a hub name (HF cache first) as a `KVModel`: the weights
+    read in `dtype` (default float32), converted on the CPU, then moved to `device` (default cpu).
 
     n_ctx: the context length; default min(max_position_embeddings, 8192).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)
     local = Path(name_or_dir).expanduser().is_dir()
     source = str(Path(name_or_dir).expanduser()) if local else name_or_dir
     config = _fetch(AutoConfig.from_pretrained, source, local)
@@ -67,7 +71,9 @@ def load_hf(name_or_dir: str, *, dtype: torch.dtype = torch.float32, n_ctx: int 
             AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation="eager"
         ),
     )
-    return tl_from_hf_model(hf_model, tokenizer, name_or_dir, hf_source=reference, **overrides)
+    return tl_from_hf_model(
+        hf_model, tokenizer, name_or_dir, hf_source=reference, device=device, dtype=dtype, **overrides
+    )
 
 
 def tl_from_hf_model(
@@ -76,15 +82,19 @@ def tl_from_hf_model(
     name: str,
     *,
     hf_source: HFSource | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
     **cfg_overrides: Any,
 ) -> KVModel:
-    """Convert a loaded transformers causal LM into a `KVModel` (weights unprocessed).
+    """Convert a loaded transformers causal LM into a `KVModel` (weights unprocessed), then cast it
+    to `dtype` and move it to `device` (None: as `hf_model` has them).
 
     hf_source: how to load that transformers model again, for `verify`'s reference invariants.
     """
     cfg = tl_kwargs(hf_model, tokenizer, name, **cfg_overrides)
     state_dict = convert_weights(hf_model, cfg)
-    return from_hooked(name, hooked_from_state_dict(cfg, state_dict), tokenizer, hf_source)
+    tl = hooked_from_state_dict(cfg, state_dict)
+    return from_hooked(name, tl, tokenizer, hf_source, device=device, dtype=dtype)
 
 
 def tl_kwargs(

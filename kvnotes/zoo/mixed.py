@@ -243,7 +243,7 @@ def designed_notes(prompt) -> list[int]:
     return [p for p in range(field.stop, decision.start) if prompt.ids[p] in writers]
 
 
-def load_mixed_organism(name: str) -> KVModel:
+def load_mixed_organism(name: str, *, device=None, dtype=None) -> KVModel:
     """Mixed organism `name` ("mixed-organism-25": notes' share 0.25; "-75": 0.75) as a KVModel.
 
     >>> m = load_mixed_organism("mixed-organism-25")
@@ -252,13 +252,16 @@ def load_mixed_organism(name: str) -> KVModel:
     """
     from transformer_lens import HookedTransformer
 
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)  # compiled in float32, then cast and moved once
     if name not in MIXED_ORGANISMS:
         raise UnknownModelError(f"unknown mixed organism {name!r}; they are {sorted(MIXED_ORGANISMS)}")
     tokenizer = _tokenizer()
     with torch.random.fork_rng(devices=[]):  # the initial draw is overwritten; keep the caller's RNG
         tl = HookedTransformer(hooked_config(name, len(tokenizer)), move_to_device=False)
     compile_weights(MIXED_ORGANISMS[name], tl)
-    return from_hooked(name, tl, tokenizer)
+    return from_hooked(name, tl, tokenizer, device=device, dtype=dtype)
 
 
 @lru_cache(maxsize=1)

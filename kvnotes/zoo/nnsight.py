@@ -28,7 +28,7 @@ def nnsight_available() -> str | None:
 
 
 def load_nnsight(
-    name: str, *, dtype: torch.dtype = torch.float32, attn: str | None = None, remote: bool = False
+    name: str, *, device=None, dtype=None, attn: str | None = None, remote: bool = False
 ) -> NNsightModel:
     """Load `name` on the nnsight backend: a local Hugging Face checkpoint directory, a hub name,
     or the embedded `gemma-3-270m` (exported once as a checkpoint into the kvnotes cache).
@@ -38,7 +38,12 @@ def load_nnsight(
         attention scores or patterns switches to kvnotes' eager attention for that call.
     remote: build the model without its weights (nnsight's meta build: config and tokenizer
         only), for experiments that run on NDIF (`kvnotes.serving.remote`); local runs need the weights.
+    device, dtype: where the model runs and in what (default cpu, float32; `kvnotes.models.placement`):
+        checkpoints are read in `dtype`, then moved; a remote build ignores `device`.
     """
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)
     problem = nnsight_available()
     if problem:
         raise MissingDependency(f"the nnsight backend needs nnsight: {problem}")
@@ -48,15 +53,16 @@ def load_nnsight(
     if remote:
         return _meta(name)
     if name == EMBEDDED:
-        return _from_dir(str(gemma_checkpoint()), EMBEDDED, dtype=dtype, attn=attn, local=True)
+        return _from_dir(str(gemma_checkpoint()), EMBEDDED, device, dtype=dtype, attn=attn, local=True)
     path = Path(name).expanduser()
     if path.is_dir():
-        return _from_dir(str(path), name, dtype=dtype, attn=attn, local=True)
+        return _from_dir(str(path), name, device, dtype=dtype, attn=attn, local=True)
     from kvnotes.zoo.tiny import TINY_HF, tiny_gpt2_hf, tiny_tokenizer
 
     if name in TINY_HF:  # built by transformers in-process: its own module runs here
         reference = HFSource(what=f"transformers' GPT2LMHeadModel ({name}, rebuilt)", load=tiny_gpt2_hf)
-        return from_module(tiny_gpt2_hf().to(dtype), tiny_tokenizer(), name, name, reference, attn or "sdpa")
+        hf = tiny_gpt2_hf().to(dtype).to(device)
+        return from_module(hf, tiny_tokenizer(), name, name, reference, attn or "sdpa")
     if name in builtin_names():
         raise UnknownModelError(
             f"{name} is a TransformerLens-only model (it has no Hugging Face checkpoint); run it on "
@@ -68,7 +74,7 @@ def load_nnsight(
             f"unknown model {name!r}: the nnsight backend takes a local Hugging Face checkpoint "
             "directory, a hub name such as 'Qwen/Qwen3-0.6B', or gemma-3-270m"
         )
-    return _from_dir(name, name, dtype=dtype, attn=attn, local=False)
+    return _from_dir(name, name, device, dtype=dtype, attn=attn, local=False)
 
 
 def gemma_checkpoint() -> Path:
@@ -88,7 +94,9 @@ def gemma_checkpoint() -> Path:
     return cached(load_gemma_270m())
 
 
-def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, local: bool) -> NNsightModel:
+def _from_dir(
+    source: str, name: str, device: torch.device, *, dtype: torch.dtype, attn: str | None, local: bool
+) -> NNsightModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvnotes.zoo.hf import _fetch
@@ -97,6 +105,7 @@ def _from_dir(source: str, name: str, *, dtype: torch.dtype, attn: str | None, l
     types = check_plain_kv(config)  # before any weights load
     tokenizer = _fetch(AutoTokenizer.from_pretrained, source, local)
     hf = _fetch(AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation=attn)
+    hf = hf.to(device)  # before the fingerprint, which reads the weights wherever they are
     reference = HFSource(
         what=f"transformers' {type(hf).__name__} from {source}",
         load=lambda: _fetch(

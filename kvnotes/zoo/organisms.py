@@ -502,15 +502,21 @@ def load_organism(
     config: OrganismConfig | None = None,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    device=None,
+    dtype=None,
 ) -> KVModel:
     """Organism `name` as a `KVModel`: from the cache, or trained (first use) and cached.
 
-    Only an organism that converged is cached (see `train_converged`).
+    Only an organism that converged is cached (see `train_converged`). It is trained and cached in
+    float32 on the CPU, then cast to `dtype` and moved to `device` (default cpu, float32).
 
     >>> model = load_organism("lookup-organism", progress=False)
     >>> model.n_layers, model.window(0)
     (1, None)
     """
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)
     cfg = _resolve(name, config)
     root = cache_path(name, config=cfg, cache_dir=cache_dir)
     hooked = _from_cache(root, cfg, progress)
@@ -521,7 +527,7 @@ def load_organism(
                 _say(progress, f"kvnotes: training {cfg.name} (first use; cached in {root})")
                 hooked, metrics = train_converged(name, config=cfg, progress=progress)
                 _write_cache(root, hooked, cfg, metrics)
-    return from_hooked(cfg.name, hooked, tiny_tokenizer())
+    return from_hooked(cfg.name, hooked, tiny_tokenizer(), device=device, dtype=dtype)
 
 
 def organism_metrics(
@@ -629,7 +635,7 @@ if __name__ == "__main__":
 NULL_ORGANISMS = {"null-organism": "notes-organism"}  # name -> the organism whose architecture it has
 
 
-def load_null_organism(name: str = "null-organism") -> KVModel:
+def load_null_organism(name: str = "null-organism", *, device=None, dtype=None) -> KVModel:
     """An organism's architecture with its initial, untrained weights (seeded, so the same every
     time): the control on which a probe must report no mechanism. Its decision barely moves with
     the field, so every pair falls below the minimum effect and is excluded (docs/organisms.md).
@@ -639,6 +645,9 @@ def load_null_organism(name: str = "null-organism") -> KVModel:
     """
     import torch
 
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)
     if name not in NULL_ORGANISMS:
         from kvnotes.errors import UnknownModelError
 
@@ -648,4 +657,4 @@ def load_null_organism(name: str = "null-organism") -> KVModel:
         torch.manual_seed(cfg.seed)
         tl = _new_model(cfg)
     tl.eval()
-    return from_hooked(name, tl, tiny_tokenizer())
+    return from_hooked(name, tl, tiny_tokenizer(), device=device, dtype=dtype)

@@ -135,12 +135,15 @@ def tiny_tokenizer():
     )
 
 
-def build_tiny(name: str, seed: int = 0):
-    """Build tiny model `name` (see the table above) with weights drawn from `seed`."""
+def build_tiny(name: str, seed: int = 0, *, device=None, dtype=None):
+    """Build tiny model `name` (see the table above) with weights drawn from `seed` in float32, then
+    cast to `dtype` and moved to `device` once (`kvnotes.models.placement`; default cpu, float32)."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     from kvnotes.engine.transformer_lens.model import from_hooked
+    from kvnotes.models.placement import placement
 
+    device, dtype = placement(device, dtype)
     tokenizer = tiny_tokenizer()
     cfg = HookedTransformerConfig(
         **{**TINY_BASE, **TINY_CONFIGS[name]},
@@ -154,7 +157,7 @@ def build_tiny(name: str, seed: int = 0):
     with torch.no_grad():  # sharper attention than the default init, so masking bugs show
         for block in tl.blocks:
             block.attn.W_Q.mul_(4.0)
-    return from_hooked(name, tl, tokenizer)
+    return from_hooked(name, tl, tokenizer, device=device, dtype=dtype)
 
 
 def tiny_gpt2_hf(seed: int = 0):
@@ -199,16 +202,21 @@ def _sharpen(hf, seed: int) -> None:
                 p.copy_(0.1 * noise)
 
 
-def build_tiny_hf(name: str, seed: int = 0):
-    """Build `name` in `TINY_HF` with transformers and convert it through the Hugging Face loader;
-    its `hf_source` rebuilds the same transformers model, `verify`'s independent reference."""
+def build_tiny_hf(name: str, seed: int = 0, *, device=None, dtype=None):
+    """Build `name` in `TINY_HF` with transformers and convert it through the Hugging Face loader
+    (in float32, then cast to `dtype` and moved to `device`); its `hf_source` rebuilds the same
+    transformers model (float32, on the CPU), `verify`'s independent reference."""
     from kvnotes.models.model import HFSource
+    from kvnotes.models.placement import placement
     from kvnotes.zoo.hf import tl_from_hf_model
 
+    device, dtype = placement(device, dtype)
     if name not in TINY_HF:
         raise KeyError(name)
     source = HFSource(
         what=f"transformers' GPT2LMHeadModel built by kvnotes.zoo.tiny ({name}, seed {seed})",
         load=lambda: tiny_gpt2_hf(seed),
     )
-    return tl_from_hf_model(tiny_gpt2_hf(seed), tiny_tokenizer(), name, hf_source=source)
+    return tl_from_hf_model(
+        tiny_gpt2_hf(seed), tiny_tokenizer(), name, hf_source=source, device=device, dtype=dtype
+    )

@@ -486,8 +486,13 @@ TRACR_PROGRAMS = ("reverse", "hist", "count", "dyck", "dyck2", "pattern")
 _LOADED: dict[str, TracrModel] = {}
 
 
-def load_tracr(name: str) -> TracrModel:
-    """One of `LIBRARY`'s programs, compiled (once per process), by model name: `tracr-reverse`."""
+def load_tracr(name: str, *, device=None, dtype=None) -> TracrModel:
+    """One of `LIBRARY`'s programs, compiled (once per process, in float32 on the CPU), by model
+    name: `tracr-reverse`; a copy cast to `dtype` and moved to `device` where those differ."""
+    from kvnotes.engine.transformer_lens.model import placed
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)
     short = name.removeprefix(PREFIX)
     programs = _library()
     if short not in programs:
@@ -498,7 +503,7 @@ def load_tracr(name: str) -> TracrModel:
     if name not in _LOADED:
         p = programs[short]
         _LOADED[name] = compile_program(p.make(), p.vocab, p.max_seq_len, name=f"{PREFIX}{short}")
-    return _LOADED[name]
+    return placed(_LOADED[name], device, dtype)
 
 
 # --- pair tasks ----------------------------------------------------------------------------------

@@ -227,6 +227,9 @@ def _fingerprint(hf, tokenizer) -> str:
     h.update(hf.config.get_text_config().to_json_string(use_diff=False).encode())
     vocab = tokenizer.get_vocab()
     h.update(json.dumps(sorted(vocab.items())[:: max(1, len(vocab) // 4096)]).encode())
+    dtype = hf.get_input_embeddings().weight.dtype
+    if dtype != torch.float32:  # a float32 model's fingerprint stands as it was
+        h.update(f"dtype {dtype}".encode())  # a notebook's K/V are in the model's dtype
     kind = layout(hf.config)
     layers = kind.layer_list(hf)
     first, last = (layers[i].get_parameter(p) for i, p in zip((0, -1), kind.probes))

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +15,7 @@ from transformer_lens.components.mlps.gated_mlp import GatedMLP
 
 from kvnotes.errors import UnsupportedArchitecture
 from kvnotes.models.model import HFSource, KVModel, ModelFacts
+from kvnotes.models.placement import same_device
 
 # Config fields that decide what a notebook's K/V mean; they enter the fingerprint.
 _FINGERPRINT_FIELDS = (
@@ -87,10 +90,17 @@ def from_hooked(
     tl: HookedTransformer,
     tokenizer,
     hf_source: HFSource | None = None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> TransformerLensModel:
     """A TransformerLens `HookedTransformer` as a `TransformerLensModel`: frozen, in eval mode, checked
     (`check_supported`), learned-position models given rotation hook points, gated MLPs that read
-    their weights as stored (`ViewsGatedMLP`)."""
+    their weights as stored (`ViewsGatedMLP`).
+
+    device, dtype: cast and move `tl` there first, in place (None: leave it as it is), so the
+    fingerprint reads the weights as the model will run them (`place_hooked`)."""
+    place_hooked(tl, device, dtype)
     tl.eval()
     for p in tl.parameters():
         p.requires_grad_(False)
@@ -107,6 +117,36 @@ def from_hooked(
         facts=_tl_facts(tl),
         hf_source=hf_source,
     )
+
+
+def place_hooked(
+    tl: HookedTransformer, device: torch.device | str | None, dtype: torch.dtype | None
+) -> HookedTransformer:
+    """Cast `tl` to `dtype`, then move it to `device`, in place, once each (None: leave it), with
+    its config following (TransformerLens's own `to`, quietly). Weights built in float32 are cast
+    here once, so a bfloat16 model holds exactly the float32 weights rounded."""
+    if dtype is not None and tl.embed.W_E.dtype != dtype:
+        tl.to(dtype, print_details=False)
+    if device is not None and not same_device(tl.embed.W_E.device, device):
+        tl.to(str(device), print_details=False)
+    return tl
+
+
+def placed(
+    model: TransformerLensModel,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    *,
+    copy: bool = True,
+) -> TransformerLensModel:
+    """`model` on `device` in `dtype`: `model` itself where it is already there, else a new model
+    (its `HookedTransformer` deep-copied, cast and moved, the fingerprint read again), so a cached
+    model stays as cached; the same class with every other field kept (a `TracrModel` stays one).
+    copy=False moves `model`'s own `HookedTransformer` instead (the caller drops `model`)."""
+    if (device is None or same_device(model.device, device)) and (dtype is None or model.dtype == dtype):
+        return model
+    tl = place_hooked(deepcopy(model.tl) if copy else model.tl, device, dtype)
+    return dataclasses.replace(model, tl=tl, fingerprint=_fingerprint(tl, model.tokenizer))
 
 
 def _tl_facts(tl: HookedTransformer) -> ModelFacts:
@@ -195,6 +235,8 @@ def _fingerprint(tl: HookedTransformer, tokenizer) -> str:
     vocab = tokenizer.get_vocab()
     h.update(json.dumps(sorted(vocab.items())[:: max(1, len(vocab) // 4096)]).encode())
     h.update(str(len(vocab)).encode())
+    if tl.embed.W_E.dtype != torch.float32:  # a float32 model's fingerprint stands as it was
+        h.update(f"dtype {tl.embed.W_E.dtype}".encode())  # a notebook's K/V are in the model's dtype
     with torch.no_grad():
         last = tl.blocks[-1].attn.W_O[0, :4] if tl.cfg.attn_only else tl.blocks[-1].mlp.W_out[:4]
         for t in (tl.embed.W_E[:4], tl.blocks[0].attn.W_Q[0, :4], last):
