@@ -396,13 +396,17 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
         return _maxdiff(ops.decide(model, patched, new).last, decided_new())
 
     def rerotation_equals_offset_prefill():
-        """Gauged against the offset prefill in float64 (the truth): the offset prefill's own gap
-        from it in the model's dtype is the rounding a prefill at those positions cannot avoid."""
+        """Gauged against the offset prefill in float64 (the truth), per tensor by the larger of two
+        gaps: the offset prefill's own (the rounding a prefill at those positions cannot avoid)
+        and the prefill at 0's, which the moved key carries along (a rotation keeps its error)."""
         chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
         q = min(len(old.ids) + 13, model.n_ctx - len(chunk) - 8)  # past the prompt, inside n_ctx
-        moved = ops.rerotate(model, ops.prefill(model, chunk), q)
+        at_0 = ops.prefill(model, chunk)
         truth = _in_float64(model, lambda: ops.prefill(model, chunk, offset=q))()
-        return vs_truth(moved, ops.prefill(model, chunk, offset=q), truth)
+        truth_0 = _in_float64(model, lambda: ops.prefill(model, chunk))()
+        gauged = vs_truth(ops.rerotate(model, at_0, q), ops.prefill(model, chunk, offset=q), truth)
+        carried = _maxdiff_nb(at_0, truth_0)
+        return [(w, e, sc, max(g, g0)) for (w, e, sc, g), (_, g0, _) in zip(gauged, carried)]
 
     def refresh_unchanged_is_noop():
         return vs_truth(ops.refresh(model, nb_old(), old, edited), nb_old(), old64())

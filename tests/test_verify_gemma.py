@@ -2,16 +2,19 @@
 Gemma3ForCausalLM on the same GGUF weights (in float64, the truth; in float32 for the rounding gap
 that sizes each tensor's tolerance), and the planted engine bugs of tests/test_verify.py make their
 invariants fail on real weights too (and the Hugging Face reference invariants, for every bug that
-changes a prefill, an RMSNorm eps of 1e-5 or 1e-4 where the GGUF says 1e-6 included). Marked
-`gemma`; part of the default suite."""
+changes a prefill, an RMSNorm eps of 1e-5 or 1e-4 where the GGUF says 1e-6 included). In bfloat16
+too: all ten pass in units of bfloat16's own gap, and a planted bug fails. Marked `gemma`; part of
+the default suite."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import pytest
+import torch
 
 from kvnotes.conformance import HF_INVARIANTS, hf_reference, verify
+from kvnotes.zoo import load_model
 from tests.test_verify import (
     _local_base_in_global_layers,
     _norm_eps,
@@ -70,3 +73,21 @@ def test_planted_bugs_fail_their_invariants_on_gemma(gemma, reference, monkeypat
     for r in report.invariants:
         assert not r.passed and r.max_abs_error > r.tolerance, f"{r.name} missed {bug}: {report.table()}"
     assert not report.passed
+
+
+def test_bfloat16_verify_passes_on_gemma_and_a_planted_bug_fails(gemma, monkeypatch):
+    """Gemma 3 270M in bfloat16 (its float32 weights cast once): all ten invariants pass, each
+    tensor within 4x bfloat16's own gap from a float64 forward of the same bfloat16 weights
+    (transformers' Gemma3ForCausalLM cast alike for the reference); a sliding window one slot too
+    wide fails the full-forward and the per-layer K/V comparisons. (`gemma` holds the float32 model,
+    and the cores this module may use, while this one runs.)"""
+    model = load_model("gemma-3-270m", dtype=torch.bfloat16)
+    reference = hf_reference(model)
+    report = verify(model, progress=False, reference=reference)
+    print(report.table())
+    assert report.passed and report.dtype == "bfloat16", report.table()
+    assert len(report.invariants) == 10 and "bfloat16 beside it" in report.reference
+    _window_off_by_one(monkeypatch, model)
+    wrong = verify(model, progress=False, only=("decide_equals_full_forward", KV), reference=reference)
+    print(wrong.table())
+    assert not any(r.passed for r in wrong.invariants), wrong.table()
