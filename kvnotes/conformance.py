@@ -168,7 +168,7 @@ def verification_prompts(model: KVModel) -> dict[str, tuple[Prompt, Prompt]]:
 
 
 Measure = tuple[str, float, float]  # (which tensor, max |error|, largest |reference| in it)
-# a measure against a float64 truth: (which tensor, max |error|, largest |truth| in it, its float32 gap)
+# a measure against a float64 truth: (which tensor, max |error|, largest |truth| in it, its gap in the dtype)
 Gauged = tuple[str, float, float, float]
 
 
