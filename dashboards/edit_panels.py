@@ -279,7 +279,7 @@ def verify_panels(v, key: str) -> list[Panel]:
                 hovertext=[
                     f"{plotly_text(r.description)}<br>max |error| {r.max_abs_error:.3e}"
                     f"<br>tolerance {r.tolerance:.1e}"
-                    + ("" if r.gap_multiple is None else f"<br>{r.gap_multiple:.2f}x float32's own gap")
+                    + ("" if r.gap_multiple is None else f"<br>{r.gap_multiple:.2f}x {v.dtype}'s own gap")
                     for r in v.invariants
                 ],
                 hoverinfo="text",

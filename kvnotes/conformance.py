@@ -4,20 +4,23 @@ A user who brings a new architecture runs this first (`kvnotes verify --model DI
 pass, patching, editing and splicing on that model are exact against full recompute. Eight
 invariants compare the engine with itself (and one with TransformerLens); two compare it with an
 independent reference, the model's Hugging Face transformers counterpart run on the same weights
-(eager attention) in float64, per layer: its cache's K/V and its logits at every position. Those
-two and re-rotation are calibrated per tensor: a few times the float32 computation's own gap from
-float64. Models without a Hugging Face counterpart skip the two, with the reason in the report.
-Each invariant runs on a generated prompt and on one longer than any sliding window.
+(eager attention) in float64, per layer: its cache's K/V and its logits at every position. Every
+invariant that is not exact is calibrated per tensor against a float64 forward of the model's own
+weights (the truth): a few times the model's dtype's own gap from it (float32, bfloat16 or
+float16: the same computation run in that dtype). Models without a Hugging Face counterpart skip
+the two, with the reason in the report. Each invariant runs on a generated prompt and on one
+longer than any sliding window.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from functools import cache
+from functools import cache, partial
 
 import torch
 from tqdm.auto import tqdm
@@ -25,7 +28,7 @@ from tqdm.auto import tqdm
 from kvnotes import ops
 from kvnotes.display import Displayable
 from kvnotes.engine import full_logits, in_float64, run
-from kvnotes.engine.float64 import hf_in_float64
+from kvnotes.engine.float64 import hf_cast, hf_in_float64
 from kvnotes.errors import BadArgument
 from kvnotes.fixtures import POLICY, QUERY, STATE, filled_pair
 from kvnotes.metrics import kv_deviation
@@ -33,19 +36,37 @@ from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.prompt import Prompt
 
-# fp32 tolerances, relative to the largest magnitude of the reference tensor.
-RTOL = 2e-5
-ATOL_FLOOR = 1e-5
-# The reference invariants and re-rotation are calibrated per model and per tensor against a
-# float64 forward of the same weights (the truth): each tensor's tolerance is GAP_MULTIPLE times
-# the float32 forward's own gap from float64 in that tensor (its float32 rounding, as measured),
-# and at least GAP_FLOOR x the tensor's largest magnitude (two float32 ulps, for a tensor that
-# float32 happens to round almost exactly). Measured (docs/engine.md, "Exactness"): the engine's
-# error is at most 3.03x that gap on the tiny Hugging Face families (1.90x on Gemma 3 270M), while an
-# RMSNorm eps of 1e-5 where the checkpoint says 1e-6 moves some tensor by 4.7-26x it on every tiny
-# family but one (gemma-mha, 1.3x: float32 cannot see it there) and by 1e5x on Gemma 3 270M.
+# Every invariant but the two exact ones is calibrated per model and per tensor against a float64
+# forward of the same weights (the truth; a bfloat16 or float16 weight is exactly a float64 one):
+# each tensor's tolerance is GAP_MULTIPLE times the gap of the same computation in the model's
+# dtype from float64 in that tensor (the dtype's rounding there, as measured), and at least
+# GAP_FLOOR x the tensor's largest magnitude (two float32 ulps, for a tensor that float32 happens
+# to round almost exactly; in another dtype, as many of its own ulps: `gap_floor`). Measured
+# (docs/engine.md, "Exactness"): in float32 the engine's error is at most 3.03x that gap on the
+# tiny Hugging Face families (1.90x on Gemma 3 270M), while an RMSNorm eps of 1e-5 where the
+# checkpoint says 1e-6 moves some tensor by 4.7-26x it on every tiny family but one (gemma-mha,
+# 1.3x: float32 cannot see it there) and by 1e5x on Gemma 3 270M; in bfloat16 and float16 the
+# engine stays under 2.5x the dtype's own gap on the tiny models.
 GAP_MULTIPLE = 4.0
 GAP_FLOOR = 2.5e-7
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # the table's column title
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> "bfloat16": the name the report and its JSON carry."""
+    return str(dtype).removeprefix("torch.")
+
+
+def gap_floor(dtype: torch.dtype | str) -> float:
+    """The floor of a calibrated tolerance, relative to the tensor's largest magnitude: GAP_FLOOR
+    (about two float32 ulps) in float32, the same number of `dtype`'s own ulps otherwise.
+
+    >>> gap_floor("bfloat16") / gap_floor("float32") == 2.0**16  # 8 mantissa bits against 24
+    True
+    """
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return GAP_FLOOR * torch.finfo(dt).eps / torch.finfo(torch.float32).eps
 
 
 @dataclass(frozen=True)
@@ -59,8 +80,8 @@ class InvariantResult:
     # where the figures come from: the prompt, or for per-layer invariants the prompt, layer and
     # quantity with the highest error / tolerance ratio (its error and its own tolerance above)
     worst: str = ""
-    # the calibrated invariants (gauged against float64): the largest |error| / float32 gap of any
-    # of their tensors, i.e. the engine's error in units of float32's own rounding there
+    # the calibrated invariants (gauged against float64): the largest |error| / gap of any of their
+    # tensors, i.e. the engine's error in units of the model's dtype's own rounding there
     gap_multiple: float | None = None
 
 
@@ -76,6 +97,8 @@ class VerifyReport(Displayable):
     # invariant name -> why it does not apply to this architecture (neither run nor passed: a
     # model with learned positions cannot move a chunk, and `ops.rerotate` refuses to)
     not_applicable: dict[str, str] = field(default_factory=dict)
+    # the dtype the model computed in, whose own gap from float64 the calibrated tolerances count
+    dtype: str = "float32"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,6 +114,7 @@ class VerifyReport(Displayable):
             skipped=d.get("skipped", {}),
             reference=d.get("reference"),
             not_applicable=d.get("not_applicable", {}),
+            dtype=d.get("dtype", "float32"),  # reports written before the dtype was recorded: float32
         )
 
     def table(self) -> str:
@@ -99,15 +123,19 @@ class VerifyReport(Displayable):
             + ", ".join(f"{k} {v} tokens" for k, v in self.prompts.items())
             + f"; largest sliding window: {self.max_window})"
         ]
+        lines.append(
+            f"dtype: {self.dtype}; tolerances: {GAP_MULTIPLE:g} x the {self.dtype} gap (the same "
+            f"computation in {self.dtype}, against float64 of the same weights), at least "
+            f"{gap_floor(self.dtype):.2g} x the tensor's largest |value|; 0 for the exact invariants"
+        )
         if self.reference:
             lines.append(f"reference: {self.reference}")
-        lines.append(
-            f"{'':3}{'invariant':34}{'max |error|':>14}{'tolerance':>12}{'x f32 gap':>10}  result  worst"
-        )
+        units = f"x {SHORT.get(self.dtype, self.dtype)} gap"
+        lines.append(f"{'':3}{'invariant':34}{'max |error|':>14}{'tolerance':>12}{units:>11}  result  worst")
         for i, r in enumerate(self.invariants, 1):
             units = "" if r.gap_multiple is None else f"{r.gap_multiple:.3g}"
             lines.append(
-                f"{i:<3}{r.name:34}{r.max_abs_error:>14.3e}{r.tolerance:>12.1e}{units:>10}  "
+                f"{i:<3}{r.name:34}{r.max_abs_error:>14.3e}{r.tolerance:>12.1e}{units:>11}  "
                 f"{'pass' if r.passed else 'FAIL':6}  {r.worst}"
             )
         for name, why in self.not_applicable.items():
@@ -140,7 +168,7 @@ def verification_prompts(model: KVModel) -> dict[str, tuple[Prompt, Prompt]]:
 
 
 Measure = tuple[str, float, float]  # (which tensor, max |error|, largest |reference| in it)
-# a measure against a float64 truth: (which tensor, max |error|, largest |truth| in it, its float32 gap)
+# a measure against a float64 truth: (which tensor, max |error|, largest |truth| in it, its gap in the dtype)
 Gauged = tuple[str, float, float, float]
 
 
@@ -169,12 +197,13 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor, what: str = "logits") -> list[Mea
 @dataclass(frozen=True, eq=False)
 class Reference:
     """transformers' own forward on the verification prompts, in float64 (the truth the hf
-    invariants compare with) and in float32 (the rounding gap that sizes their tolerances).
+    invariants compare with) and in the model's dtype (the rounding gap that sizes their
+    tolerances), both on the model's weights in that dtype.
 
     Per prompt label: the prompt's ids, the cache's post-RoPE keys and values per layer
     (`[batch, n_kv_heads, pos, d_head]`, the notebook's layout) and the logits at every position,
     all float64; `gaps` holds, per tensor ("short: layer 3 keys", "short: logits"), the largest
-    |float32 forward - float64 forward| in it.
+    |forward in `dtype` - float64 forward| in it.
     """
 
     source: str
@@ -183,6 +212,7 @@ class Reference:
     values: dict[str, tuple[torch.Tensor, ...]]
     logits: dict[str, torch.Tensor]  # [batch, pos, d_vocab]
     gaps: dict[str, float] = field(default_factory=dict)
+    dtype: str = "float32"  # the dtype of the weights and of the forward the gaps measure
 
 
 def hf_reference(
@@ -190,7 +220,10 @@ def hf_reference(
 ) -> Reference:
     """Run `model`'s Hugging Face counterpart (loaded from `model.hf_source`, or `hf_model` as given,
     which is left as it came) on the verification prompts (the `old` prompt of each pair), eager
-    attention, with a cache: once in float32, once in float64 throughout (`hf_in_float64`).
+    attention, with a cache: once in the model's dtype, once in float64 throughout
+    (`hf_in_float64`). A counterpart in another dtype than the model's (a float32 checkpoint for a
+    bfloat16 model) is cast to it first (`hf_cast`; a given one is copied), so that both forwards
+    run the model's own weights: a bfloat16 weight is exactly a float64 one.
 
     The cache is a plain `DynamicCache`, whose every layer keeps every slot (the config-built
     default trims sliding layers to their window), so every slot of every layer is compared.
@@ -205,25 +238,30 @@ def hf_reference(
         hf_model, source = model.hf_source.load(), model.hf_source.what
     else:
         source = f"transformers' {type(hf_model).__name__} (given)"
+        if next(hf_model.parameters()).dtype != model.dtype:
+            hf_model = copy.deepcopy(hf_model)
+    if next(hf_model.parameters()).dtype != model.dtype:
+        hf_cast(hf_model, model.dtype)
     if getattr(hf_model.config, "_attn_implementation", "eager") != "eager":
         hf_model.set_attn_implementation("eager")
     hf_model.eval()
     prompts = prompts if prompts is not None else verification_prompts(model)
     ids = {label: tuple(old.ids) for label, (old, _) in prompts.items()}
     with torch.no_grad():
-        f32 = {label: _hf_forward(hf_model, list(i)) for label, i in ids.items()}
+        low = {label: _hf_forward(hf_model, list(i)) for label, i in ids.items()}
         with hf_in_float64(hf_model):
             f64 = {label: _hf_forward(hf_model, list(i)) for label, i in ids.items()}
     gaps = {}
     for label in ids:
-        (k32, v32, l32), (k64, v64, l64) = f32[label], f64[label]
-        for what, xs, ys in (("keys", k32, k64), ("values", v32, v64)):
+        (k, v, lg), (k64, v64, l64) = low[label], f64[label]
+        for what, xs, ys in (("keys", k, k64), ("values", v, v64)):
             for l, (x, y) in enumerate(zip(xs, ys)):
                 gaps[f"{label}: layer {l} {what}"] = (x.double() - y).abs().max().item()
-        gaps[f"{label}: logits, every position"] = (l32.double() - l64).abs().max().item()
+        gaps[f"{label}: logits, every position"] = (lg.double() - l64).abs().max().item()
     keys, values, logits = ({label: f64[label][i] for label in ids} for i in range(3))
-    source += "; float64 throughout (the truth), float32 beside it for the rounding gap"
-    return Reference(source=source, ids=ids, keys=keys, values=values, logits=logits, gaps=gaps)
+    dtype = dtype_name(model.dtype)
+    source += f"; float64 throughout (the truth), {dtype} beside it for the rounding gap"
+    return Reference(source=source, ids=ids, keys=keys, values=values, logits=logits, gaps=gaps, dtype=dtype)
 
 
 def _hf_forward(hf_model, ids: list[int]):
@@ -239,15 +277,15 @@ def _hf_forward(hf_model, ids: list[int]):
     return keys, values, out.logits
 
 
-def calibrated_tolerance(gap: float, scale: float) -> float:
-    """The tolerance of one tensor whose float32 computation is `gap` from its float64 truth and
-    whose truth has largest magnitude `scale`: GAP_MULTIPLE x gap, at least GAP_FLOOR x scale."""
-    return max(GAP_MULTIPLE * gap, GAP_FLOOR * scale)
+def calibrated_tolerance(gap: float, scale: float, dtype: torch.dtype | str = torch.float32) -> float:
+    """The tolerance of one tensor whose computation in `dtype` is `gap` from its float64 truth and
+    whose truth has largest magnitude `scale`: GAP_MULTIPLE x gap, at least `gap_floor(dtype)` x scale."""
+    return max(GAP_MULTIPLE * gap, gap_floor(dtype) * scale)
 
 
 def _hf_checks(model: KVModel, label: str, ref: Reference) -> dict[str, Callable[[], list[Gauged]]]:
-    """Each check returns one gauged measure per tensor judged: the engine (float32) against
-    transformers' float64 forward, with that tensor's float32 rounding gap."""
+    """Each check returns one gauged measure per tensor judged: the engine (in the model's dtype)
+    against transformers' float64 forward, with that tensor's rounding gap in the model's dtype."""
     ids = list(ref.ids[label])
 
     def _measure(where: str, mine: torch.Tensor, expected: torch.Tensor) -> Gauged:
@@ -279,9 +317,32 @@ def _hf_checks(model: KVModel, label: str, ref: Reference) -> dict[str, Callable
 
 
 # --- the eight self-consistency invariants -------------------------------------------------------
-def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], list[Measure]]]:
+def _gauged(mine: list[Measure], reference: list[Measure]) -> list[Gauged]:
+    """`mine` (a computation against the float64 truth) gauged by `reference` (the invariant's
+    reference computation, in the model's dtype, against the same truth): per tensor, mine's error,
+    the truth's scale and the reference's own gap from the truth."""
+    return [(w, e, sc, g) for (w, e, sc), (_, g, _) in zip(mine, reference)]
+
+
+def _in_float64(model: KVModel, compute: Callable[..., object], *first: Callable[[], object]):
+    """A cached thunk: `compute(*(f() for f in first))` with `model` in float64 (the `first`
+    thunks, float64 notebooks, are evaluated before, each in its own float64 pass)."""
+
+    @cache
+    def truth():
+        inputs = [f() for f in first]
+        with in_float64(model):
+            return compute(*inputs)
+
+    return truth
+
+
+def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], list]]:
     """Each check returns its measures: one per tensor it compares (per layer K, per layer V,
-    logits), each with its error and the reference tensor's own largest magnitude."""
+    logits). An exact check's (`Measure`) hold its error against the reference computation; every
+    other check's (`Gauged`) hold its error against the reference computation run in float64 (the
+    truth, of the same code on the same weights) and that reference's own gap from the truth in
+    the model's dtype (float32, bfloat16, float16)."""
     # the edited field: the generated prompts' `order_status`, else (a model's own prompts) the
     # span holding the first position where the two prompts differ
     differ = next(p for p, (a, b) in enumerate(zip(old.ids, new.ids)) if a != b)
@@ -295,10 +356,19 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
     nb_old = cache(lambda: ops.prefill(model, old))
     nb_new = cache(lambda: ops.prefill(model, new))
     decided_new = cache(lambda: ops.decide(model, nb_new(), new).last)  # the reference of two checks
+    # the same computations in float64: the truths
+    old64 = _in_float64(model, lambda: ops.prefill(model, old))
+    new64 = _in_float64(model, lambda: ops.prefill(model, new))
+    decided_new64 = _in_float64(model, lambda nb: ops.decide(model, nb, new).last, new64)
+
+    def vs_truth(mine: Notebook | torch.Tensor, ref, truth, what: str = "logits") -> list[Gauged]:
+        diff = _maxdiff_nb if isinstance(truth, Notebook) else partial(_maxdiff, what=what)
+        return _gauged(diff(mine, truth), diff(ref, truth))
 
     def decide_equals_full():
         full = full_logits(model, old.ids)[-1]
-        return _maxdiff(ops.decide(model, nb_old(), old).last[0], full)
+        truth = _in_float64(model, lambda: full_logits(model, old.ids)[-1])()
+        return vs_truth(ops.decide(model, nb_old(), old).last[0], full, truth)
 
     def prefix_then_suffix():
         mid = stop // 2
@@ -309,11 +379,13 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
             torch.arange(mid, stop),
             logits_at=(),
         )
-        return _maxdiff_nb(nb, nb_old())
+        return vs_truth(nb, nb_old(), old64())
 
     def suffix_recompute():
         nb = ops.recompute_suffix(model, nb_old(), new, field_start)
-        return _maxdiff_nb(nb, nb_new()) + _maxdiff(ops.decide(model, nb, new).last, decided_new())
+        return vs_truth(nb, nb_new(), new64()) + vs_truth(
+            ops.decide(model, nb, new).last, decided_new(), decided_new64()
+        )
 
     def deviation_before_field():
         dev = kv_deviation(nb_old(), nb_new())[:, :, nb_old().positions < field_start]
@@ -324,37 +396,30 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
         return _maxdiff(ops.decide(model, patched, new).last, decided_new())
 
     def rerotation_equals_offset_prefill():
-        """Gauged against the offset prefill in float64 (the truth): the float32 offset prefill's
-        own gap from it is the rounding a prefill at those positions cannot avoid."""
+        """Gauged against the offset prefill in float64 (the truth), per tensor by the larger of two
+        gaps: the offset prefill's own (the rounding a prefill at those positions cannot avoid)
+        and the prefill at 0's, which the moved key carries along (a rotation keeps its error)."""
         chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
         q = min(len(old.ids) + 13, model.n_ctx - len(chunk) - 8)  # past the prompt, inside n_ctx
-        moved = ops.rerotate(model, ops.prefill(model, chunk), q)
-        at_q = ops.prefill(model, chunk, offset=q)
-        with in_float64(model):
-            truth = ops.prefill(model, chunk, offset=q)
-        gaps = _maxdiff_nb(at_q, truth)
-        return [(w, e, s, g) for (w, e, s), (_, g, _) in zip(_maxdiff_nb(moved, truth), gaps)]
+        at_0 = ops.prefill(model, chunk)
+        truth = _in_float64(model, lambda: ops.prefill(model, chunk, offset=q))()
+        truth_0 = _in_float64(model, lambda: ops.prefill(model, chunk))()
+        gauged = vs_truth(ops.rerotate(model, at_0, q), ops.prefill(model, chunk, offset=q), truth)
+        carried = _maxdiff_nb(at_0, truth_0)
+        return [(w, e, sc, max(g, g0)) for (w, e, sc, g), (_, g0, _) in zip(gauged, carried)]
 
     def refresh_unchanged_is_noop():
-        return _maxdiff_nb(ops.refresh(model, nb_old(), old, edited), nb_old())
+        return vs_truth(ops.refresh(model, nb_old(), old, edited), nb_old(), old64())
 
     def batched_equals_single():
-        rng = random.Random(0)
-        downstream = [p for p in range(field_start, stop)]
-        specs = [
-            ops.Patch(
-                positions=(p,),
-                layers=tuple(sorted(rng.sample(range(model.n_layers), k=max(1, model.n_layers // 2)))),
-                keys=i % 3 != 1,
-                values=i % 3 != 2,
-            )
-            for i, p in enumerate(downstream[:8])
-        ]
+        specs = _patch_specs(model, range(field_start, stop))
         batched = ops.decide_patched(model, nb_old(), nb_new(), specs, new, batch_size=3)
-        single = torch.stack(
-            [ops.decide(model, ops.patch(nb_old(), nb_new(), s), new).last[0] for s in specs]
-        )
-        return _maxdiff(batched, single)
+
+        def single(a: Notebook, b: Notebook) -> torch.Tensor:
+            return torch.stack([ops.decide(model, ops.patch(a, b, s), new).last[0] for s in specs])
+
+        truth = _in_float64(model, single, old64, new64)()
+        return vs_truth(batched, single(nb_old(), nb_new()), truth)
 
     return {
         "decide_equals_full_forward": decide_equals_full,
@@ -366,6 +431,21 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
         "refresh_unchanged_is_noop": refresh_unchanged_is_noop,
         "batched_patches_equal_single": batched_equals_single,
     }
+
+
+def _patch_specs(model: KVModel, downstream: range) -> list[ops.Patch]:
+    """Eight single-slot patches after the edited field, each of a seeded half of the layers, K
+    and V, K only or V only: the batched sweep's workload."""
+    rng = random.Random(0)
+    return [
+        ops.Patch(
+            positions=(p,),
+            layers=tuple(sorted(rng.sample(range(model.n_layers), k=max(1, model.n_layers // 2)))),
+            keys=i % 3 != 1,
+            values=i % 3 != 2,
+        )
+        for i, p in enumerate(list(downstream)[:8])
+    ]
 
 
 DESCRIPTIONS = {
@@ -419,8 +499,11 @@ def verify(
 
     only: the names of the invariants to run (default all, `DESCRIPTIONS`).
     reference: a `hf_reference(model)` computed beforehand (default: computed here when the model
-    has a Hugging Face counterpart; that loads it and runs it in float32 and float64, about two
-    minutes for Gemma 3 270M on 2 cores).
+    has a Hugging Face counterpart; that loads it and runs it in the model's dtype and in float64,
+    about two minutes for Gemma 3 270M on 2 cores).
+
+    Runs in the model's own dtype (`model.dtype`: float32, bfloat16 or float16); every tolerance
+    but the exact invariants' zero is that dtype's own gap from float64 times GAP_MULTIPLE.
     """
     names = list(DESCRIPTIONS) if only is None else list(only)
     unknown = [n for n in names if n not in DESCRIPTIONS]
@@ -441,15 +524,14 @@ def verify(
             reference = hf_reference(model, prompts)
     if reference is not None and wants_hf:
         mismatch = [k for k, (old, _) in prompts.items() if reference.ids.get(k) != tuple(old.ids)]
-        if mismatch:
+        if mismatch or reference.dtype != dtype_name(model.dtype):
+            what = f"on other prompts ({mismatch})" if mismatch else f"in {reference.dtype}"
             raise BadArgument(
-                f"the reference was computed on other prompts ({mismatch}) than verify uses for "
-                f"{model.name}; compute it with hf_reference(model) for this model"
+                f"the reference was computed {what}, not as verify runs {model.name} "
+                f"({dtype_name(model.dtype)}); compute it with hf_reference(model) for this model"
             )
-    errors: dict[str, dict[str, list[Measure]]] = {
-        n: {} for n in names if n in SELF_INVARIANTS and n not in moot
-    }
-    measures: dict[str, list[tuple[str, float, float]]] = {n: [] for n in wants_hf if n not in skipped}
+    errors: dict[str, dict[str, list]] = {n: {} for n in names if n in SELF_INVARIANTS and n not in moot}
+    measures: dict[str, list[Gauged]] = {n: [] for n in wants_hf if n not in skipped}
     with torch.no_grad():
         bar = tqdm(list(prompts.items()), desc=f"verify {model.name}", disable=not progress, unit="prompt")
         for label, (old, new) in bar:
@@ -460,8 +542,8 @@ def verify(
                 hf = _hf_checks(model, label, reference)
                 for name in measures:
                     measures[name] += hf[name]()
-    results = {name: _self_result(name, per) for name, per in errors.items()}
-    results.update({name: _hf_result(name, ms) for name, ms in measures.items()})
+    results = {name: _self_result(name, per, model.dtype) for name, per in errors.items()}
+    results.update({name: _hf_result(name, ms, model.dtype) for name, ms in measures.items()})
     ran = [results[n] for n in names if n in results]
     return VerifyReport(
         model=model.name,
@@ -472,26 +554,29 @@ def verify(
         skipped=skipped,
         reference=reference.source if measures else None,
         not_applicable=moot,
+        dtype=dtype_name(model.dtype),
     )
 
 
-def _self_result(name: str, per: dict[str, list[Measure]] | dict[str, list[Gauged]]) -> InvariantResult:
-    """Every tensor against its own tolerance (0 for the exact invariants; for the calibrated ones,
-    those gauged against float64, `calibrated_tolerance`; else max(ATOL_FLOOR, RTOL x its own
-    largest magnitude)); the figures are those of the worst one."""
+def _self_result(
+    name: str, per: dict[str, list[Measure]] | dict[str, list[Gauged]], dtype: torch.dtype = torch.float32
+) -> InvariantResult:
+    """Every tensor against its own tolerance (0 for the exact invariants, and for any measure not
+    gauged against float64; for the calibrated ones, `calibrated_tolerance` in `dtype`); the
+    figures are those of the worst one."""
 
     def judge(where: str, e: float, s: float, *gap: float) -> tuple[str, float, float, float | None]:
-        if gap:
-            return where, e, calibrated_tolerance(gap[0], s), gap[0]
-        return where, e, 0.0 if name in EXACT else max(ATOL_FLOOR, RTOL * s), None
+        if gap and name not in EXACT:
+            return where, e, calibrated_tolerance(gap[0], s, dtype), gap[0]
+        return where, e, 0.0, None
 
     judged = [judge(f"{label}: {m[0]}", *m[1:]) for label, ms in per.items() for m in ms]
     return _result(name, judged)
 
 
-def _hf_result(name: str, measures: list[Gauged]) -> InvariantResult:
+def _hf_result(name: str, measures: list[Gauged], dtype: torch.dtype = torch.float32) -> InvariantResult:
     """Every tensor against its own calibrated tolerance; the figures are those of the worst one."""
-    return _result(name, [(w, e, calibrated_tolerance(g, s), g) for w, e, s, g in measures])
+    return _result(name, [(w, e, calibrated_tolerance(g, s, dtype), g) for w, e, s, g in measures])
 
 
 def _result(name: str, judged: list[tuple[str, float, float, float | None]]) -> InvariantResult:

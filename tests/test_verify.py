@@ -382,13 +382,14 @@ def test_from_kvnotes_import_gives_the_documented_object(name):
 
 
 def test_each_tensor_is_judged_on_its_own_scale():
-    """An error of 1e-4 in a layer whose keys are of size 1 is 5x its tolerance (2e-5 x 1), even
-    when another layer's keys reach 100: the earlier rule's one scale over all layers (2e-5 x 100 =
-    2e-3) would have let it pass."""
-    ok = ("layer 5 keys", 1e-6, 100.0)
-    r = _self_result("prefix_then_suffix_equals_prefill", {"short": [("layer 0 keys", 1e-4, 1.0), ok]})
-    assert not r.passed and r.worst == "short: layer 0 keys" and r.tolerance == pytest.approx(2e-5)
-    r = _self_result("prefix_then_suffix_equals_prefill", {"short": [("layer 0 keys", 1e-5, 1.0), ok]})
+    """Each tensor against GAP_MULTIPLE x its own gap: an error of 1e-4 in a layer whose gap is
+    1e-5 is 10x it, even when another layer's gap reaches 1e-2 (one tolerance over all layers,
+    4e-2, would have let it pass)."""
+    ok = ("layer 5 keys", 1e-6, 100.0, 1e-2)
+    r = _self_result("prefix_then_suffix_equals_prefill", {"short": [("layer 0 keys", 1e-4, 1.0, 1e-5), ok]})
+    assert not r.passed and r.worst == "short: layer 0 keys" and r.tolerance == pytest.approx(4e-5)
+    assert r.gap_multiple == pytest.approx(10.0)
+    r = _self_result("prefix_then_suffix_equals_prefill", {"short": [("layer 0 keys", 3e-5, 1.0, 1e-5), ok]})
     assert r.passed
     exact = _self_result("patch_all_reproduces_source", {"short": [("logits", 1e-9, 10.0)]})
     assert not exact.passed and exact.tolerance == 0.0  # exact: no tolerance is set for an exact invariant

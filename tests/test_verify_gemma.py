@@ -2,16 +2,19 @@
 Gemma3ForCausalLM on the same GGUF weights (in float64, the truth; in float32 for the rounding gap
 that sizes each tensor's tolerance), and the planted engine bugs of tests/test_verify.py make their
 invariants fail on real weights too (and the Hugging Face reference invariants, for every bug that
-changes a prefill, an RMSNorm eps of 1e-5 or 1e-4 where the GGUF says 1e-6 included). Marked
-`gemma`; part of the default suite."""
+changes a prefill, an RMSNorm eps of 1e-5 or 1e-4 where the GGUF says 1e-6 included). In bfloat16
+too: all ten pass in units of bfloat16's own gap, and planted bugs fail. Marked `gemma`; part of
+the default suite."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import pytest
+import torch
 
 from kvnotes.conformance import HF_INVARIANTS, hf_reference, verify
+from kvnotes.zoo import load_model
 from tests.test_verify import (
     _local_base_in_global_layers,
     _norm_eps,
@@ -70,3 +73,25 @@ def test_planted_bugs_fail_their_invariants_on_gemma(gemma, reference, monkeypat
     for r in report.invariants:
         assert not r.passed and r.max_abs_error > r.tolerance, f"{r.name} missed {bug}: {report.table()}"
     assert not report.passed
+
+
+def test_bfloat16_verify_passes_on_gemma_and_planted_bugs_fail(gemma, monkeypatch):
+    """Gemma 3 270M in bfloat16 (its float32 weights cast once): all ten invariants pass, each
+    tensor within 4x bfloat16's own gap from a float64 forward of the same bfloat16 weights
+    (transformers' Gemma3ForCausalLM cast alike for the reference); fresh tokens rotated one
+    position on, or the global layers rotated with the local RoPE base, fail the per-layer K/V
+    comparison. (A sliding window one slot too wide, which fails in float32, passes in bfloat16:
+    one extra key among 512 moves nothing past bfloat16's rounding; docs/engine.md.) `gemma`
+    holds the cores this module may use while this one runs."""
+    model = load_model("gemma-3-270m", dtype=torch.bfloat16)
+    reference = hf_reference(model)
+    report = verify(model, progress=False, reference=reference)
+    print(report.table())
+    assert report.passed and report.dtype == "bfloat16", report.table()
+    assert len(report.invariants) == 10 and "bfloat16 beside it" in report.reference
+    for sabotage in (_rope_plus_one, _local_base_in_global_layers):
+        sabotage(monkeypatch, model)
+        wrong = verify(model, progress=False, only=(KV,), reference=reference)
+        print(wrong.table())
+        assert not wrong.passed and wrong.invariants[0].max_abs_error > wrong.invariants[0].tolerance
+        monkeypatch.undo()

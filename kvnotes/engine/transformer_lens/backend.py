@@ -74,9 +74,19 @@ class TransformerLensBackend:
     def move_keys(
         self, model: TransformerLensModel, layer: int, keys: Tensor, old: Tensor, new: Tensor
     ) -> Tensor:
-        """Undo the rotation at `old`, apply the one at `new`, from the layer's own RoPE tables."""
+        """Undo the rotation at `old`, apply the one at `new`, from the layer's own RoPE tables, in
+        float32 and rounded once (a bfloat16 key turned twice in bfloat16 would round three times).
+        Tables stored in 16 bits (a bfloat16 model's) turn by cos² + sin² = 1 + up to 2⁻⁸, so the
+        turn back divides that out: the moved key is then the key a prefill at `new` writes, but
+        for the stored key's own rounding."""
         attn = model.tl.blocks[layer].attn
-        return rotate_at(attn, unrotate_at(attn, keys, old), new)
+        bare = unrotate_at(attn, keys.float(), old)
+        cos, sin = rope_tables(attn, old)
+        if torch.finfo(cos.dtype).bits == 16:
+            rd = cos.shape[-1]
+            norm = cos.to(bare.dtype) ** 2 + sin.to(bare.dtype) ** 2
+            bare = torch.cat([bare[..., :rd] / norm, bare[..., rd:]], dim=-1)
+        return rotate_at(attn, bare, new).to(keys.dtype)
 
     def full_logits(self, model: TransformerLensModel, ids: Sequence[int]) -> Tensor:
         with torch.no_grad():
