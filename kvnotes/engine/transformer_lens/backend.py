@@ -26,6 +26,7 @@ from kvnotes import rope
 from kvnotes.engine import plan as planning
 from kvnotes.engine.backend import Capability
 from kvnotes.engine.float64 import float64_everywhere
+from kvnotes.engine.guard import allow
 from kvnotes.engine.plan import Fresh, Hook, Plan, Resume, SlotKeys, saver, softcap, take_slots
 from kvnotes.engine.transformer_lens.model import TransformerLensModel
 from kvnotes.errors import BadArgument, OutOfRange
@@ -80,13 +81,14 @@ class TransformerLensBackend:
         turn back divides that out: the moved key is then the key a prefill at `new` writes, but
         for the stored key's own rounding."""
         attn = model.tl.blocks[layer].attn
-        bare = unrotate_at(attn, keys.float(), old)
-        cos, sin = rope_tables(attn, old)
-        if torch.finfo(cos.dtype).bits == 16:
-            rd = cos.shape[-1]
-            norm = cos.to(bare.dtype) ** 2 + sin.to(bare.dtype) ** 2
-            bare = torch.cat([bare[..., :rd] / norm, bare[..., rd:]], dim=-1)
-        return rotate_at(attn, bare, new).to(keys.dtype)
+        with allow(torch.float32):  # the turn in float32 is this method's point (the engine guard)
+            bare = unrotate_at(attn, keys.float(), old)
+            cos, sin = rope_tables(attn, old)
+            if torch.finfo(cos.dtype).bits == 16:
+                rd = cos.shape[-1]
+                norm = cos.to(bare.dtype) ** 2 + sin.to(bare.dtype) ** 2
+                bare = torch.cat([bare[..., :rd] / norm, bare[..., rd:]], dim=-1)
+            return rotate_at(attn, bare, new).to(keys.dtype)
 
     def full_logits(self, model: TransformerLensModel, ids: Sequence[int]) -> Tensor:
         with torch.no_grad():
