@@ -11,7 +11,7 @@ Imports are lazy: `import kvnotes` costs nothing until a name is used.
 
 from __future__ import annotations
 
-import importlib
+from kvnotes.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -46,14 +46,4 @@ _EXPORTS = {
     "verify": "kvnotes.conformance",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'kvnotes' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

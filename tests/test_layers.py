@@ -1,7 +1,7 @@
 """The import layers of docs/architecture.md, checked by reading every module's imports.
 
 Imports point down only: dashboards/ over circuits/ over probes/ over kvnotes/. Inside kvnotes the
-layers are, from the bottom: errors and types; the models (`kvnotes.models`: what a model is,
+layers are, from the bottom: errors, types and the lazy re-exports; the models (`kvnotes.models`: what a model is,
 whatever runs it); the engine (`kvnotes.engine` with each backend and its model class, and the
 notebook operations built on `run`); the task definitions; the loaders (`kvnotes.zoo`, which build
 each backend's model class); then everything else (benches, serving, the analysis framework). Only
@@ -34,7 +34,7 @@ UPWARD = {
 # kvnotes' own layers, lowest first; a module may import only its own layer and those below it
 # (every kvnotes module not listed stands above them all)
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("errors and types", ("kvnotes.errors", "kvnotes.types")),
+    ("errors, types and the lazy re-exports", ("kvnotes.errors", "kvnotes.types", "kvnotes.lazy")),
     ("models", ("kvnotes.models",)),
     (
         "engine",

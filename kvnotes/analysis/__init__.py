@@ -17,7 +17,7 @@ Every name is imported on first use: `kvnotes.analysis.discovery` is read withou
 
 from __future__ import annotations
 
-import importlib
+from kvnotes.lazy import lazy_exports
 
 _LAZY = {
     "MIN_EFFECT": "kvnotes.analysis.registry",
@@ -81,8 +81,4 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "unregister",
 ]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvnotes.analysis' has no attribute {name!r}")
+_, __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -10,7 +10,7 @@ Names are read lazily, as in `kvnotes`: `from kvnotes.models.backends import Bac
 
 from __future__ import annotations
 
-import importlib
+from kvnotes.lazy import lazy_exports
 
 _EXPORTS = {
     "KVModel": "kvnotes.models.model",
@@ -20,14 +20,4 @@ _EXPORTS = {
     "DEFAULT_BACKEND": "kvnotes.models.backends",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'kvnotes.models' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

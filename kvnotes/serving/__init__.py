@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-import importlib
+from kvnotes.lazy import lazy_exports
 
 _LAZY = {
     "PromptManager": "kvnotes.serving.manager",
@@ -19,10 +19,4 @@ _LAZY = {
     "fill": "kvnotes.serving.manager",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvnotes.serving' has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
