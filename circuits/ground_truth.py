@@ -239,27 +239,27 @@ class GroundTruthReport(BenchReport):
         return "\n".join(lines)
 
 
-def score_program(model, pairs, *, steps: int = 8, seed: int = 0, progress: bool = True):
+def score_program(model, pairs, *, steps: int = 8, progress: bool = True):
     """Per method and level, each pair's (precision, recall, AUROC); and the known circuits' sizes
     and faithfulness, for one compiled program's `pairs`."""
     names = components(model)
     got: dict[tuple[str, str], list[tuple]] = {(m, lv): [] for m in METHODS for lv in ("edge", "node")}
     sizes = {"edges": 0, "known_edges": [], "known_nodes": [], "faithfulness": []}
     for pair in tqdm(pairs, desc=model.name, unit="pair", disable=not progress or None, leave=False):
-        site = edge_patcher(model, pair)
-        if abs(site.effect) < 1e-6:
+        patcher = edge_patcher(model, pair)
+        if abs(patcher.effect) < 1e-6:
             raise BadArgument(f"{model.name}: a pair whose answers do not move ({pair.new.text!r})")
-        truth = known_edges(model, site)
-        nodes = known_nodes(site, truth)
+        truth = known_edges(model, patcher)
+        nodes = known_nodes(patcher, truth)
         node_truth = np.array([c in nodes for c in names])
-        sizes["edges"] = len(site.graph)
+        sizes["edges"] = len(patcher.graph)
         sizes["known_edges"].append(int(truth.sum()))
         sizes["known_nodes"].append(len(nodes))
-        sizes["faithfulness"].append(float(site.patch(truth[None])[0]))
+        sizes["faithfulness"].append(float(patcher.patch(truth[None])[0]))
         for m in METHODS:
-            s = site.exact() if m == "exact" else score_edges(site, m, steps=steps).scores
+            s = patcher.exact() if m == "exact" else score_edges(patcher, m, steps=steps).scores
             s = np.nan_to_num(np.asarray(s, dtype=np.float64))
-            ns = node_scores(site, None if m == "exact" else s, names)
+            ns = node_scores(patcher, None if m == "exact" else s, names)
             for lv, sc, tr in (("edge", np.abs(s), truth), ("node", ns, node_truth)):
                 p, r = precision_recall(sc, tr)
                 got[(m, lv)].append((p, r, auroc(sc, tr)))
@@ -275,9 +275,7 @@ def ground_truth_bench(
     results, about = [], {}
     for short in programs or TRACR_PROGRAMS:
         model = load_tracr(short if short.startswith("tracr-") else f"tracr-{short}")
-        got, sizes = score_program(
-            model, pairs(model, n, seed=seed), steps=steps, seed=seed, progress=progress
-        )
+        got, sizes = score_program(model, pairs(model, n, seed=seed), steps=steps, progress=progress)
         for (m, lv), rows in got.items():
             aur = [a for _, _, a in rows if a is not None]
             est = Estimate.of(aur, seed=seed)

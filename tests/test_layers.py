@@ -1,11 +1,11 @@
 """The import layers of docs/architecture.md, checked by reading every module's imports.
 
 Imports point down only: dashboards/ over circuits/ over probes/ over kvnotes/. Inside kvnotes the
-layers are, from the bottom: errors, types and the lazy re-exports; the models (`kvnotes.models`: what a model is,
-whatever runs it); the engine (`kvnotes.engine` with each backend and its model class, and the
-notebook operations built on `run`); the task definitions; the loaders (`kvnotes.zoo`, which build
-each backend's model class); then everything else (benches, serving, the analysis framework). Only
-the CLI (the one composition root) may reach upward.
+layers are, from the bottom: errors, types and the lazy re-exports; the models (`kvnotes.models`:
+what a model is, whatever runs it); the engine (`kvnotes.engine` with each backend and its model
+class, and the notebook operations built on `run`); the task definitions; the loaders
+(`kvnotes.zoo`, which build each backend's model class); then everything else (benches, serving, the
+analysis framework). Only the CLI (the one composition root) may reach upward.
 
 Every import counts, wherever it stands: at module level, inside a function (a lazy import is still
 a dependency) and under `if TYPE_CHECKING:` (a type is a dependency too; a models -> engine import
