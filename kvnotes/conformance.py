@@ -21,6 +21,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from functools import cache, partial
+from typing import Any, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -324,20 +325,48 @@ def _gauged(mine: list[Measure], reference: list[Measure]) -> list[Gauged]:
     return [(w, e, sc, g) for (w, e, sc), (_, g, _) in zip(mine, reference)]
 
 
-def _in_float64(model: KVModel, compute: Callable[..., object], *first: Callable[[], object]):
-    """A cached thunk: `compute(*(f() for f in first))` with `model` in float64 (the `first`
-    thunks, float64 notebooks, are evaluated before, each in its own float64 pass)."""
+class _Truths:
+    """One prompt's float64 truths: named computations, each run once, all of them in one float64
+    pass (`prepare`): casting the model to float64 and back costs Gemma 3 270M about 5 s on 2
+    cores, more than most truths themselves. A truth asked for outside `prepare` gets its own pass;
+    one asked for inside another (a float64 notebook that a float64 decision reads) joins it."""
 
-    @cache
-    def truth():
-        inputs = [f() for f in first]
-        with in_float64(model):
-            return compute(*inputs)
+    def __init__(self, model: KVModel) -> None:
+        self.model = model
+        self.computations: dict[str, Callable[[], object]] = {}
+        self.values: dict[str, object] = {}
+        self.inside = False
 
-    return truth
+    def add(self, key: str, compute: Callable[[], object]) -> Callable[[], Any]:
+        self.computations[key] = compute
+        return partial(self.get, key)
+
+    def get(self, key: str) -> Any:
+        if key not in self.values:
+            self.prepare([key])
+        return self.values[key]
+
+    def prepare(self, keys: Iterable[str]) -> None:
+        todo = [k for k in keys if k not in self.values]
+        if todo and self.inside:
+            for k in todo:
+                if k not in self.values:  # an earlier one may have asked for it
+                    self.values[k] = self.computations[k]()
+        elif todo:
+            with in_float64(self.model):
+                self.inside = True
+                try:
+                    self.prepare(todo)
+                finally:
+                    self.inside = False
 
 
-def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], list]]:
+class _Check(NamedTuple):
+    run: Callable[[], list]
+    truths: tuple[str, ...] = ()  # the float64 truths it reads (`_Truths` keys)
+
+
+def _checks(model: KVModel, old: Prompt, new: Prompt, truths: _Truths) -> dict[str, _Check]:
     """Each check returns its measures: one per tensor it compares (per layer K, per layer V,
     logits). An exact check's (`Measure`) hold its error against the reference computation; every
     other check's (`Gauged`) hold its error against the reference computation run in float64 (the
@@ -357,9 +386,20 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
     nb_new = cache(lambda: ops.prefill(model, new))
     decided_new = cache(lambda: ops.decide(model, nb_new(), new).last)  # the reference of two checks
     # the same computations in float64: the truths
-    old64 = _in_float64(model, lambda: ops.prefill(model, old))
-    new64 = _in_float64(model, lambda: ops.prefill(model, new))
-    decided_new64 = _in_float64(model, lambda nb: ops.decide(model, nb, new).last, new64)
+    old64 = truths.add("old", lambda: ops.prefill(model, old))
+    new64 = truths.add("new", lambda: ops.prefill(model, new))
+    decided_new64 = truths.add("decided new", lambda: ops.decide(model, new64(), new).last)
+    full64 = truths.add("full forward", lambda: full_logits(model, old.ids)[-1])
+    chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
+    q = min(len(old.ids) + 13, model.n_ctx - len(chunk) - 8)  # past the prompt, inside n_ctx
+    chunk_at_q64 = truths.add("chunk at q", lambda: ops.prefill(model, chunk, offset=q))
+    chunk_at_0_64 = truths.add("chunk at 0", lambda: ops.prefill(model, chunk))
+    specs = _patch_specs(model, range(field_start, stop))
+
+    def single(a: Notebook, b: Notebook) -> torch.Tensor:
+        return torch.stack([ops.decide(model, ops.patch(a, b, s), new).last[0] for s in specs])
+
+    singles64 = truths.add("single patches", lambda: single(old64(), new64()))
 
     def vs_truth(mine: Notebook | torch.Tensor, ref, truth, what: str = "logits") -> list[Gauged]:
         diff = _maxdiff_nb if isinstance(truth, Notebook) else partial(_maxdiff, what=what)
@@ -367,8 +407,7 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
 
     def decide_equals_full():
         full = full_logits(model, old.ids)[-1]
-        truth = _in_float64(model, lambda: full_logits(model, old.ids)[-1])()
-        return vs_truth(ops.decide(model, nb_old(), old).last[0], full, truth)
+        return vs_truth(ops.decide(model, nb_old(), old).last[0], full, full64())
 
     def prefix_then_suffix():
         mid = stop // 2
@@ -399,37 +438,29 @@ def _checks(model: KVModel, old: Prompt, new: Prompt) -> dict[str, Callable[[], 
         """Gauged against the offset prefill in float64 (the truth), per tensor by the larger of two
         gaps: the offset prefill's own (the rounding a prefill at those positions cannot avoid)
         and the prefill at 0's, which the moved key carries along (a rotation keeps its error)."""
-        chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
-        q = min(len(old.ids) + 13, model.n_ctx - len(chunk) - 8)  # past the prompt, inside n_ctx
         at_0 = ops.prefill(model, chunk)
-        truth = _in_float64(model, lambda: ops.prefill(model, chunk, offset=q))()
-        truth_0 = _in_float64(model, lambda: ops.prefill(model, chunk))()
-        gauged = vs_truth(ops.rerotate(model, at_0, q), ops.prefill(model, chunk, offset=q), truth)
-        carried = _maxdiff_nb(at_0, truth_0)
+        gauged = vs_truth(ops.rerotate(model, at_0, q), ops.prefill(model, chunk, offset=q), chunk_at_q64())
+        carried = _maxdiff_nb(at_0, chunk_at_0_64())
         return [(w, e, sc, max(g, g0)) for (w, e, sc, g), (_, g0, _) in zip(gauged, carried)]
 
     def refresh_unchanged_is_noop():
         return vs_truth(ops.refresh(model, nb_old(), old, edited), nb_old(), old64())
 
     def batched_equals_single():
-        specs = _patch_specs(model, range(field_start, stop))
         batched = ops.decide_patched(model, nb_old(), nb_new(), specs, new, batch_size=3)
-
-        def single(a: Notebook, b: Notebook) -> torch.Tensor:
-            return torch.stack([ops.decide(model, ops.patch(a, b, s), new).last[0] for s in specs])
-
-        truth = _in_float64(model, single, old64, new64)()
-        return vs_truth(batched, single(nb_old(), nb_new()), truth)
+        return vs_truth(batched, single(nb_old(), nb_new()), singles64())
 
     return {
-        "decide_equals_full_forward": decide_equals_full,
-        "prefix_then_suffix_equals_prefill": prefix_then_suffix,
-        "suffix_recompute_equals_prefill": suffix_recompute,
-        "kv_deviation_before_field_is_zero": deviation_before_field,
-        "patch_all_reproduces_source": patch_all_reproduces_source,
-        "rerotation_equals_offset_prefill": rerotation_equals_offset_prefill,
-        "refresh_unchanged_is_noop": refresh_unchanged_is_noop,
-        "batched_patches_equal_single": batched_equals_single,
+        "decide_equals_full_forward": _Check(decide_equals_full, ("full forward",)),
+        "prefix_then_suffix_equals_prefill": _Check(prefix_then_suffix, ("old",)),
+        "suffix_recompute_equals_prefill": _Check(suffix_recompute, ("new", "decided new")),
+        "kv_deviation_before_field_is_zero": _Check(deviation_before_field),
+        "patch_all_reproduces_source": _Check(patch_all_reproduces_source),
+        "rerotation_equals_offset_prefill": _Check(
+            rerotation_equals_offset_prefill, ("chunk at q", "chunk at 0")
+        ),
+        "refresh_unchanged_is_noop": _Check(refresh_unchanged_is_noop, ("old",)),
+        "batched_patches_equal_single": _Check(batched_equals_single, ("old", "new", "single patches")),
     }
 
 
@@ -535,9 +566,11 @@ def verify(
     with torch.no_grad():
         bar = tqdm(list(prompts.items()), desc=f"verify {model.name}", disable=not progress, unit="prompt")
         for label, (old, new) in bar:
-            checks = _checks(model, old, new)
+            truths = _Truths(model)
+            checks = _checks(model, old, new, truths)
+            truths.prepare(key for name in errors for key in checks[name].truths)  # one float64 pass
             for name in errors:
-                errors[name][label] = checks[name]()
+                errors[name][label] = checks[name].run()
             if measures:
                 hf = _hf_checks(model, label, reference)
                 for name in measures:
