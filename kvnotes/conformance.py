@@ -217,10 +217,15 @@ class Reference:
 
 
 def hf_reference(
-    model: KVModel, prompts: dict[str, tuple[Prompt, Prompt]] | None = None, *, hf_model=None
+    model: KVModel,
+    prompts: dict[str, tuple[Prompt, Prompt]] | None = None,
+    *,
+    hf_model=None,
+    source: str | None = None,
 ) -> Reference:
     """Run `model`'s Hugging Face counterpart (loaded from `model.hf_source`, or `hf_model` as given,
-    which is left as it came) on the verification prompts (the `old` prompt of each pair), eager
+    which is left as it came; `source` says where a given one came from, for the report) on the
+    verification prompts (the `old` prompt of each pair), eager
     attention, with a cache: once in the model's dtype, once in float64 throughout
     (`hf_in_float64`). A counterpart in another dtype than the model's (a float32 checkpoint for a
     bfloat16 model) is cast to it first (`hf_cast`; a given one is copied), so that both forwards
@@ -238,7 +243,7 @@ def hf_reference(
             )
         hf_model, source = model.hf_source.load(), model.hf_source.what
     else:
-        source = f"transformers' {type(hf_model).__name__} (given)"
+        source = source or f"transformers' {type(hf_model).__name__} (given)"
         if next(hf_model.parameters()).dtype != model.dtype:
             hf_model = copy.deepcopy(hf_model)
     if next(hf_model.parameters()).dtype != model.dtype:

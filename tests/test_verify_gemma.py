@@ -29,10 +29,17 @@ KV = "prefill_kv_equals_transformers"
 
 
 @pytest.fixture(scope="module")
-def reference(gemma):
-    """transformers' Gemma3ForCausalLM from the GGUF (about a minute to load), run once on
-    verify's two prompts in float32 and in float64; the model itself is dropped afterwards."""
-    return hf_reference(gemma)
+def hf_gemma(gemma):
+    """transformers' Gemma3ForCausalLM from the GGUF, in float32 (about half a minute to load),
+    loaded once for this module: the float32 reference and the bfloat16 one (a cast copy) both
+    run it."""
+    return gemma.hf_source.load()
+
+
+@pytest.fixture(scope="module")
+def reference(gemma, hf_gemma):
+    """transformers' Gemma, run once on verify's two prompts in float32 and in float64."""
+    return hf_reference(gemma, hf_model=hf_gemma, source=gemma.hf_source.what)
 
 
 def test_the_engine_equals_transformers_on_gemma(gemma, reference):
@@ -75,16 +82,16 @@ def test_planted_bugs_fail_their_invariants_on_gemma(gemma, reference, monkeypat
     assert not report.passed
 
 
-def test_bfloat16_verify_passes_on_gemma_and_planted_bugs_fail(gemma, monkeypatch):
+def test_bfloat16_verify_passes_on_gemma_and_planted_bugs_fail(hf_gemma, monkeypatch):
     """Gemma 3 270M in bfloat16 (its float32 weights cast once): all ten invariants pass, each
     tensor within 4x bfloat16's own gap from a float64 forward of the same bfloat16 weights
     (transformers' Gemma3ForCausalLM cast alike for the reference); fresh tokens rotated one
     position on, or the global layers rotated with the local RoPE base, fail the per-layer K/V
     comparison. (A sliding window one slot too wide, which fails in float32, passes in bfloat16:
-    one extra key among 512 moves nothing past bfloat16's rounding; docs/engine.md.) `gemma`
-    holds the cores this module may use while this one runs."""
+    one extra key among 512 moves nothing past bfloat16's rounding; docs/engine.md.)"""
     model = load_model("gemma-3-270m", dtype=torch.bfloat16)
-    reference = hf_reference(model)
+    reference = hf_reference(model, hf_model=hf_gemma, source=model.hf_source.what)  # a cast copy
+    assert next(hf_gemma.parameters()).dtype == torch.float32  # left as it came, for the others
     report = verify(model, progress=False, reference=reference)
     print(report.table())
     assert report.passed and report.dtype == "bfloat16", report.table()
