@@ -14,6 +14,11 @@ def pytest_configure(config):
     # Tiny models: one intra-op thread is fastest, and on a shared 2-core machine extra threads
     # oversubscribe the CPU (a 4 ms forward becomes 300 ms).
     torch.set_num_threads(1)
+    # Subprocesses (CLI runs, notebook kernels, servers) get this worker's share of the cores: a
+    # child on torch's default of one thread per core, beside the other worker, waits on its
+    # OpenMP barriers for a core that is taken (the circuit-report notebook: 19 s alone, 206 s
+    # beside one busy core, 19 s there with one thread).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers())))
 
 
 @pytest.fixture(autouse=True)
