@@ -397,10 +397,9 @@ def cmd_dashboard(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from kvnotes.zoo import load_model
     from kvnotes.zoo.export import export
 
-    print(f"wrote {export(load_model(args.model, **_placement(args)), args.dir)}")
+    print(f"wrote {export(_load(args), args.dir)}")
     return 0
 
 

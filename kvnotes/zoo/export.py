@@ -1,9 +1,10 @@
 """A model as a Hugging Face checkpoint directory, for servers that load those (vLLM, TGI, SGLang).
 
-`export(name, out)` writes `config.json`, `model.safetensors` and the tokenizer files of any model
+`export(model, out)` writes `config.json`, `model.safetensors` and the tokenizer files of any model
 kvnotes loads with a Hugging Face counterpart: the embedded `gemma-3-270m` (its GGUF dequantized to
 float32 by transformers, so the server reads the same weights the engine runs) and checkpoints
-loaded from a directory. A stamp (`kvnotes-export.json`) records what was exported, so `cached()`
+loaded from a directory, in the model's dtype (`load_model(..., dtype="bfloat16")` exports
+bfloat16 weights). A stamp (`kvnotes-export.json`) records what was exported, so `cached()`
 can reuse a directory instead of writing 1 GB again.
 """
 
@@ -13,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+from kvnotes.engine.float64 import hf_cast
 from kvnotes.errors import KVNotesError
 
 STAMP = "kvnotes-export.json"
@@ -51,6 +53,8 @@ def export(model, out: str | Path, *, progress: bool = True) -> Path:
     if progress:
         print(f"exporting {model.name} to {out} ({model.hf_source.what})", flush=True)
     hf = model.hf_source.load()
+    if next(hf.parameters()).dtype != model.dtype:  # a model loaded with dtype=: its own weights
+        hf_cast(hf, model.dtype)
     hf.hf_quantizer = None  # a GGUF's weights arrive dequantized; transformers would refuse to save
     if getattr(hf.config, "quantization_config", None) is not None:
         del hf.config.quantization_config

@@ -58,3 +58,26 @@ def test_cli_export(checkpoint, tmp_path, capsys):
     assert main(["export", "--model", str(checkpoint), str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [("tiny-gpt2", "transformer-lens"), ("tiny-gpt2", "nnsight"), ("gemma3-text", "nnsight")],
+)
+def test_cli_export_writes_the_dtype_and_honours_the_backend_asked_for(checkpoint, tmp_path, name, backend):
+    """`--dtype bfloat16` writes bfloat16 weights (the model's own, which its stamp's fingerprint
+    names), on either backend: tiny-gpt2 is built in float32 and cast after loading (its
+    transformers twin loads in float32), a checkpoint directory loads in bfloat16 directly."""
+    from safetensors import safe_open
+
+    from kvnotes.cli import main
+
+    model_name = str(checkpoint) if name == "gemma3-text" else name
+    out = tmp_path / "out"
+    argv = ["export", "--model", model_name, "--dtype", "bfloat16", "--backend", backend, str(out)]
+    assert main(argv) == 0
+    with safe_open(out / "model.safetensors", "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    assert dtypes == {"BF16"}
+    half = load_model(model_name, backend=backend, dtype="bfloat16")
+    assert is_export_of(out, half) and not is_export_of(out, load_model(model_name, backend=backend))
