@@ -32,6 +32,7 @@ from kvnotes.engine import Capability, has, in_float64
 from kvnotes.engine.float64 import hf_in_float64
 from kvnotes.errors import BadArgument
 from kvnotes.notebook import Notebook
+from kvnotes.zoo import load_model
 from kvnotes.zoo.hf import load_hf
 from kvnotes.zoo.tiny import tiny_tokenizer
 from tests.checkpoints import FAMILIES, _config, _randomize
@@ -343,17 +344,20 @@ def test_the_float64_reference_is_float64_throughout(checkpoint):
     assert (cast - truth).abs().max().item() > 1e-3 * gap > 0
 
 
-def test_a_model_in_float64_comes_back_bit_for_bit(gemma3):
-    """`in_float64` (re-rotation's truth): the engine's own prefill in float64, then float32 again."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_model_in_float64_comes_back_bit_for_bit(dtype):
+    """`in_float64` (verify's truths): the engine's own prefill in float64 (a bfloat16 or float16
+    weight upcast exactly), then the model's own dtype again, bit for bit."""
+    model = load_model("tiny-gemma3", dtype=dtype)
     ids = list(range(3, 40))
-    before = ops.prefill(gemma3, ids)
-    with torch.no_grad(), in_float64(gemma3):
-        truth = ops.prefill(gemma3, ids)
-    after = ops.prefill(gemma3, ids)
-    assert truth.keys[0].dtype == torch.float64 and gemma3.dtype == torch.float32
+    before = ops.prefill(model, ids)
+    with torch.no_grad(), in_float64(model):
+        truth = ops.prefill(model, ids)
+    after = ops.prefill(model, ids)
+    assert truth.keys[0].dtype == torch.float64 and model.dtype == dtype == before.keys[0].dtype
     assert all(torch.equal(a, b) for a, b in zip(before.keys + before.values, after.keys + after.values))
     err = max((a.double() - b).abs().max().item() for a, b in zip(before.keys, truth.keys))
-    assert err > 0  # float32 rounds; float64 is what it rounds from
+    assert err > 0  # the model's dtype rounds; float64 is what it rounds from
 
 
 def test_a_calibrated_tolerance_is_a_multiple_of_the_gap_with_a_floor():
