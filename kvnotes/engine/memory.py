@@ -119,12 +119,6 @@ def budget(device: torch.device) -> int | None:
     return None if free is None else int(free * FRACTION)
 
 
-def rows_that_fit(per_row: int, device: torch.device) -> int | None:
-    """How many rows of `per_row` bytes one forward may hold on `device` (None: no limit known)."""
-    room = budget(device)
-    return None if room is None else room // max(per_row, 1)
-
-
 def mib(n: int) -> str:
     return f"{n / MIB:,.1f} MiB"
 
@@ -137,7 +131,6 @@ __all__ = [
     "pretend_free",
     "reading_free",
     "row_bytes",
-    "rows_that_fit",
     "slot_bytes",
     "system_free",
 ]

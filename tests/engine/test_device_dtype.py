@@ -146,6 +146,15 @@ def test_every_command_with_a_model_takes_device_and_dtype():
     assert missing == []
 
 
+def test_the_cli_accepts_what_load_model_accepts():
+    """`--device` / `--dtype` spell their choices without torch (a refusal imports none); they are
+    the loaders' own."""
+    from kvnotes.args import DEVICE, DTYPE
+    from kvnotes.models.placement import DEVICE_KINDS, DTYPES
+
+    assert DTYPE.names == tuple(DTYPES) and DEVICE.names == DEVICE_KINDS
+
+
 # --- every operation on the model's device and dtype: the guard ----------------------------------
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
 def half(request):
