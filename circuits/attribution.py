@@ -283,7 +283,7 @@ class SlotScores:
 
 @dataclass(frozen=True)
 class AttributionConfig(Pairs):
-    top: int = option(5, "top heads compared between the two rankings", least=1)
+    top: int = option(5, "top heads compared between the two rankings", least=1, heads=True)
 
 
 @analysis("attribution", "circuits", AttributionConfig, AttributionPatching, quick={"n": 6}, order=4)

@@ -289,6 +289,7 @@ class HeadsConfig(Pairs):
         K_MAX,
         "largest k of the top-k vs random-k head curves (and heads in scrubbing's hypothesis)",
         least=1,
+        heads=True,
     )
     draws: int = option(32, "random head sets per k", least=1)
 

@@ -324,7 +324,9 @@ def _normalised(
 
 @dataclass(frozen=True)
 class ScrubbingConfig(Pairs):
-    k_max: int = option(12, "read heads in the hypothesis (the top of read_heads' ranking)", least=1)
+    k_max: int = option(
+        12, "read heads in the hypothesis (the top of read_heads' ranking)", least=1, heads=True
+    )
 
 
 @analysis(

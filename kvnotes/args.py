@@ -18,8 +18,10 @@ import argparse
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -133,9 +135,56 @@ MODEL_HELP = (
 )
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A value read and checked by `check` where it is parsed, with no torch import: a model's name
+    (`kvnotes.zoo.outline.check_name`), a task (its name, or its file and TOML), a pair dataset (its
+    file and every JSONL line). The value stays the text given; the command reads it again."""
+
+    what: str
+    check: Callable[[str], Any]
+
+    @property
+    def __name__(self) -> str:
+        return self.what
+
+    def __call__(self, text: str) -> str:
+        from kvnotes.errors import KVNotesError
+
+        try:
+            self.check(text)
+        except KVNotesError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+
+def _model(text: str) -> None:
+    from kvnotes.zoo.outline import check_name
+
+    check_name(text)
+
+
+def _task(text: str) -> None:
+    from kvnotes.tasks import load_task
+
+    load_task(text)
+
+
+def _pairs(text: str) -> None:
+    from kvnotes.tasks import load_pairs
+
+    load_pairs(text)
+
+
+MODEL = Checked("model", _model)
+TASK = Checked("task", _task)
+PAIRS = Checked("pair dataset", _pairs)
+
+
 def add_model(parser: argparse.ArgumentParser) -> None:
     """`--model` on a command that takes a model: the one declaration every command shares, with
-    one default (the embedded model, which every command runs on) and one help text.
+    one default (the embedded model, which every command runs on) and one help text; a name that
+    is no model is refused as it is parsed.
 
     >>> p = argparse.ArgumentParser()
     >>> add_model(p)
@@ -144,7 +193,7 @@ def add_model(parser: argparse.ArgumentParser) -> None:
     """
     from kvnotes.zoo.names import EMBEDDED
 
-    parser.add_argument("--model", default=EMBEDDED, metavar="NAME", help=MODEL_HELP)
+    parser.add_argument("--model", type=MODEL, default=EMBEDDED, metavar="NAME", help=MODEL_HELP)
 
 
 DEVICE_HELP = (

@@ -76,6 +76,7 @@ def _names(text: str) -> tuple[str, ...]:
 def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str, str]:
     """One option per config field of the analyses in `group` (from `cli_spec`; fields of the same
     name share one option, which sets each of them); returns option dest -> field name."""
+    from kvnotes.analysis.registry import LIMITS
     from kvnotes.args import Bounded
 
     seen: dict[str, list] = {}
@@ -83,6 +84,7 @@ def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str
         for o in a["options"]:
             seen.setdefault(o["name"], []).append((a["name"], o))
     dests = {}
+    parser.set_defaults(limits={n: o[0][1] for n, o in seen.items() if LIMITS.keys() & o[0][1].keys()})
     for name, owners in seen.items():
         o = owners[0][1]
         defaults: dict[str, list] = {}
@@ -115,7 +117,7 @@ def add_analysis_commands(sub) -> None:
     """`kvnotes probe|circuits|edit|compose` (task level) and `kvnotes bench <analysis>` (model level),
     with every registered analysis and its options."""
     from kvnotes import cli_spec
-    from kvnotes.args import EFFECT, OUT_FILE, SEED
+    from kvnotes.args import EFFECT, OUT_FILE, PAIRS, SEED, TASK
 
     spec = cli_spec.load()  # prebuilt: refusing a value imports no torch, even on the first call
     for command, entry in spec["commands"].items():
@@ -154,11 +156,13 @@ def add_analysis_commands(sub) -> None:
         source = p.add_mutually_exclusive_group()
         source.add_argument(
             "--task",
+            type=TASK,
             help="a built-in task name or a task.toml file (default: the model's own task "
             "for an organism, else order-cancel)",
         )
         source.add_argument(
             "--pairs",
+            type=PAIRS,
             metavar="FILE",
             help="a pair dataset (.jsonl of clean/corrupt prompts and answers, docs/tasks.md) in place "
             "of --task; analyses that need a task's rule or template are left out",
@@ -185,17 +189,32 @@ def _given(args) -> dict:
     }
 
 
-def _configs(names: list[str], args, n_ctx: int | None = None) -> dict:
-    """Each analysis's config from the options given; with `n_ctx`, its lengths fitted to that context
-    (a given length that cannot fit is refused, default ones are clipped: `fit_to_context`)."""
-    from kvnotes.analysis.registry import fit_to_context, get
-    from kvnotes.zoo.names import context_length
+def _refuse_unfit(args) -> None:
+    """Refuse, before torch is imported, a value the user gave that the model cannot have (a layer,
+    a count of layers or heads, a length), read from the command's options (`cli_spec`) and the
+    model's outline (`kvnotes.zoo.outline`: a built-in's as shipped, a checkpoint's config.json)."""
+    from kvnotes.analysis.registry import refusal
+    from kvnotes.errors import OutOfRange
+    from kvnotes.zoo.outline import outline
+
+    model = outline(args.model, args.backend)
+    for name, value in _given(args).items():
+        why = model and refusal(name, args.limits.get(name, {}), value, model)
+        if why:
+            raise OutOfRange(why)
+
+
+def _configs(names: list[str], args, model=None) -> dict:
+    """Each analysis's config from the options given, fitted to the model (loaded, else its outline
+    where it has one): a given value it cannot have is refused, default ones fit it (`fit_to_model`)."""
+    from kvnotes.analysis.registry import fit_to_model, get
+    from kvnotes.zoo.outline import outline
 
     given = _given(args)
     configs = {n: get(n).make_config(**given) for n in names}
-    n_ctx = n_ctx or context_length(args.model, args.backend)  # before the load, where it is known
-    if n_ctx:
-        configs = {n: fit_to_context(c, n_ctx, given, args.model) for n, c in configs.items()}
+    model = model or outline(args.model, args.backend)  # before the load, where it is known
+    if model is not None:
+        configs = {n: fit_to_model(c, model, given) for n, c in configs.items()}
     return configs
 
 
@@ -228,7 +247,8 @@ def _runnable(names: list[str], task, named: bool) -> list[str]:
 
 
 def cmd_task_analyses(args) -> int:
-    from kvnotes.analysis.registry import choose
+    _refuse_unfit(args)  # before torch: what the command line and the model's outline can tell
+    from kvnotes.analysis.registry import choose, limited_fields
     from kvnotes.analysis.runner import collect
 
     names = choose(
@@ -241,13 +261,17 @@ def cmd_task_analyses(args) -> int:
     names = _runnable(names, task, named=bool(args.names or args.only))
     configs = {n: configs[n] for n in names}
     model = _load(args)
-    configs = _configs(names, args, model.n_ctx)  # and lengths against the model as loaded
-    report = collect(model, task, names, configs=configs, seed=args.seed, min_effect=args.min_effect)
+    configs = _configs(names, args, model)  # and against the model as loaded
+    fit = not any(limited_fields(type(c)) & set(_given(args)) for c in configs.values())
+    report = collect(
+        model, task, names, configs=configs, seed=args.seed, min_effect=args.min_effect, fit_context=fit
+    )
     return _emit(report, args.json)
 
 
 def cmd_model_analysis(args) -> int:
-    from kvnotes.analysis.registry import Context, context_fields, get
+    _refuse_unfit(args)  # before torch: what the command line and the model's outline can tell
+    from kvnotes.analysis.registry import Context, get, limited_fields
     from kvnotes.analysis.runner import run_one
     from kvnotes.errors import KVNotesError
 
@@ -255,9 +279,9 @@ def cmd_model_analysis(args) -> int:
     cfg = _configs([a.name], args)[a.name]
     model = _load(args) if a.needs_model else None
     if model is not None:
-        cfg = _configs([a.name], args, model.n_ctx)[a.name]
-    # lengths left at their defaults are fitted by the analysis too, to what its own layout leaves
-    fit = not context_fields(a.config) & set(_given(args))
+        cfg = _configs([a.name], args, model)[a.name]
+    # sizes left at their defaults are fitted by the analysis too, to what its own layout leaves
+    fit = not limited_fields(a.config) & set(_given(args))
     ctx = Context(model=model, model_name=args.model, backend=args.backend, fit_context=fit)
     result = run_one(ctx, a.name, cfg)  # the runner refuses what the model cannot serve, first
     if result is None:
@@ -556,7 +580,7 @@ def _add_attribute(sub) -> None:
 
 def _add_report(sub) -> None:
     """`kvnotes report`: the per-model report, resumable part by part."""
-    from kvnotes.args import OUT_DIR, SEED, Bounded
+    from kvnotes.args import OUT_DIR, PAIRS, SEED, TASK, Bounded
 
     rp = sub.add_parser(
         "report",
@@ -567,12 +591,14 @@ def _add_report(sub) -> None:
     rp.add_argument(
         "--task",
         action="append",
+        type=TASK,
         help="a built-in task or a task.toml; repeat for several "
         "(default: the organism's own, else order-cancel)",
     )
     rp.add_argument(
         "--pairs",
         action="append",
+        type=PAIRS,
         metavar="FILE",
         help="a pair dataset (.jsonl, docs/tasks.md) reported like a task, beside or in place of --task; "
         "repeat for several (its sections leave out what needs a task's rule or template)",
@@ -653,7 +679,7 @@ def _add_export(sub) -> None:
 
 def _add_sweep(sub) -> None:
     """`kvnotes sweep`: the per-slot transplant sweep as one nnsight session."""
-    from kvnotes.args import COUNT, OUT_FILE, SEED
+    from kvnotes.args import COUNT, OUT_FILE, SEED, TASK
 
     sw = sub.add_parser(
         "sweep",
@@ -661,7 +687,7 @@ def _add_sweep(sub) -> None:
         "the caches stay where the model runs, only the numbers come back (docs/backends.md)",
     )
     add_model(sw)
-    sw.add_argument("--task", help="a built-in task or a task.toml (default: order-cancel)")
+    sw.add_argument("--task", type=TASK, help="a built-in task or a task.toml (default: order-cancel)")
     sw.add_argument("--slots", type=COUNT, help="sweep only the last N slots before the decision")
     sw.add_argument("--batch-size", type=COUNT, default=8, help="patches per decision trace (default 8)")
     sw.add_argument("--seed", type=SEED, default=0)

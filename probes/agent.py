@@ -64,14 +64,11 @@ def agent_loop(
 
     host = model.encode(HOST)  # the policy is composed into a context it was not compiled in
     pairs = sample(task, model, n, seed=seed)
-    longest = max(
-        len(model.encode(erratum.format(field=field, value=v), bos=False)) for v in task.gate.values
-    )
-    need = len(host) + max(len(p.old) for p in pairs) + turns * longest
-    if need > model.n_ctx:
+    most = most_turns(model, task, pairs, erratum)
+    if turns > most:
         raise OutOfRange(
-            f"{turns} turns of errata need about {need} positions but {model.name} has "
-            f"n_ctx={model.n_ctx}; use at most {(model.n_ctx - need) // longest + turns} turns"
+            f"--turns {turns}: that many errata do not fit {model.name}'s context of {model.n_ctx} "
+            f"positions after the host and the prompt; give --turns {most} or fewer"
         )
     pf = prefiller(model)  # the host (and a transcript's earlier turns) computed once
     for pair in tqdm(pairs, desc="agent loop", disable=not progress, unit="prompt"):
@@ -115,10 +112,25 @@ def agent_loop(
     )
 
 
+def most_turns(model: KVModel, task: Task, pairs, erratum: str = ERRATUM) -> int:
+    """The most turns whose errata fit the model's context after the host and the longest prompt
+    of `pairs` (tokenizer only: no forward)."""
+    longest = max(
+        len(model.encode(erratum.format(field=task.gate.field, value=v), bos=False)) for v in task.gate.values
+    )
+    fixed = len(model.encode(HOST)) + max(len(p.old) for p in pairs)
+    return max(0, (model.n_ctx - fixed) // longest)
+
+
 @dataclass(frozen=True)
 class AgentConfig(Options):
     prompts: int = option(2, "agent-loop prompts", least=1)
-    turns: int = option(28, "turns of field toggles, each an erratum (0 to skip)", least=0)
+    turns: int = option(
+        28,
+        "turns of field toggles, each an erratum (0 to skip; default: 28, or as many as fit)",
+        least=0,
+        fitted=True,
+    )
     seam: int = option(4, "chunk tokens recomputed at the seam", least=0)
 
 
@@ -133,6 +145,10 @@ class AgentConfig(Options):
 )
 def _run_agent_loop(ctx: Context, cfg: AgentConfig) -> AgentLoop | None:
     """A spliced policy kept current by one erratum per turn, against recomputing every turn."""
-    if not cfg.turns:
+    turns = cfg.turns
+    if ctx.fit_context:  # left at its default: as many turns as fit the model (the notes organism's 512)
+        task = load_task(ctx.task)
+        turns = min(turns, most_turns(ctx.model, task, sample(task, ctx.model, cfg.prompts, seed=ctx.seed)))
+    if not turns:
         return None
-    return agent_loop(ctx.model, ctx.task, n=cfg.prompts, turns=cfg.turns, seam=cfg.seam, **ctx.common)
+    return agent_loop(ctx.model, ctx.task, n=cfg.prompts, turns=turns, seam=cfg.seam, **ctx.common)

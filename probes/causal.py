@@ -298,7 +298,9 @@ class SlotMap:
 
 @dataclass(frozen=True)
 class NoteMapConfig(Pairs):
-    layer_window: int = option(3, "consecutive layers per window of the per-window transplant", least=1)
+    layer_window: int = option(
+        3, "consecutive layers per window of the per-window transplant", least=1, layers=True
+    )
 
 
 def _trials(ctx: Context, cfg: Pairs) -> list[Trial]:

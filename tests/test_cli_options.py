@@ -233,3 +233,61 @@ def test_each_analysis_command_takes_its_help_from_its_section():
             declared.setdefault(sec.command, sec.help)
     assert set(declared) == {"probe", "circuits", "edit", "compose", "bench"}
     assert {c: shown[c] for c in declared} == declared
+
+
+NO_TORCH = (
+    "import sys\nfrom kvnotes.cli import main\n"
+    "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+    "print(code, 'torch' in sys.modules)\n"
+)
+
+
+def _refusal_without_torch(argv: list[str], tmp_path: Path) -> tuple[str, str, str]:
+    """`kvnotes argv` in a fresh interpreter: its exit code, whether torch was imported, its stderr."""
+    env = {**os.environ, "KVNOTES_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    code, torch_imported = run.stdout.split()
+    return code, torch_imported, run.stderr
+
+
+def _checkpoint(tmp_path: Path) -> str:
+    """A Hugging Face checkpoint directory with a config.json only (Llama's field names)."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256}
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
+REFUSALS = {  # each class of refusal that needs no model: argv, then what its one line must say
+    "model name": (["probe", "all", "--model", "gemma-3-270mm"], "did you mean gemma-3-270m?"),
+    "task file": (["probe", "--model", "tiny-llama", "--task", "no.toml"], "no.toml' does not exist"),
+    "pair file": (["probe", "--model", "tiny-llama", "--pairs", "no.jsonl"], "no.jsonl does not exist"),
+    "jsonl line": (["probe", "--model", "tiny-llama", "--pairs", "bad.jsonl"], "line 2: not valid JSON"),
+    "layer": (["edit", "weight_edit", "--model", "tiny-llama", "--layer", "3"], "(3 layers); give a layer"),
+    "checkpoint layer": (["edit", "weight_edit", "--model", "ckpt", "--layer", "2"], "ckpt (2 layers)"),
+    "layer count": (["probe", "note_map", "--model", "tiny-llama", "--layer-window", "99"], "3 layers"),
+    "head count": (["circuits", "read_heads", "--model", "lookup-organism", "--k-max", "5"], "4 heads"),
+    "length": (["bench", "ttft", "--model", "tiny-llama", "--lengths", "600"], "context of 512 tokens"),
+    "memory size": (
+        ["probe", "memory_placement", "--model", "notes-organism", "--memory-sizes", "1000"],
+        "--memory-sizes [1000] do not fit notes-organism's context of 512 tokens",
+    ),
+    "checkpoint context": (["bench", "prefill", "--model", "ckpt", "--lengths", "300"], "of 256 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=list(REFUSALS))
+def test_a_refusal_that_needs_no_model_imports_no_torch(case, tmp_path):
+    """Names, files, a JSONL's syntax, and the layers, heads and context a model's outline gives (a
+    built-in's as shipped, a checkpoint's config.json) are refused in one line, exit 2, before torch
+    is imported: a structural check of "a fraction of a second", not a timed one."""
+    pair = '{"clean": "a", "corrupt": "b", "correct": " x", "wrong": " y"}'
+    (tmp_path / "bad.jsonl").write_text(f"{pair}\n{{bad\n")
+    _checkpoint(tmp_path)
+    argv, said = REFUSALS[case]
+    code, torch_imported, err = _refusal_without_torch(argv, tmp_path)
+    assert (code, torch_imported) == ("2", "False"), err
+    assert said in err and len(err.strip().splitlines()) == 1, err

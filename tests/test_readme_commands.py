@@ -5,15 +5,17 @@ analysis is run: the checks are the ones a command makes before its compute."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 
-from kvnotes.analysis.registry import check_layers, context_fields, get
+from kvnotes.analysis.registry import check_layers, get, refusal
 from kvnotes.cli import _configs, build_parser
 from kvnotes.zoo.names import EMBEDDED, context_length
+from kvnotes.zoo.outline import outline
 
 pytestmark = pytest.mark.gemma
 
@@ -46,7 +48,12 @@ def with_defaults(command: str, tmp: Path) -> list[str]:
         "PATH": str(tmp / "python"),
         "URL": "http://127.0.0.1:9",
     }
-    return [fill.get(w, w) for w in shlex.split(text)][1:]
+    words = [fill.get(w, w) for w in shlex.split(text)][1:]
+    if "--pairs" in words:  # an input, read as it is parsed: a pair dataset that exists
+        i = words.index("--pairs") + 1
+        words[i] = str(tmp / "pairs.jsonl")
+        Path(words[i]).write_text('{"clean": "a", "corrupt": "b", "correct": " x", "wrong": " y"}\n')
+    return words
 
 
 @pytest.mark.parametrize("command", documented())
@@ -59,11 +66,11 @@ def test_each_documented_command_parses_and_fits_before_the_load(command, tmp_pa
         from kvnotes.analysis.registry import choose
 
         names = choose(args.command_name, args.names or args.only, flags=[])
-    n_ctx = context_length(EMBEDDED)
+    model = outline(EMBEDDED)  # every built-in model: tests/test_defaults_fit_every_model.py
     for name, cfg in _configs(names, args).items():  # the checks the command makes before the load
-        for field in context_fields(type(cfg)):
-            value = getattr(cfg, field)
-            assert all(v <= n_ctx for v in (value if isinstance(value, tuple) else (value,))), (name, field)
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            assert value is None or refusal(f.name, f.metadata, value, model) is None, (name, f.name)
 
 
 def test_every_documented_default_fits_the_loaded_model(gemma, tmp_path):
@@ -78,7 +85,7 @@ def test_every_documented_default_fits_the_loaded_model(gemma, tmp_path):
         if not hasattr(args, "analysis"):
             continue
         a = get(args.analysis)
-        cfg = _configs([a.name], args, gemma.n_ctx)[a.name]
+        cfg = _configs([a.name], args, gemma)[a.name]
         check_layers(cfg, gemma)
         if a.name == "ttft":
             lengths = fitting_lengths(gemma, cfg, fit=True)
@@ -91,7 +98,7 @@ def test_a_given_length_the_model_cannot_hold_is_refused_before_the_load(capsys)
 
     assert main(["bench", "ttft", "--model", EMBEDDED, "--lengths", "512,16384"]) == 2
     err = capsys.readouterr().err
-    assert "lengths [16384] do not fit gemma-3-270m's context of 8192 tokens" in err, err
+    assert "--lengths [16384] do not fit gemma-3-270m's context of 8192 tokens" in err, err
     assert len(err.strip().splitlines()) == 1, err
 
 

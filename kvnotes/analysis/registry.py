@@ -313,7 +313,7 @@ def _option_spec(a: Analysis, f: dataclasses.Field) -> dict:
     item = get_args(hint)[0] if get_origin(hint) is tuple else hint
     kind = "list" if get_origin(hint) is tuple else item.__name__ if item in (bool, int, float) else "str"
     shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else str(f.default)
-    keep = ("help", "cli", "choices", "metavar", "least", "most")
+    keep = ("help", "cli", "choices", "metavar", "least", "most", *LIMITS)
     return {
         "name": f.name,
         "kind": kind,
@@ -340,9 +340,10 @@ def replace_default(cfg_type: type, **defaults) -> type:
 def option(default: Any, help: str, **extra) -> Any:
     """A config field with its one-line help; `extra`: `cli` (its option's name), `choices`,
     `metavar`, `least` and `most` (the range a number, or each number of a tuple, must lie in,
-    checked by `Options` and by the CLI as it parses), `layer` (a layer index of the model,
-    checked by `check_layers` once the model is loaded and before anything runs), `tokens` (a
-    length in tokens, which must fit the model's context: `fit_to_context`)."""
+    checked by `Options` and by the CLI as it parses), and a limit the model sets (`LIMITS`,
+    checked against the model's outline before the load and the model once loaded:
+    `fit_to_model`): `layer` (a layer index), `layers` (a count of layers), `heads` (a count of
+    heads over all layers), `tokens` (a length in tokens, which must fit the model's context)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -364,51 +365,96 @@ class Options:
                 raise BadOption(f"{f.name} ({f.metadata['help']}): {e}") from None
 
 
+# option(..., KIND=True): what the model sets as its most (`model`: a loaded model or its outline,
+# `kvnotes.zoo.outline.Outline`, which have these attributes; None where it does not tell)
+LIMITS: dict[str, Callable[[Any], int | None]] = {
+    "layer": lambda m: m.n_layers - 1,  # a layer index
+    "layers": lambda m: m.n_layers,  # a count of consecutive layers
+    "heads": lambda m: m.n_layers * m.n_heads,  # a count of heads, over all layers
+    "tokens": lambda m: m.n_ctx,  # a length in tokens
+}
+
+
+def _most(meta: Mapping, model: Any) -> int | None:
+    return next((most(model) for kind, most in LIMITS.items() if meta.get(kind)), None)
+
+
+def refusal(name: str, meta: Mapping, value: Any, model: Any) -> str | None:
+    """The one line that refuses `value` of option `name` (its field's metadata `meta`) on `model`,
+    naming the option, the model's limit and the way out; None where it fits, where the option has
+    no limit, or where the model does not tell it (a hub model's context before the load).
+
+    >>> from kvnotes.zoo.outline import outline
+    >>> print(refusal("layer_window", {"layers": True}, 99, outline("tiny-llama")))  # doctest: +ELLIPSIS
+    --layer-window 99 is more than tiny-llama's 3 layers; give at most 3, or leave --layer-window out ...
+    """
+    most = _most(meta, model)
+    over = [x for x in (value if isinstance(value, tuple) else (value,)) if most is not None and x > most]
+    if not over:
+        return None
+    flag = "--" + meta.get("cli", name.replace("_", "-"))
+    if meta.get("layer"):
+        return (
+            f"{flag} {value} is out of range for {model.name} ({model.n_layers} layers); "
+            f"give a layer in 0..{most}, or leave {flag} out for the default"
+        )
+    if meta.get("tokens"):
+        return (
+            f"{flag} {over} do not fit {model.name}'s context of {most} tokens; give lengths of at most "
+            f"{most}, or leave {flag} out for the lengths that fit"
+        )
+    has = f"{most} heads ({model.n_layers} layers x {model.n_heads})" if meta.get("heads") else ""
+    return (
+        f"{flag} {value} is more than {model.name}'s {has or f'{most} layers'}; give at most {most}, "
+        f"or leave {flag} out for a default that fits"
+    )
+
+
 def check_layers(cfg: Any, model: Any) -> None:
-    """Refuse a config whose layer fields (`option(..., layer=True)`) the model does not have."""
+    """Refuse a config whose layer indices (`option(..., layer=True)`) the model does not have."""
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if f.metadata.get("layer") and v is not None and not 0 <= v < model.n_layers:
-            raise OutOfRange(
-                f"{f.name} {v} is out of range for {model.name} ({model.n_layers} layers); "
-                f"give a layer in 0..{model.n_layers - 1}, or leave it out for the default"
-            )
+        why = None if v is None or not f.metadata.get("layer") else refusal(f.name, f.metadata, v, model)
+        if why:
+            raise OutOfRange(why)
 
 
-def context_fields(cfg_type: type) -> set[str]:
-    """The fields of a config that are lengths in tokens (`option(..., tokens=True)`)."""
-    return {f.name for f in dataclasses.fields(cfg_type) if f.metadata.get("tokens")}
+def limited_fields(cfg_type: type) -> set[str]:
+    """The fields of a config whose values the model limits (`LIMITS`), or that the analysis fits to
+    the model as loaded where they are left at their defaults (`option(..., fitted=True)`, read with
+    `Context.fit_context`)."""
+    return {
+        f.name
+        for f in dataclasses.fields(cfg_type)
+        if f.metadata.get("fitted") or any(f.metadata.get(k) for k in LIMITS)
+    }
 
 
-def fit_to_context(cfg: Any, n_ctx: int, given: Collection[str], model: str) -> Any:
-    """`cfg` with its lengths in tokens fitted to a context of `n_ctx`: a length the user gave (its
-    field in `given`) that cannot fit is refused, naming the most that fits; a default one beyond it
-    is dropped (from a list) or clipped (a single length), so that every command run with its defaults
-    fits the model it runs on. The CLI calls it before the model loads, where the context is known
-    without loading it (`kvnotes.zoo.names.context_length`), and again once it is loaded.
+def fit_to_model(cfg: Any, model: Any, given: Collection[str]) -> Any:
+    """`cfg` fitted to `model` (loaded, or its outline before the load): a value the user gave (its
+    field in `given`) that the model cannot have is refused (`refusal`); a default one is fitted, so
+    that every command run with its defaults fits every model: a list keeps what fits (the model's
+    limit itself where nothing does), a single count or length is clipped. A layer index is never
+    fitted: a default one beyond the model is refused as a given one is.
 
     >>> from kvnotes.bench.ttft import TTFTConfig
-    >>> fit_to_context(TTFTConfig(), 2048, given=(), model="m").lengths
-    (512, 1024, 2048)
-    >>> fit_to_context(TTFTConfig(lengths=(4096,)), 2048, given=("lengths",), model="m")  # doctest: +ELLIPSIS
+    >>> from kvnotes.zoo.outline import outline
+    >>> fit_to_model(TTFTConfig(), outline("tiny-llama"), given=()).lengths
+    (512,)
+    >>> fit_to_model(TTFTConfig(lengths=(4096,)), outline("tiny-llama"), ("lengths",))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    kvnotes.errors.OutOfRange: lengths [4096] do not fit m's context of 2048 tokens; give ...
+    kvnotes.errors.OutOfRange: --lengths [4096] do not fit tiny-llama's context of 512 tokens; give ...
     """
     changes = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if not f.metadata.get("tokens") or v is None:
+        why = None if v is None else refusal(f.name, f.metadata, v, model)
+        if why is None:
             continue
-        over = [x for x in (v if isinstance(v, tuple) else (v,)) if x > n_ctx]
-        if not over:
-            continue
-        if f.name in given:
-            flag = f.metadata.get("cli", f.name.replace("_", "-"))
-            raise OutOfRange(
-                f"{f.name} {over} do not fit {model}'s context of {n_ctx} tokens; give lengths of at most "
-                f"{n_ctx}, or leave --{flag} out for the lengths that fit"
-            )
-        changes[f.name] = tuple(x for x in v if x <= n_ctx) if isinstance(v, tuple) else n_ctx
+        if f.name in given or f.metadata.get("layer"):
+            raise OutOfRange(why)
+        most = _most(f.metadata, model)
+        changes[f.name] = tuple(x for x in v if x <= most) or (most,) if isinstance(v, tuple) else most
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 

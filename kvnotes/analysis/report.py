@@ -37,6 +37,7 @@ from kvnotes.analysis.registry import (
     analyses,
     config_from_dict,
     config_to_dict,
+    fit_to_model,
     report_analyses,
     sections,
     unmet,
@@ -406,11 +407,12 @@ def _task_part(
             model,
             task,
             names,
-            configs={n: cfg.config(n) for n in names},
+            configs={n: fit_to_model(cfg.config(n), model, given=()) for n in names},
             seed=cfg.seed,
             min_effect=cfg.min_effect,
             progress=progress,
             memo=memo,
+            fit_context=True,
         )
     finally:
         if last:
@@ -421,7 +423,7 @@ def _model_part(model: KVModel, a: Analysis, cfg: ReportConfig, progress: bool) 
     """A model-level analysis through the runner: what the model cannot serve is refused (and the
     part skipped, saying why) before any compute, and its calls are profiled under its name."""
     ctx = Context(model=model, seed=cfg.seed, min_effect=cfg.min_effect, progress=progress, fit_context=True)
-    return run_one(ctx, a.name, cfg.config(a.name))
+    return run_one(ctx, a.name, fit_to_model(cfg.config(a.name), model, given=()))
 
 
 def _part_file(out: Path, key: str) -> Path:

@@ -136,20 +136,31 @@ def collect(
     min_effect: float = MIN_EFFECT,
     progress: bool = True,
     memo: dict | None = None,
+    fit_context: bool = False,
 ) -> SectionReport:
     """Run task-level analyses `names` on one model and task, sharing prompt pairs among them, and
     collect their results in one `SectionReport`.
 
     Each analysis's config is `configs[name]`, else its `preset` with `overrides` (and `n`) for the
     fields it has; `memo` is the run's shared memo: a loaded SAE, say, or one dict passed to every
-    section of a report on one task, so that they share prompt pairs and what was computed on them."""
+    section of a report on one task, so that they share prompt pairs and what was computed on them.
+    `fit_context`: sizes the analyses fit to the model as loaded (agent-loop turns) are fitted,
+    where the configs hold their defaults (`Context.fit_context`)."""
     from kvnotes.tasks import load_task
 
     task = load_task(task)
     over = {**(overrides or {}), **({"n": n} if n is not None else {})}
     cfgs = {k: (configs or {}).get(k) or get(k).make_config(preset, **over) for k in names}
     memo = memo if memo is not None else {}
-    ctx = Context(model=model, task=task, seed=seed, min_effect=min_effect, progress=progress, memo=memo)
+    ctx = Context(
+        model=model,
+        task=task,
+        seed=seed,
+        min_effect=min_effect,
+        progress=progress,
+        memo=memo,
+        fit_context=fit_context,
+    )
     results, meta = run_analysis(ctx, names, cfgs)
     sizes = [c.n for c in cfgs.values() if hasattr(c, "n")]
     return SectionReport(

@@ -188,7 +188,10 @@ def load_task(name_or_path: str | Path | TaskSource) -> TaskSource:
                 "(`something.toml`, schema in docs/tasks.md)"
             )
     if not path.is_file():
-        raise UnknownTaskError(f"task file {s!r} does not exist")
+        raise UnknownTaskError(
+            f"task file {s!r} does not exist; pass the path of a task .toml (schema in docs/tasks.md) "
+            f"or a built-in task: {', '.join(builtin_tasks())}"
+        )
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:

@@ -13,6 +13,7 @@ from kvnotes.errors import UnknownModelError
 from kvnotes.models.backends import DEFAULT_BACKEND, BackendName
 from kvnotes.zoo.catalog import builtin_names
 from kvnotes.zoo.names import EMBEDDED
+from kvnotes.zoo.outline import check_name
 
 
 def load_model(name: str, *, backend: str = DEFAULT_BACKEND, device=None, dtype=None, **kwargs):
@@ -53,6 +54,7 @@ def load_model(name: str, *, backend: str = DEFAULT_BACKEND, device=None, dtype=
     """
     if backend not in set(BackendName):
         raise UnknownModelError(f"unknown backend {backend!r}; the backends are {', '.join(BackendName)}")
+    check_name(name)  # a misspelt name is refused before torch is imported
     from kvnotes.models.placement import placement  # torch: not at import, so the CLI refuses cheaply
 
     device, dtype = placement(device, dtype)  # refused here, before any loader runs
@@ -90,10 +92,7 @@ def load_model(name: str, *, backend: str = DEFAULT_BACKEND, device=None, dtype=
         from kvnotes.zoo.hf import load_hf
 
         return load_hf(str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name, **kwargs)
-    raise UnknownModelError(
-        f"unknown model {name!r}: built-in names are {builtin_names()}; otherwise pass a local "
-        "Hugging Face checkpoint directory or a hub name such as 'Qwen/Qwen3-0.6B'"
-    )
+    raise UnknownModelError(f"{name!r} is listed in kvnotes/zoo/outlines.json but no loader has it")
 
 
 def default_task(model_name: str) -> str:

@@ -92,8 +92,8 @@ def test_the_cli_runs_edges_on_pairs(tmp_path, pairs_file, capsys):
 
 
 def test_the_cli_refuses_a_rule_analysis_on_pairs_in_one_line(pairs_file, capsys, no_forward):
-    assert main(["probe", "dissociation", "--pairs", str(pairs_file), "--model", "no-such-model"]) == 2
-    err = capsys.readouterr().err.strip()  # refused before the (unknown) model would load
+    assert main(["probe", "dissociation", "--pairs", str(pairs_file), "--model", "org/no-such-model"]) == 2
+    err = capsys.readouterr().err.strip()  # refused before the (missing) hub model would load
     assert err.count("\n") == 0 and "dissociation needs a task with a gated rule" in err
     assert str(pairs_file) in err and "--task" in err
 

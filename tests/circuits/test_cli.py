@@ -25,7 +25,7 @@ def test_circuits_command_writes_every_analysis(tmp_path, notes_organism, capsys
 
 
 def test_unknown_analysis_is_refused_before_loading_the_model(capsys):
-    assert main(["circuits", "--model", "no-such-model", "--only", "read_heads,heads"]) == 2
+    assert main(["circuits", "--model", "org/no-such-model", "--only", "read_heads,heads"]) == 2
     err = capsys.readouterr().err
     assert "heads" in err and "read_heads" in err and "write_heads" in err
 

@@ -414,6 +414,6 @@ def test_circuits_edges_command(tmp_path, capsys):
 
 def test_a_bad_edge_method_is_refused_before_the_model_loads(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["circuits", "edges", "--model", "no-such-model", "--edge-method", "eap2"])
+        main(["circuits", "edges", "--model", "org/no-such-model", "--edge-method", "eap2"])
     assert e.value.code == 2
     assert "eap-ig" in capsys.readouterr().err

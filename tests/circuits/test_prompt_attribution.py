@@ -250,7 +250,18 @@ def test_attribute_command_refuses_bad_input_before_loading(tmp_path, capsys):
 
     missing = tmp_path / "nothing-here.txt"
     assert (
-        main(["attribute", "--model", "no-such-model", "--prompt", str(missing), "--answers", " yes", " no"])
+        main(
+            [
+                "attribute",
+                "--model",
+                "org/no-such-model",
+                "--prompt",
+                str(missing),
+                "--answers",
+                " yes",
+                " no",
+            ]
+        )
         == 2
     )
     assert "nothing-here.txt" in capsys.readouterr().err
@@ -261,7 +272,7 @@ def test_attribute_command_refuses_bad_input_before_loading(tmp_path, capsys):
             [
                 "attribute",
                 "--model",
-                "no-such-model",
+                "org/no-such-model",
                 "--prompt",
                 str(prompt),
                 "--answers",

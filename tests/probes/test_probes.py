@@ -220,6 +220,15 @@ def test_cli_regime_on_a_tiny_model(tmp_path):
     assert r["details"]["distance"][1] >= r["details"]["distance"][0] + 24
 
 
+def _exit_code(argv: list[str]) -> int:
+    """`kvnotes argv`'s exit code: a name or file is refused as it is parsed (SystemExit), the rest
+    by `main` (its return)."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
 @pytest.mark.parametrize(
     "argv,pattern",
     [
@@ -233,14 +242,14 @@ def test_cli_regime_on_a_tiny_model(tmp_path):
     ids=["probe", "task", "model"],
 )
 def test_cli_errors_name_the_problem(argv, pattern, capsys):
-    assert main(argv) == 2
+    assert _exit_code(argv) == 2
     assert re.search(pattern, capsys.readouterr().err)
 
 
 def test_cli_bad_task_file(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\ntemplate = "[[decision: A:]]"\nanswers = [" a", " b"]\n')
-    assert main(["probe", "all", "--model", "tiny-llama", "--task", str(bad)]) == 2
+    assert _exit_code(["probe", "all", "--model", "tiny-llama", "--task", str(bad)]) == 2
     assert "[gate]: missing table" in capsys.readouterr().err
 
 
