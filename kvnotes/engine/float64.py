@@ -65,7 +65,12 @@ def hf_in_float64(hf_model: Any) -> Iterator[Any]:
     inverse frequencies were computed in float32 at load); left as it came afterwards, bit for bit
     (float32, bfloat16 or float16 to float64 and back is exact, and the computed buffers, float32
     in a bfloat16 model, are put back as they were)."""
-    dtype = next(hf_model.parameters()).dtype
+    # each parameter's and buffer's own dtype, put back one by one (a model may mix them: a float32
+    # norm weight in a bfloat16 model, `kvnotes.zoo.hf.share_weights`)
+    dtypes = [(p, p.dtype) for p in hf_model.parameters()]
+    buffer_dtypes = [
+        (m, n, b.dtype) for m in hf_model.modules() for n, b in m._buffers.items() if b is not None
+    ]
     kept = _computed_buffers(hf_model)
     rotaries = [(n, m) for n, m in hf_model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
 
@@ -82,5 +87,8 @@ def hf_in_float64(hf_model: Any) -> Iterator[Any]:
     finally:
         for name, m in rotaries:
             put(name, m)
-        hf_model.to(dtype)
+        for p, dtype in dtypes:
+            p.data = p.data.to(dtype)
+        for m, n, dtype in buffer_dtypes:
+            m._buffers[n] = m._buffers[n].to(dtype)
         _put_back(kept)

@@ -24,6 +24,11 @@ class HFSource:
 
     what: str  # e.g. "transformers' LlamaForCausalLM from /path/to/checkpoint"
     load: Callable[[], Any]
+    # `share(model, hf_model)`: give a loaded counterpart, already cast to the model's dtype, the
+    # very weights the model computes with, where the conversion changed them (a TransformerLens
+    # Gemma holds `1 + w` norm scales and a pre-scaled embedding, each rounded once in the model's
+    # dtype); None where casting the counterpart already gives them (the conversion only reshapes)
+    share: Callable[[Any, Any], None] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from kvnotes.engine.transformer_lens.model import from_hooked
 from kvnotes.errors import MissingDependency
 from kvnotes.models.model import HFSource, KVModel
 from kvnotes.zoo.cache import building, default_cache_dir, publish
-from kvnotes.zoo.hf import hooked_from_state_dict, tl_from_hf_model, tl_kwargs
+from kvnotes.zoo.hf import hooked_from_state_dict, share_weights, tl_from_hf_model, tl_kwargs
 from kvnotes.zoo.names import EMBEDDED_N_CTX
 
 NAME = "gemma-3-270m"
@@ -96,6 +96,7 @@ def hf_from_gguf(attn_implementation: str | None = None):
 HF_SOURCE = HFSource(
     what="transformers' Gemma3ForCausalLM from the GGUF, dequantized to float32 (~1 min to load)",
     load=lambda: hf_from_gguf(attn_implementation="eager"),
+    share=share_weights,
 )
 
 

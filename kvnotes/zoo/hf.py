@@ -70,6 +70,7 @@ def load_hf(name_or_dir: str, *, dtype=None, device=None, n_ctx: int | None = No
         load=lambda: _fetch(
             AutoModelForCausalLM.from_pretrained, source, local, dtype=dtype, attn_implementation="eager"
         ),
+        share=share_weights,
     )
     return tl_from_hf_model(
         hf_model, tokenizer, name_or_dir, hf_source=reference, device=device, dtype=dtype, **overrides
@@ -147,6 +148,62 @@ def hooked_from_state_dict(
             "config does not declare (or lacks some it does), so kvnotes cannot load it exactly"
         )
     return tl
+
+
+# --- the counterpart on the engine's own weights (verify's reference) ----------------------------
+# (transformers' norm, TransformerLens's) per block, where TransformerLens holds `1 + w`: Gemma 1's
+# two norms, Gemma 2 and 3's four (around attention and around the MLP), Gemma 3's QK norms
+_GEMMA_NORMS = (("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2"))
+_GEMMA_SANDWICH_NORMS = (
+    ("input_layernorm", "ln1"),
+    ("post_attention_layernorm", "ln1_post"),
+    ("pre_feedforward_layernorm", "ln2"),
+    ("post_feedforward_layernorm", "ln2_post"),
+)
+_QK_NORMS = (("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm"))
+
+
+def share_weights(model: KVModel, hf_model: PreTrainedModel) -> None:
+    """Give transformers' counterpart, already cast to the model's dtype, the very weights the
+    engine computes with (`HFSource.share`), so that a float64 forward of each is one function.
+
+    Only Gemma's conversion changes values: TransformerLens holds each norm scale as `1 + w` and
+    the embedding pre-multiplied by sqrt(d_model), both computed in float32 and then rounded once
+    to the model's dtype, while transformers keeps `w` and the bare embedding in that dtype, adds
+    the 1 in float32 as it runs and multiplies by the scale rounded to the dtype (sqrt(640) is
+    25.25 in bfloat16). In float32 both sides round alike; in bfloat16 every norm scale may differ
+    by 2^-9 and every embedding by 0.2%, and on verify's long prompt that alone moved Gemma 3 270M's
+    layer-6 keys by 3.3 in float64, more than the bfloat16 gap the comparison is judged by
+    (docs/engine.md, "Exactness"). Here transformers gets `engine scale - 1` as a float32 norm weight
+    (exact: a 16-bit scale less 1 fits float32's 24 bits; its forward adds the 1 back in float32)
+    and the engine's embedding with a scale of 1 (a new parameter: the output head, tied to the
+    old one, keeps the bare embedding, which is what the engine's unembedding holds).
+    """
+    arch = model.tl.cfg.original_architecture
+    if not arch.startswith("Gemma") or model.dtype == torch.float32:
+        return  # the conversion only reshapes, or float32 rounds both sides alike
+    tl, base = model.tl, _gemma_base(hf_model)
+    norms = _GEMMA_SANDWICH_NORMS if tl.cfg.use_normalization_before_and_after else _GEMMA_NORMS
+    norms += _QK_NORMS if tl.cfg.use_qk_norm else ()
+
+    def put(norm: torch.nn.Module, scale: torch.Tensor) -> None:
+        norm.weight = torch.nn.Parameter(scale.detach().float() - 1, requires_grad=False)
+
+    with torch.no_grad():
+        for block, layer in zip(tl.blocks, base.layers):
+            for hf_name, tl_name in norms:
+                put(layer.get_submodule(hf_name), block.get_submodule(tl_name).w)
+        put(base.norm, tl.ln_final.w)
+        base.embed_tokens.weight = torch.nn.Parameter(tl.embed.W_E.detach().clone(), requires_grad=False)
+        base.embed_tokens.embed_scale = torch.ones((), dtype=torch.float32, device=tl.embed.W_E.device)
+
+
+def _gemma_base(hf_model: PreTrainedModel):
+    """The text model holding `layers`, `embed_tokens` and `norm` (under `language_model` in a
+    Gemma 3 with a vision tower)."""
+    inner = getattr(hf_model, "model", hf_model)
+    language = getattr(hf_model, "language_model", None) or getattr(inner, "language_model", None)
+    return getattr(language, "model", language) if language is not None else inner
 
 
 # --- config mapping ------------------------------------------------------------------------------
