@@ -41,6 +41,9 @@ from tests.checkpoints import FAMILIES, _config, _randomize
 PLAN = importlib.import_module("kvnotes.engine.plan")
 TL = importlib.import_module("kvnotes.engine.transformer_lens.backend")
 OPS = importlib.import_module("kvnotes.ops")
+LOW = (
+    pytest.mark.low_precision
+)  # a bfloat16 or float16 figure: scripts/kernel_sweep.py runs it under each kernel
 
 INVARIANTS = list(DESCRIPTIONS)
 
@@ -344,7 +347,11 @@ def test_the_float64_reference_is_float64_throughout(checkpoint):
     assert (cast - truth).abs().max().item() > 1e-3 * gap > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, pytest.param(torch.bfloat16, marks=LOW), pytest.param(torch.float16, marks=LOW)],
+    ids=str,
+)
 def test_a_model_in_float64_comes_back_bit_for_bit(dtype):
     """`in_float64` (verify's truths): the engine's own prefill in float64 (a bfloat16 or float16
     weight upcast exactly), then the model's own dtype again, bit for bit."""

@@ -82,7 +82,8 @@ def test_planted_bugs_fail_their_invariants_on_gemma(gemma, reference, monkeypat
     assert not report.passed
 
 
-def test_bfloat16_verify_passes_on_gemma_and_planted_bugs_fail(hf_gemma, monkeypatch):
+@pytest.mark.low_precision
+def test_bfloat16_verify_passes_on_gemma_and_planted_bugs_fail(hf_gemma, monkeypatch, record_property):
     """Gemma 3 270M in bfloat16 (its float32 weights cast once): all ten invariants pass, each
     tensor within 4x bfloat16's own gap from a float64 forward of the same bfloat16 weights
     (transformers' Gemma3ForCausalLM cast alike for the reference); fresh tokens rotated one
@@ -94,11 +95,16 @@ def test_bfloat16_verify_passes_on_gemma_and_planted_bugs_fail(hf_gemma, monkeyp
     assert next(hf_gemma.parameters()).dtype == torch.float32  # left as it came, for the others
     report = verify(model, progress=False, reference=reference)
     print(report.table())
+    for r in report.invariants:  # the figures scripts/kernel_sweep.py tabulates per kernel setting
+        if r.gap_multiple is not None:
+            record_property(f"x gap {r.name}", r.gap_multiple)
     assert report.passed and report.dtype == "bfloat16", report.table()
     assert len(report.invariants) == 10 and "bfloat16 beside it" in report.reference
     for sabotage in (_rope_plus_one, _local_base_in_global_layers):
         sabotage(monkeypatch, model)
         wrong = verify(model, progress=False, only=(KV,), reference=reference)
         print(wrong.table())
-        assert not wrong.passed and wrong.invariants[0].max_abs_error > wrong.invariants[0].tolerance
+        found = wrong.invariants[0]
+        record_property(f"fault {sabotage.__name__.strip('_')}", found.max_abs_error / found.tolerance)
+        assert not wrong.passed and found.max_abs_error > found.tolerance
         monkeypatch.undo()

@@ -57,6 +57,7 @@ def test_an_absent_device_or_unsupported_dtype_is_refused_before_any_load(bad, n
     assert "\n" not in message and ("give" in message), message
 
 
+@pytest.mark.low_precision
 def test_loaders_place_the_model_and_the_fingerprint_follows_the_dtype_only():
     base = load_model("tiny-llama")
     assert (base.device, base.dtype) == (torch.device("cpu"), torch.float32)
@@ -196,6 +197,7 @@ def _ops(model) -> dict:
     return out
 
 
+@pytest.mark.low_precision
 def test_probes_sweep_edit_splice_and_edges_stay_in_bfloat16_on_the_device(half):
     from kvnotes.engine.guard import guard
 
