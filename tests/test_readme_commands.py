@@ -14,8 +14,8 @@ import pytest
 
 from kvnotes.analysis.registry import check_layers, get, refusal
 from kvnotes.cli import _configs, build_parser
-from kvnotes.zoo.names import EMBEDDED, context_length
-from kvnotes.zoo.outline import outline
+from kvnotes.zoo.names import EMBEDDED
+from kvnotes.zoo.outline import context_length, outline
 
 pytestmark = pytest.mark.gemma
 

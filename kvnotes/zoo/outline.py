@@ -6,7 +6,7 @@ The built-in models' outlines ship as data (`kvnotes/zoo/outlines.json`, written
 models; a test keeps it equal to them); a Hugging Face checkpoint directory's come from its
 config.json; a hub name's are known only once it loads (None).
 
-    python -m kvnotes.zoo.outline      # rewrite kvnotes/zoo/outlines.json from the loaded models
+    python -m kvnotes.zoo.write_outlines   # rewrite kvnotes/zoo/outlines.json from the loaded models
 
 >>> outline("tiny-llama")
 Outline(name='tiny-llama', n_layers=3, n_heads=4, n_kv_heads=4, n_ctx=512, positions='rotary')
@@ -44,13 +44,13 @@ class Outline:
 
 
 @cache
-def _shipped() -> dict[str, dict]:
+def shipped() -> dict[str, dict]:
     return json.loads(SHIPPED.read_text())
 
 
 def known_names() -> list[str]:
     """Every built-in name, read from the shipped outlines (the loaders' `builtin_names` import torch)."""
-    return list(_shipped())
+    return list(shipped())
 
 
 def check_name(name: str) -> None:
@@ -61,7 +61,7 @@ def check_name(name: str) -> None:
     Traceback (most recent call last):
     kvnotes.errors.UnknownModelError: unknown model 'gemma-3-270mm' (did you mean gemma-3-270m?): ...
     """
-    if name in _shipped() or "/" in name or Path(name).expanduser().is_dir():
+    if name in shipped() or "/" in name or Path(name).expanduser().is_dir():
         return
     close = difflib.get_close_matches(name, known_names(), n=3, cutoff=0.6)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
@@ -75,8 +75,8 @@ def outline(name: str, backend: str = DEFAULT_BACKEND) -> Outline | None:
     """`name`'s outline as `load_model(name, backend=backend)` will have it, where it is known without
     the load: a built-in model, a local checkpoint's config.json; None for a hub name. The context is
     known on TransformerLens only (nnsight takes the checkpoint's own; None there)."""
-    if name in _shipped():
-        found = Outline(name=name, **_shipped()[name])
+    if name in shipped():
+        found = Outline(name=name, **shipped()[name])
     else:
         found = _from_config(name)
     if found is None or backend == BackendName.TRANSFORMER_LENS:
@@ -107,31 +107,13 @@ def _from_config(name: str) -> Outline | None:
     )
 
 
-def write() -> Path:
-    """Rewrite the shipped outlines from the built-in models as loaded (a program whose extra is not
-    installed, tracr's, keeps its entry)."""
-    from kvnotes.errors import MissingDependency
-    from kvnotes.zoo import load_model
-    from kvnotes.zoo.catalog import builtin_names
+def context_length(name: str, backend: str = DEFAULT_BACKEND) -> int | None:
+    """The context `load_model(name, backend=backend)` will have, where it is known without loading
+    the model (a built-in model, a local checkpoint's config.json), so that a length that cannot
+    fit is refused before the load; None where only the loaded model can tell.
 
-    old, out = _shipped(), {}
-    for name in builtin_names():
-        try:
-            f = load_model(name).facts
-        except MissingDependency:
-            out[name] = old[name]
-            continue
-        out[name] = {
-            "n_layers": f.n_layers,
-            "n_heads": f.n_heads,
-            "n_kv_heads": f.n_kv_heads,
-            "n_ctx": f.n_ctx,
-            "positions": f.positions,
-        }
-    SHIPPED.write_text(json.dumps(out, indent=1) + "\n")
-    _shipped.cache_clear()
-    return SHIPPED
-
-
-if __name__ == "__main__":
-    print(f"wrote {write()}")
+    >>> context_length("gemma-3-270m"), context_length("some/hub-model")
+    (8192, None)
+    """
+    found = outline(name, backend)
+    return found.n_ctx if found else None

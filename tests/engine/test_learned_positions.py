@@ -17,7 +17,7 @@ from kvnotes.engine.profile import profile
 from kvnotes.errors import BadArgument, UnsupportedArchitecture
 from kvnotes.ops import decide, precompile, prefill, rerotate, splice
 from kvnotes.zoo import load_model
-from kvnotes.zoo.names import context_length
+from kvnotes.zoo.outline import context_length
 from kvnotes.zoo.tiny import tiny_gpt2_hf, tiny_tokenizer
 from tests.helpers import LEARNED_NAMES, ROTARY_NAMES, assert_close, assert_notebooks_close, make_case
 

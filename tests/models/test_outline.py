@@ -23,7 +23,7 @@ def _marks(name: str) -> list:
 
 
 def test_every_built_in_name_has_an_outline():
-    assert known_names() == builtin_names(), "rewrite it: python -m kvnotes.zoo.outline"
+    assert known_names() == builtin_names(), "rewrite it: python -m kvnotes.zoo.write_outlines"
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in known_names()])
@@ -32,7 +32,7 @@ def test_the_shipped_outline_is_the_loaded_model_s(name):
     shipped = outline(name)
     assert shipped is not None
     assert {f: getattr(shipped, f) for f in FIELDS} == {f: getattr(facts, f) for f in FIELDS}, (
-        "stale: run `python -m kvnotes.zoo.outline` to rewrite kvnotes/zoo/outlines.json"
+        "stale: run `python -m kvnotes.zoo.write_outlines` to rewrite kvnotes/zoo/outlines.json"
     )
 
 
