@@ -287,7 +287,12 @@ register_section(
 @dataclass(frozen=True)
 class PlacementConfig(Options):
     memory_sizes: tuple[int, ...] = option(
-        SIZES, "memory-placement: memory sizes in tokens", least=1, tokens=True
+        SIZES,
+        "memory-placement: memory sizes in tokens (default: those of 1000-8000 that fit beside the "
+        "conversation, fewer facts where none does)",
+        least=1,
+        tokens=True,
+        fitted=True,  # left at a preset, fitted by `fit_preset` to the room the conversation leaves
     )
     episodes: int = option(8, "memory-placement: episodes (memories) per size", least=2)
     facts: int = option(len(ATTRIBUTES), "memory-placement: facts per memory", least=2, most=len(ATTRIBUTES))

@@ -435,7 +435,9 @@ def fit_to_model(cfg: Any, model: Any, given: Collection[str]) -> Any:
     field in `given`) that the model cannot have is refused (`refusal`); a default one is fitted, so
     that every command run with its defaults fits every model: a list keeps what fits (the model's
     limit itself where nothing does), a single count or length is clipped. A layer index is never
-    fitted: a default one beyond the model is refused as a given one is.
+    fitted: a default one beyond the model is refused as a given one is. A default the analysis
+    fits itself to the model as loaded (`option(..., fitted=True)`: memory sizes beside a
+    conversation, agent-loop turns) is left for it.
 
     >>> from kvnotes.bench.ttft import TTFTConfig
     >>> from kvnotes.zoo.outline import outline
@@ -453,6 +455,8 @@ def fit_to_model(cfg: Any, model: Any, given: Collection[str]) -> Any:
             continue
         if f.name in given or f.metadata.get("layer"):
             raise OutOfRange(why)
+        if f.metadata.get("fitted"):
+            continue  # the analysis fits it, knowing more than the context (`limited_fields`)
         most = _most(f.metadata, model)
         changes[f.name] = tuple(x for x in v if x <= most) or (most,) if isinstance(v, tuple) else most
     return dataclasses.replace(cfg, **changes) if changes else cfg
