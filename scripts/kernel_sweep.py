@@ -114,7 +114,9 @@ def probe(setting: Setting) -> dict[str, str]:
     )
     aten = re.search(r"^aten: (\S+)", out.stdout, re.M)
     isa = re.search(r"onednn_verbose,[^\n]*?,isa:([^\n]+)", out.stdout)
-    return {"aten": aten.group(1) if aten else "?", "onednn_isa": isa.group(1).strip() if isa else "?"}
+    # no line: oneDNN took no bfloat16 matmul at this instruction set (AVX2 has no bfloat16 in it), ATen did
+    none = "none (the bfloat16 matmul ran on ATen's own kernel)"
+    return {"aten": aten.group(1) if aten else "?", "onednn_isa": isa.group(1).strip() if isa else none}
 
 
 def read_junit(path: Path) -> tuple[int, int, list[str], dict[str, float]]:
