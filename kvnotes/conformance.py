@@ -367,9 +367,10 @@ def _gauged(mine: list[Measure], reference: list[Measure]) -> list[Gauged]:
 
 class _Truths:
     """One prompt's float64 truths: named computations, each run once, all of them in one float64
-    pass (`prepare`): casting the model to float64 and back costs Gemma 3 270M about 5 s on 2
-    cores, more than most truths themselves. A truth asked for outside `prepare` gets its own pass;
-    one asked for inside another (a float64 notebook that a float64 decision reads) joins it."""
+    pass (`prepare`, or `prepare_all` for every prompt's at once): casting the model to float64 and
+    back costs Gemma 3 270M about 2 s on one core, more than some truths themselves. A truth asked
+    for outside a pass gets its own; one asked for inside another (a float64 notebook that a
+    float64 decision reads) joins it."""
 
     def __init__(self, model: KVModel) -> None:
         self.model = model
@@ -393,12 +394,22 @@ class _Truths:
                 if k not in self.values:  # an earlier one may have asked for it
                     self.values[k] = self.computations[k]()
         elif todo:
-            with in_float64(self.model):
-                self.inside = True
+            _Truths.prepare_all({self: todo})
+
+    @staticmethod
+    def prepare_all(wanted: dict[_Truths, list[str]]) -> None:
+        """The truths `wanted` of each (of one model), in one float64 pass; none where none is due."""
+        todo = {t: [k for k in keys if k not in t.values] for t, keys in wanted.items()}
+        todo = {t: keys for t, keys in todo.items() if keys}
+        if not todo:
+            return
+        with in_float64(next(iter(todo)).model):
+            for t, keys in todo.items():
+                t.inside = True
                 try:
-                    self.prepare(todo)
+                    t.prepare(keys)
                 finally:
-                    self.inside = False
+                    t.inside = False
 
 
 class _Check(NamedTuple):
@@ -658,13 +669,21 @@ def verify(
     errors: dict[str, dict[str, list]] = {n: {} for n in names if n in SELF_INVARIANTS and n not in moot}
     measures: dict[str, list[Gauged]] = {n: [] for n in wants_hf if n not in skipped}
     with torch.no_grad():
-        bar = tqdm(list(prompts.items()), desc=f"verify {model.name}", disable=not progress, unit="prompt")
-        for label, (old, new) in bar:
-            truths = _Truths(model)
-            # transformers' gaps on the old prompt's tensors (where its reference runs), "layer 3 keys"
-            shared = {} if reference is None else _gaps_of(reference, label)
-            checks = _checks(model, old, new, truths, shared)
-            truths.prepare(key for name in errors for key in checks[name].truths)  # one float64 pass
+        # shown from the start (at 0 while every prompt's truths run in one float64 pass)
+        bar = tqdm(list(prompts), desc=f"verify {model.name}", disable=not progress, unit="prompt")
+        truths = {label: _Truths(model) for label in prompts}
+        # transformers' gaps on the old prompt's tensors (where its reference runs), "layer 3 keys"
+        staged = {
+            label: _checks(
+                model, old, new, truths[label], {} if reference is None else _gaps_of(reference, label)
+            )
+            for label, (old, new) in prompts.items()
+        }
+        _Truths.prepare_all(
+            {truths[label]: [k for n in errors for k in staged[label][n].truths] for label in prompts}
+        )
+        for label in bar:
+            checks = staged[label]
             for name in errors:
                 errors[name][label] = checks[name].run()
             if measures:

@@ -3,7 +3,7 @@ the bfloat16 Gemma 3 270M verify and its planted faults among them) under every 
 this machine offers, at each thread count, idle and under a CPU hog.
 
     python scripts/kernel_sweep.py --out DIR [--settings default,aten-avx2,...] [--threads 1,2]
-                                   [--load idle,hog] [--repeats N] [-k EXPR] [--list]
+                                   [--load idle,hog] [--repeats N] [-k EXPR] [--list] [PATH ...]
 
 A CPU's kernels round differently (the order and width of a matmul's accumulation), so a
 low-precision check that passes on one machine may fail on the next; this runs the same checks
@@ -16,11 +16,12 @@ instructions (read from /proc/cpuinfo):
   onednn-avx512-core-vnni, onednn-avx512-core-bf16, onednn-avx512-core-amx
   cpu-avx2                         both at AVX2: the kernels an AVX2-only CPU runs (CI runs this one)
 
-Each run is a fresh `python -m pytest -n 0 -m low_precision` (the variables only take effect when
-torch loads) with OMP_NUM_THREADS set, under `.ci/hog.py` when the load is `hog`; its JUnit XML is
-kept in DIR/<setting>-t<threads>-<load>-r<i>/junit.xml and the figures the tests record (the
-bfloat16 verify's largest error in units of the bfloat16 gap, each planted fault's error over its
-tolerance) are read from there. Before the runs, a probe under each setting records the ATen
+Each run is a fresh `python -m pytest -n 0 -m low_precision PATH ...` (the variables only take
+effect when torch loads; PATH defaults to `tests`, and naming a file saves collecting the whole
+tree, about 15 s a run) with OMP_NUM_THREADS set, under `.ci/hog.py` when the load is `hog`; its
+JUnit XML is kept in DIR/<setting>-t<threads>-<load>-r<i>/junit.xml and the figures the tests
+record (the bfloat16 verify's largest error in units of the bfloat16 gap, each planted fault's
+error over its tolerance) are read from there. Before the runs, a probe under each setting records the ATen
 capability torch reports and the instruction set oneDNN says it dispatched a bfloat16 matmul to, so
 a setting that took no effect shows. DIR/summary.json holds everything; a table goes to stdout.
 The exit code is 0 when every run passed, 1 when one failed, 2 for bad arguments.
@@ -139,12 +140,20 @@ def read_junit(path: Path) -> tuple[int, int, list[str], dict[str, float]]:
     return passed, failed, failures, figures
 
 
-def run_one(setting: Setting, threads: int, load: str, repeat: int, out: Path, keyword: str | None) -> Run:
+def run_one(
+    setting: Setting,
+    threads: int,
+    load: str,
+    repeat: int,
+    out: Path,
+    keyword: str | None,
+    paths: tuple[str, ...] = ("tests",),
+) -> Run:
     where = out / f"{setting.name}-t{threads}-{load}-r{repeat}"
     where.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **setting.env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:randomly", "-p", "no:cacheprovider"]
-    cmd += ["-m", "low_precision", f"--junitxml={where / 'junit.xml'}", "tests"]
+    cmd += ["-m", "low_precision", f"--junitxml={where / 'junit.xml'}", *paths]
     cmd += ["-k", keyword] if keyword else []
     hog = None
     if load == "hog":
@@ -187,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each combination (default 1)")
     ap.add_argument("-k", dest="keyword", help="pytest -k expression to run fewer of the tests")
     ap.add_argument("--list", action="store_true", help="list the settings this CPU offers and exit")
+    ap.add_argument("paths", nargs="*", default=["tests"], help="test files or folders (default: tests)")
     args = ap.parse_args(argv)
     available = offered(cpu_flags())
     if args.list:
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             for load in loads:
                 for r in range(1, args.repeats + 1):
-                    runs.append(run_one(s, t, load, r, out, args.keyword))
+                    runs.append(run_one(s, t, load, r, out, args.keyword, tuple(args.paths)))
                     print(_row(runs[-1]), flush=True)
                     summary = {
                         "machine": {"cpu": platform.processor() or platform.machine(), "python": sys.version},

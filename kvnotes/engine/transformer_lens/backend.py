@@ -28,7 +28,7 @@ from kvnotes.engine.backend import Capability
 from kvnotes.engine.float64 import float64_everywhere
 from kvnotes.engine.guard import allow
 from kvnotes.engine.plan import Fresh, Hook, Plan, Resume, SlotKeys, saver, softcap, take_slots
-from kvnotes.engine.transformer_lens.model import TransformerLensModel
+from kvnotes.engine.transformer_lens.model import TransformerLensModel, cast_hooked
 from kvnotes.errors import BadArgument, OutOfRange
 from kvnotes.models.backends import BackendName
 from kvnotes.notebook import Notebook
@@ -108,14 +108,14 @@ class TransformerLensBackend:
         tl, dtype = model.tl, model.tl.cfg.dtype
         attns = [b.attn for b in tl.blocks if hasattr(b.attn, "rotary_cos")]
         tables = [(a.rotary_sin, a.rotary_cos) for a in attns]
-        tl.to(torch.float64, print_details=False)  # sets tl.cfg.dtype too
+        cast_hooked(tl, torch.float64)
         try:
             for a in attns:
                 a._extend_rotary_embeddings(a.rotary_cos.shape[0])
             with float64_everywhere():
                 yield model
         finally:
-            tl.to(dtype, print_details=False)
+            cast_hooked(tl, dtype)
             for a, (sin, cos) in zip(attns, tables):
                 a.rotary_sin, a.rotary_cos = sin, cos
 

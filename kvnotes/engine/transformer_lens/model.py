@@ -122,14 +122,23 @@ def from_hooked(
 def place_hooked(
     tl: HookedTransformer, device: torch.device | str | None, dtype: torch.dtype | None
 ) -> HookedTransformer:
-    """Cast `tl` to `dtype`, then move it to `device`, in place, once each (None: leave it), with
-    its config following (TransformerLens's own `to`, quietly). Weights built in float32 are cast
-    here once, so a bfloat16 model holds exactly the float32 weights rounded."""
+    """Cast `tl` to `dtype` (`cast_hooked`), then move it to `device` (TransformerLens's own `to`,
+    quietly), in place, once each (None: leave it), with its config following. Weights built in
+    float32 are cast here once, so a bfloat16 model holds exactly the float32 weights rounded."""
     if dtype is not None and tl.embed.W_E.dtype != dtype:
-        tl.to(dtype, print_details=False)
+        cast_hooked(tl, dtype)
     if device is not None and not same_device(tl.embed.W_E.device, device):
         tl.to(str(device), print_details=False)
     return tl
+
+
+def cast_hooked(tl: HookedTransformer, dtype: torch.dtype) -> None:
+    """`tl.to(dtype)`, in place, with its config following, in one pass. TransformerLens's own `to`
+    first casts every tensor of a fresh `state_dict()` and drops the copies (a no-op: Gemma 3
+    270M's float64 round trip takes 7 s with it on one core, 2 s without), then calls
+    `nn.Module.to`, which is all that changes the model."""
+    tl.cfg.dtype = dtype
+    torch.nn.Module.to(tl, dtype)
 
 
 def placed(
