@@ -29,14 +29,17 @@ from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
 from circuits.edges import GROUPS, RESIDUAL, EdgePatcher, edge_patcher, score_edges
-from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
-from kvnotes.errors import BadArgument
+from kvnotes.errors import BadArgument, UnknownModelError
 
 METHODS = ("eap", "eap-ig", "atp*", "exact")
 
 
 # --- the known circuit in the edge graph -----------------------------------------------------------
+READS = ("scores", "selection")  # `known_edges`' rules: the right one, and the old one kept as a fault
+
+
 def _inputs(model, ids) -> list:
     return [model.values[s] for s in model.token_strings(ids[1:])]
 
@@ -47,68 +50,188 @@ def _differs(a, b) -> bool:
     return a != b
 
 
-def _touched(model, clean: list, corrupt: list):
-    """Where each expression's value differs between the prompts (prompt positions: BOS is 0),
-    and per head step both prompts' selections."""
-    v_new, s_new = model.circuit.trace(clean)
-    v_old, s_old = model.circuit.trace(corrupt)
-    touched = {
-        label: {i + 1 for i, (a, b) in enumerate(zip(v_new[label], v_old[label])) if _differs(a, b)}
-        for label in v_new
-    }
-    return touched, s_new, s_old
+class _Pair:
+    """Both prompts' causal traces (values per label, selections per head step; input positions,
+    BOS not counted), and what each step computes from any mix of the two prompts' inputs."""
+
+    def __init__(self, model, clean: list, corrupt: list):
+        self.circuit = model.circuit
+        self.c, self.sel_c = model.circuit.trace(clean)
+        self.o, self.sel_o = model.circuit.trace(corrupt)
+
+    def differs(self, label: str, i: int) -> bool:
+        return label in self.c and _differs(self.c[label][i], self.o[label][i])
+
+    def pred(self, step):
+        """The head step's score as a function of (key value, query value), with the labels it
+        reads them from; None where the selector is not a plain Select (every change counts)."""
+        sel = self.circuit.selectors.get(step.expr)
+        if sel is None or not hasattr(sel, "predicate"):
+            return None
+        return sel.keys.label, sel.queries.label, sel.predicate
+
+    def mlp_fn(self, step):
+        """The MLP step's function of its argument labels, or None (every change counts)."""
+        expr = self.circuit.exprs.get(step.expr)
+        if step.op == "SelectorWidth":
+            hidden = [x for x in step.reads["input"] if x in self.circuit.aliases]
+            return (hidden, lambda w: w) if len(hidden) == 1 else None
+        if step.op == "Map" and expr is not None:
+            return [expr.inner.label], expr.f
+        if step.op in ("SequenceMap", "LinearSequenceMap") and expr is not None:
+            return [expr.fst.label, expr.snd.label], expr.f
 
 
-def known_edges(model, site: EdgePatcher) -> np.ndarray:
-    """The known circuit of `site`'s pair (a `TracrModel`'s): a boolean mask over `site.graph`.
-
-    Walking back from the logit: a step is in the circuit at a position where its output differs
-    between the prompts and a reader in the circuit reads it there. An MLP then reads the inputs
-    that differ there; a head its query where the query differs and the selection with it, the
-    keys whose selection differs where the key differs, and the values that differ at the keys
-    it selects in either prompt."""
-    pair = site.pair
-    clean, corrupt = _inputs(model, pair.new.ids), _inputs(model, pair.old.ids)
-    touched, s_new, s_old = _touched(model, clean, corrupt)
-    start = int(site.pos[0])
-    group = {int(p): GROUPS[int(g)] for p, g in zip(site.pos, site.groups)}
-    last = len(pair.new.ids) - 1
-    demand: dict[tuple[str, int], set[str]] = {(model.circuit.output, last): {"LOGIT"}}
-    labels: set[str] = set()
-
-    def need(x: str, p: int, reader: str) -> bool:
-        if p in touched.get(x, ()):
-            demand.setdefault((x, p), set()).add(reader)
-            return True
+def _matters_mlp(t: _Pair, step, label: str, i: int) -> bool:
+    """Whether `label`'s change at input position `i` changes the MLP step's output, whatever
+    mix of the two prompts its other arguments come from."""
+    if not t.differs(label, i):
         return False
+    fn = t.mlp_fn(step)
+    if fn is None or label not in fn[0]:
+        return fn is None
+    args, f = fn
+    others = [a for a in args if a != label]
+    for mix in range(2 ** len(others)):
+        env = {a: (t.c if mix >> j & 1 else t.o)[a][i] for j, a in enumerate(others)}
+        outs = []
+        for side in (t.c, t.o):
+            env[label] = side[label][i]
+            vals = [env[a] for a in args]
+            outs.append(None if any(v is None for v in vals) else _apply(f, vals))
+        if _differs(*outs):
+            return True
+    return False
 
-    for s in reversed(model.circuit.steps):
-        for p in sorted(set().union(*(touched.get(w, set()) for w in s.writes)), reverse=True):
-            readers = set().union(*(demand.get((w, p), set()) for w in s.writes))
-            if not readers:
+
+def _apply(f, vals):
+    try:
+        return f(*vals)
+    except Exception:  # a value outside the function's domain: tracr's MLP has no row for it
+        return None
+
+
+def _query_matters(t: _Pair, step, q: int, reads: str) -> bool:
+    """Whether the query's change at input position `q` changes any of the head's scores there,
+    with each key from either prompt (`reads="selection"`: the old rule, the prompts' own
+    selections only)."""
+    if not any(t.differs(x, q) for x in step.reads["query"]):
+        return False
+    if reads == "selection":
+        return bool((t.sel_c[step.expr][q] != t.sel_o[step.expr][q]).any())
+    p = t.pred(step)
+    if p is None:
+        return True
+    keys, queries, pred = p
+    qc, qo = t.c[queries][q], t.o[queries][q]
+    return any(
+        _score(pred, side[keys][k], qc) != _score(pred, side[keys][k], qo)
+        for k in range(q + 1)
+        for side in (t.c, t.o)
+    )
+
+
+def _key_matters(t: _Pair, step, k: int, q: int, reads: str) -> bool:
+    """Whether the key's change at `k` changes the score of query `q` for it, with the query
+    from either prompt (`"selection"`: the old rule, only where the prompts' selections differ)."""
+    if not any(t.differs(x, k) for x in step.reads["key"]):
+        return False
+    if reads == "selection":
+        return bool(t.sel_c[step.expr][q, k] != t.sel_o[step.expr][q, k])
+    p = t.pred(step)
+    if p is None:
+        return True
+    keys, queries, pred = p
+    kc, ko = t.c[keys][k], t.o[keys][k]
+    return any(
+        _score(pred, kc, side[queries][q]) != _score(pred, ko, side[queries][q]) for side in (t.c, t.o)
+    )
+
+
+def _score(pred, key, query):
+    return None if key is None or query is None else bool(pred(key, query))
+
+
+def known_edges(model, site: EdgePatcher, *, reads: str = "scores") -> np.ndarray:
+    """The known circuit of `site`'s pair (a `TracrModel`'s): a boolean mask over `site.graph`,
+    right by construction: only its edges carrying the clean prompt's values give the clean run's
+    decision exactly, and only they carrying the corrupt one's the corrupt run's.
+
+    Walking back from the logit over nodes (a component at a position group): a node in the
+    circuit must compute its clean value at every position of its group (its output edges carry
+    all of them), so it reads each input, at every position of its group, whose change changes
+    what it computes there with the other inputs from either prompt: an MLP its arguments; a head
+    its query wherever the query's change moves one of its scores against either prompt's keys,
+    a KV slot's key wherever the key's change moves the score of a query of the group, and a
+    value wherever a query of the group selects it in either prompt. `reads="selection"` is the
+    old rule (a query or key read only where the prompts' own selections differ), kept as the
+    planted fault the random programs catch (`circuits.random_programs`)."""
+    if reads not in READS:
+        raise BadArgument(f"reads must be one of {READS}, got {reads!r}")
+    pair = site.pair
+    t = _Pair(model, _inputs(model, pair.new.ids), _inputs(model, pair.old.ids))
+    start = int(site.pos[0])
+    at: dict[str, list[int]] = {}  # group -> input positions (prompt position - 1)
+    for p, g in zip(site.pos, site.groups):
+        at.setdefault(GROUPS[int(g)], []).append(int(p) - 1)
+    last = len(pair.new.ids) - 2
+    moved = [lab for lab in t.c for i in range(start - 1) if t.differs(lab, i)]
+    if moved:
+        raise AssertionError(f"{moved[0]} differs before the field at {start}: the trace is not causal")
+    writer: dict[str, str] = {"tokens": "EMB"}
+    for s in model.circuit.steps:
+        for w in s.writes:
+            writer.setdefault(w, f"L{s.layer}H{s.head}" if s.kind == "head" else f"MLP{s.layer}")
+    edges: set[str] = set()
+    todo: list[tuple[str, str]] = []
+    done: set[tuple[str, str]] = set()
+
+    def need(label: str, g: str, reader: str) -> None:
+        w = writer.get(label)
+        if w is None:  # indices and one never differ (checked in `differs`' callers)
+            raise AssertionError(f"{label} differs but nothing in the graph writes it")
+        edges.add(f"{w}@{g}->{reader}")
+        if (w, g) not in done:
+            done.add((w, g))
+            todo.append((w, g))
+
+    group_of_last = next(g for g, ps in at.items() if last in ps)
+    if t.differs(model.circuit.output, last):
+        need(model.circuit.output, group_of_last, "LOGIT")
+    while todo:
+        node, g = todo.pop()
+        if node == "EMB":
+            continue
+        for s in model.circuit.steps:
+            me = f"L{s.layer}H{s.head}" if s.kind == "head" else f"MLP{s.layer}"
+            if me != node:
                 continue
-            if p < start:
-                raise AssertionError(f"position {p} differs but lies before the field at {start}")
-            me = f"L{s.layer}H{s.head}@{group[p]}" if s.kind == "head" else f"MLP{s.layer}@{group[p]}"
-            labels |= {f"{me}->{r}" for r in readers}
             if s.kind == "mlp":
                 for x in s.reads["input"]:
-                    need(x, p, me)
+                    if any(_matters_mlp(t, s, x, i) for i in at[g]):
+                        need(x, g, f"{me}@{g}")
                 continue
-            q = p - 1
-            new, old = s_new[s.expr][q], s_old[s.expr][q]
-            if (new != old).any():
+            if any(_query_matters(t, s, q, reads) for q in at[g]):
                 for x in s.reads["query"]:
-                    need(x, p, me)
-            for k in np.flatnonzero(new | old):
-                kv = f"KV{s.layer}.{s.head}@{group.get(int(k) + 1, 'prefix')}"
-                reads = list(s.reads["value"]) + (list(s.reads["key"]) if new[k] != old[k] else [])
-                if any([need(x, int(k) + 1, kv) for x in reads]):
-                    labels.add(f"{kv}->{me}")
-    for p in touched["tokens"]:
-        labels |= {f"EMB@{group[p]}->{r}" for r in demand.get(("tokens", p), set())}
+                    if any(t.differs(x, q) for q in at[g]):
+                        need(x, g, f"{me}@{g}")
+            for gk, ks in at.items():
+                pairs_ = [(k, q) for k in ks for q in at[g] if k <= q]
+                key = any(_key_matters(t, s, k, q, reads) for k, q in pairs_)
+                value = any(
+                    (t.sel_c[s.expr][q, k] or t.sel_o[s.expr][q, k])
+                    and any(t.differs(x, k) for x in s.reads["value"])
+                    for k, q in pairs_
+                )
+                if not (key or value):
+                    continue
+                kv = f"KV{s.layer}.{s.head}@{gk}"
+                edges.add(f"{kv}->{me}@{g}")
+                for x in set(s.reads["key"] if key else ()) | set(s.reads["value"] if value else ()):
+                    if any(t.differs(x, k) for k in ks):
+                        need(x, gk, kv)
     mask = np.zeros(len(site.graph), dtype=bool)
-    mask[[site.graph.index_of(lab) for lab in labels]] = True
+    mask[[site.graph.index_of(lab) for lab in edges]] = True
     return mask
 
 
@@ -217,26 +340,48 @@ class GroundTruthReport(BenchReport):
         ]
         return cls(**{**d, "results": pts})
 
+    @property
+    def sources(self) -> str:
+        """Where the programs come from, each source once with its programs: "reverse, hist (tracr
+        library); count-first (kvnotes); same_ends (same.py:same_ends)"."""
+        by: dict[str, list[str]] = {}
+        for name, p in self.programs.items():
+            by.setdefault(p.get("source", "tracr library"), []).append(name)
+        return "; ".join(f"{', '.join(names)} ({src})" for src, names in by.items())
+
     def table(self) -> str:
+        w = max([10, *(len(r.program) + 2 for r in self.results)])  # the program column's width
         lines = [
-            header("circuit discovery vs tracr's compiled circuits", "tracr library", self.machine),
-            f"{self.pairs} pairs a program; EAP-IG {self.steps} steps; precision = recall at k = |known|",
-            f"{'program':<10}{'method':<8}{'level':<6}{'precision':>10}{'AUROC':>8}{'AUROC 95% CI':>16}",
+            header("circuit discovery vs tracr's compiled circuits", self.sources, self.machine),
+            f"{self.pairs} pairs a program, each checked on the compiled model; EAP-IG {self.steps} "
+            "steps; precision = recall at k = |known|",
+            f"{'program':<{w}}{'method':<8}{'level':<6}{'precision':>10}{'AUROC':>8}{'AUROC 95% CI':>16}",
         ]
         for r in self.results:
             ci = f"[{r.auroc_ci[0]:.2f}, {r.auroc_ci[1]:.2f}]" if r.auroc_ci else "-"
             au = f"{r.auroc:.3f}" if r.auroc is not None else "-"
-            lines.append(f"{r.program:<10}{r.method:<8}{r.level:<6}{r.precision:>10.3f}{au:>8}{ci:>16}")
+            lines.append(f"{r.program:<{w}}{r.method:<8}{r.level:<6}{r.precision:>10.3f}{au:>8}{ci:>16}")
         lines.append("known circuit's own faithfulness (recovery when only its edges carry the clean run):")
         for name, p in self.programs.items():
             ci = p["faithfulness_ci"]
             lines.append(
-                f"  {name:<10} {p['faithfulness']:.4f}"
+                f"  {name:<{w}} {p['faithfulness']:.4f}"
                 + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
                 + f"; {p['known_edges']:.1f} of {p['edges']} edges, "
-                f"{p['known_nodes']:.1f} of {p['components']} components"
+                f"{p['known_nodes']:.1f} of {p['components']} components" + _dropped(p)
             )
         return "\n".join(lines)
+
+
+def _dropped(p: dict) -> str:
+    """`; 2 of 10 candidate pairs dropped (1 answered wrongly, 1 moved < 0.1)`, or nothing."""
+    wrong, small = p.get("dropped_wrong", 0), p.get("dropped_small", 0)
+    if not wrong + small:
+        return ""
+    return (
+        f"; {wrong + small} of {p['checked']} candidate pairs dropped ({wrong} answered wrongly "
+        f"by the compiled model, {small} moved < {MIN_EFFECT} logits)"
+    )
 
 
 def score_program(model, pairs, *, steps: int = 8, progress: bool = True):
@@ -247,8 +392,12 @@ def score_program(model, pairs, *, steps: int = 8, progress: bool = True):
     sizes = {"edges": 0, "known_edges": [], "known_nodes": [], "faithfulness": []}
     for pair in tqdm(pairs, desc=model.name, unit="pair", disable=not progress or None, leave=False):
         patcher = edge_patcher(model, pair)
-        if abs(patcher.effect) < 1e-6:
-            raise BadArgument(f"{model.name}: a pair whose answers do not move ({pair.new.text!r})")
+        if patcher.effect < MIN_EFFECT:  # pairs() checks each on the model; a hand-made list may not
+            raise BadArgument(
+                f"{model.name}: the pair {pair.new.text!r} / {pair.old.text!r} moves the decision "
+                f"{patcher.effect:+.3f} logits (under {MIN_EFFECT}, or the wrong way), so no recovery "
+                "can be read from it; draw pairs with kvnotes.zoo.tracr.pairs, which checks each"
+            )
         truth = known_edges(model, patcher)
         nodes = known_nodes(patcher, truth)
         node_truth = np.array([c in nodes for c in names])
@@ -266,16 +415,45 @@ def score_program(model, pairs, *, steps: int = 8, progress: bool = True):
     return got, sizes
 
 
+def _load(name: str):
+    from kvnotes.zoo.names import is_program_spec
+    from kvnotes.zoo.tracr import load_program, load_tracr
+
+    if is_program_spec(name):
+        return load_program(name)
+    return load_tracr(name if name.startswith("tracr-") else f"tracr-{name}")
+
+
+def check_programs(names: list[str]) -> None:
+    """Refuse a name that is neither a shipped program (`reverse`, `tracr-reverse`) nor a user's
+    `FILE.py:NAME` whose file exists, before anything compiles."""
+    from kvnotes.zoo.names import check_program_spec, is_program_spec
+    from kvnotes.zoo.tracr import TRACR_PROGRAMS
+
+    for name in names:
+        if is_program_spec(name):
+            check_program_spec(name)
+        elif name.removeprefix("tracr-") not in TRACR_PROGRAMS:
+            raise UnknownModelError(
+                f"no tracr program {name!r}; shipped: {', '.join(TRACR_PROGRAMS)}, or your own "
+                "as FILE.py:NAME (NAME a RASP program in FILE.py, beside VOCAB and MAX_SEQ_LEN)"
+            )
+
+
 def ground_truth_bench(
     programs: list[str] | None = None, *, n: int = 8, steps: int = 8, seed: int = 0, progress: bool = True
 ) -> GroundTruthReport:
     """Every shipped tracr program (or `programs`): `n` pairs each, scored by every method."""
-    from kvnotes.zoo.tracr import TRACR_PROGRAMS, load_tracr, pairs
+    from kvnotes.zoo.tracr import TRACR_PROGRAMS, draw_pairs, to_pair
 
+    names = programs or TRACR_PROGRAMS
+    check_programs(names)  # every name, before the first compiles
     results, about = [], {}
-    for short in programs or TRACR_PROGRAMS:
-        model = load_tracr(short if short.startswith("tracr-") else f"tracr-{short}")
-        got, sizes = score_program(model, pairs(model, n, seed=seed), steps=steps, progress=progress)
+    for short in names:
+        model = _load(short)
+        draw = draw_pairs(model, n, seed=seed)
+        chosen = [to_pair(model, p, seed=seed) for p in draw.pairs]
+        got, sizes = score_program(model, chosen, steps=steps, progress=progress)
         for (m, lv), rows in got.items():
             aur = [a for _, _, a in rows if a is not None]
             est = Estimate.of(aur, seed=seed)
@@ -302,13 +480,23 @@ def ground_truth_bench(
             "faithfulness": faith.mean,
             "faithfulness_ci": list(faith.ci) if faith.ci else None,
             "known": model.circuit.to_dict(),
+            "source": model.source,
+            # candidate pairs the compiled model was checked on, and those dropped (wrong answer,
+            # or a decision that moves less than MIN_EFFECT logits)
+            "checked": draw.checked,
+            "dropped_wrong": draw.wrong,
+            "dropped_small": draw.small,
         }
     return GroundTruthReport(machine=machine(), results=results, pairs=n, steps=steps, programs=about)
 
 
 @dataclass(frozen=True)
 class GroundTruthConfig(Options):
-    programs: str = option("", "comma-separated tracr programs (default: every shipped one)")
+    programs: str = option(
+        "",
+        "comma-separated tracr programs, shipped (reverse) or your own (FILE.py:NAME); "
+        "default: every shipped one",
+    )
     n: int = option(8, "pairs a program (0: skip the bench)", least=0)
     ig_steps: int = option(8, "EAP-IG steps", least=1)
 
@@ -329,6 +517,7 @@ def _run_ground_truth(ctx: Context, cfg: GroundTruthConfig) -> GroundTruthReport
     if not cfg.n:
         return None
     names = [p.strip() for p in cfg.programs.split(",") if p.strip()] or None
+    check_programs(names or [])
     return ground_truth_bench(names, n=cfg.n, steps=cfg.ig_steps, seed=ctx.seed, progress=ctx.progress)
 
 

@@ -469,12 +469,13 @@ def cmd_pairs(args) -> int:
 
     if args.kind == "tracr":
         from kvnotes.errors import BadArgument
+        from kvnotes.zoo.names import is_program_spec
         from kvnotes.zoo.tracr import TracrModel, pair_set
 
-        if not args.model.startswith("tracr-"):  # refused before any load
+        if not (args.model.startswith("tracr-") or is_program_spec(args.model)):  # before any load
             raise BadArgument(
-                f"{args.model} is not a tracr program; name one (tracr-reverse, tracr-dyck, ...) "
-                "or use `kvnotes pairs ioi|greater-than` for a language model"
+                f"{args.model} is not a tracr program; name one (tracr-reverse, tracr-dyck, ...) or "
+                "your own as FILE.py:NAME, or use `kvnotes pairs ioi|greater-than` for a language model"
             )
         model = _load(args)
         assert isinstance(model, TracrModel)

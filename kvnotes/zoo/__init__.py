@@ -12,7 +12,7 @@ from pathlib import Path
 from kvnotes.errors import UnknownModelError
 from kvnotes.models.backends import DEFAULT_BACKEND, BackendName
 from kvnotes.zoo.catalog import builtin_names
-from kvnotes.zoo.names import EMBEDDED
+from kvnotes.zoo.names import EMBEDDED, is_program_spec
 from kvnotes.zoo.outline import check_name
 
 
@@ -42,9 +42,10 @@ def load_model(name: str, *, backend: str = DEFAULT_BACKEND, device=None, dtype=
     - "gated-organism": a compiled model with RMSNorm, a gated MLP that writes the notes, grouped
       queries and a decision query that reads the field, its edge circuit designed
       (`kvnotes.zoo.gated`)
-    - "tracr-reverse", "tracr-hist", "tracr-count", "tracr-dyck", "tracr-dyck2", "tracr-pattern":
-      programs of tracr's library compiled to weights, their circuits known (`kvnotes.zoo.tracr`;
-      the tracr extra)
+    - "tracr-reverse", "tracr-hist", "tracr-count", "tracr-dyck", "tracr-dyck2", "tracr-pattern",
+      "tracr-count-first", "tracr-rank-first": RASP programs (six of tracr's library, two written
+      here) compiled to weights, their circuits known; or a user's own as "FILE.py:NAME"
+      (`kvnotes.zoo.tracr`; the tracr extra)
     - a local Hugging Face checkpoint directory, or a hub name (Llama, Mistral, Qwen2/3, Gemma 1-3,
       GPT-2)
 
@@ -84,6 +85,10 @@ def load_model(name: str, *, backend: str = DEFAULT_BACKEND, device=None, dtype=
         return load_gated_organism(name, **kwargs)
     if name in NULL_ORGANISMS:
         return load_null_organism(name, **kwargs)
+    if is_program_spec(name):
+        from kvnotes.zoo.tracr import load_program
+
+        return load_program(name, **kwargs)
     if name.startswith("tracr-"):
         from kvnotes.zoo.tracr import load_tracr
 

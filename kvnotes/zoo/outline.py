@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvnotes.errors import UnknownModelError
 from kvnotes.models.backends import DEFAULT_BACKEND, BackendName
-from kvnotes.zoo.names import N_CTX_CAP
+from kvnotes.zoo.names import N_CTX_CAP, check_program_spec, is_program_spec
 
 SHIPPED = Path(__file__).with_name("outlines.json")
 
@@ -61,6 +61,9 @@ def check_name(name: str) -> None:
     Traceback (most recent call last):
     kvnotes.errors.UnknownModelError: unknown model 'gemma-3-270mm' (did you mean gemma-3-270m?): ...
     """
+    if is_program_spec(name):  # a user's RASP program, FILE.py:NAME (kvnotes.zoo.tracr.load_program)
+        check_program_spec(name)
+        return
     if name in shipped() or "/" in name or Path(name).expanduser().is_dir():
         return
     close = difflib.get_close_matches(name, known_names(), n=3, cutoff=0.6)
