@@ -259,24 +259,23 @@ def hf_reference(
     hf_model.eval()
     prompts = prompts if prompts is not None else verification_prompts(model)
     ids = {label: list(old.ids) for label, (old, _) in prompts.items()}
+    gaps: dict[str, float] = {}
     with torch.no_grad():
-        # legitimate computations in the model's dtype: the prompt at once, and cut in two at a
-        # quarter, a half and three quarters through transformers' own cache (other matrix shapes,
-        # so other roundings)
-        low = {
-            label: [_hf_forward(hf_model, i, split=len(i) * k // 4) for k in range(4)]
-            for label, i in ids.items()
-        }
         with hf_in_float64(hf_model):
             f64 = {label: _hf_forward(hf_model, i) for label, i in ids.items()}
-    gaps: dict[str, float] = {}
-    for label in ids:
-        k64, v64, l64 = f64[label]
-        for k, v, lg in low[label]:  # each tensor's gap: the farthest of them from the truth
-            for what, xs, ys in (("keys", k, k64), ("values", v, v64)):
-                for l, (x, y) in enumerate(zip(xs, ys)):
-                    _widest(gaps, f"{label}: layer {l} {what}", (x.double() - y).abs().max().item())
-            _widest(gaps, f"{label}: logits, every position", (lg.double() - l64).abs().max().item())
+        # legitimate computations in the model's dtype: the prompt at once, and cut in two at a
+        # quarter, a half and three quarters through transformers' own cache (other matrix shapes,
+        # so other roundings); each tensor's gap is the farthest of them from the truth, folded in
+        # as each is computed (holding all eight, every position's logits among them, costs GBs)
+        for label, i in ids.items():
+            k64, v64, l64 = f64[label]
+            for split in range(4):
+                k, v, lg = _hf_forward(hf_model, i, split=len(i) * split // 4)
+                for what, xs, ys in (("keys", k, k64), ("values", v, v64)):
+                    for l, (x, y) in enumerate(zip(xs, ys)):
+                        _widest(gaps, f"{label}: layer {l} {what}", (x.double() - y).abs().max().item())
+                _widest(gaps, f"{label}: logits, every position", (lg.double() - l64).abs().max().item())
+                del k, v, lg
     keys, values, logits = ({label: f64[label][i] for label in ids} for i in range(3))
     dtype = dtype_name(model.dtype)
     source += (
@@ -367,10 +366,9 @@ def _gauged(mine: list[Measure], reference: list[Measure]) -> list[Gauged]:
 
 class _Truths:
     """One prompt's float64 truths: named computations, each run once, all of them in one float64
-    pass (`prepare`, or `prepare_all` for every prompt's at once): casting the model to float64 and
-    back costs Gemma 3 270M about 2 s on one core, more than some truths themselves. A truth asked
-    for outside a pass gets its own; one asked for inside another (a float64 notebook that a
-    float64 decision reads) joins it."""
+    pass (`prepare`): casting the model to float64 and back costs Gemma 3 270M about 2 s on one
+    core, more than some truths themselves. A truth asked for outside `prepare` gets its own pass;
+    one asked for inside another (a float64 notebook that a float64 decision reads) joins it."""
 
     def __init__(self, model: KVModel) -> None:
         self.model = model
@@ -394,22 +392,12 @@ class _Truths:
                 if k not in self.values:  # an earlier one may have asked for it
                     self.values[k] = self.computations[k]()
         elif todo:
-            _Truths.prepare_all({self: todo})
-
-    @staticmethod
-    def prepare_all(wanted: dict[_Truths, list[str]]) -> None:
-        """The truths `wanted` of each (of one model), in one float64 pass; none where none is due."""
-        todo = {t: [k for k in keys if k not in t.values] for t, keys in wanted.items()}
-        todo = {t: keys for t, keys in todo.items() if keys}
-        if not todo:
-            return
-        with in_float64(next(iter(todo)).model):
-            for t, keys in todo.items():
-                t.inside = True
+            with in_float64(self.model):
+                self.inside = True
                 try:
-                    t.prepare(keys)
+                    self.prepare(todo)
                 finally:
-                    t.inside = False
+                    self.inside = False
 
 
 class _Check(NamedTuple):
@@ -459,7 +447,8 @@ def _checks(
     old64 = truths.add("old", lambda: ops.prefill(model, old))
     new64 = truths.add("new", lambda: ops.prefill(model, new))
     decided_new64 = truths.add("decided new", lambda: ops.decide(model, new64(), new).last)
-    full64 = truths.add("full forward", lambda: full_logits(model, old.ids)[-1])
+    # the last row, cloned: a view would keep every position's float64 logits alive
+    full64 = truths.add("full forward", lambda: full_logits(model, old.ids)[-1].clone())
     chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
     q = min(len(old.ids) + 13, model.n_ctx - len(chunk) - 8)  # past the prompt, inside n_ctx
     chunk_at_q64 = truths.add("chunk at q", lambda: ops.prefill(model, chunk, offset=q))
@@ -669,21 +658,15 @@ def verify(
     errors: dict[str, dict[str, list]] = {n: {} for n in names if n in SELF_INVARIANTS and n not in moot}
     measures: dict[str, list[Gauged]] = {n: [] for n in wants_hf if n not in skipped}
     with torch.no_grad():
-        # shown from the start (at 0 while every prompt's truths run in one float64 pass)
-        bar = tqdm(list(prompts), desc=f"verify {model.name}", disable=not progress, unit="prompt")
-        truths = {label: _Truths(model) for label in prompts}
-        # transformers' gaps on the old prompt's tensors (where its reference runs), "layer 3 keys"
-        staged = {
-            label: _checks(
-                model, old, new, truths[label], {} if reference is None else _gaps_of(reference, label)
-            )
-            for label, (old, new) in prompts.items()
-        }
-        _Truths.prepare_all(
-            {truths[label]: [k for n in errors for k in staged[label][n].truths] for label in prompts}
-        )
-        for label in bar:
-            checks = staged[label]
+        bar = tqdm(list(prompts.items()), desc=f"verify {model.name}", disable=not progress, unit="prompt")
+        for label, (old, new) in bar:
+            # one prompt's truths at a time: a long prompt's float64 tensors (Gemma's logits alone
+            # are 262k wide) held for every prompt at once cost gigabytes, for one cast of about 2 s
+            truths = _Truths(model)
+            # transformers' gaps on the old prompt's tensors (where its reference runs), "layer 3 keys"
+            shared = {} if reference is None else _gaps_of(reference, label)
+            checks = _checks(model, old, new, truths, shared)
+            truths.prepare(key for name in errors for key in checks[name].truths)  # one float64 pass
             for name in errors:
                 errors[name][label] = checks[name].run()
             if measures:
