@@ -42,6 +42,23 @@ def test_a_real_difference_fails_it():
     assert not e.equivalent and e.p > 0.5
 
 
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_a_difference_beyond_either_margin_fails_by_that_side_s_own_test(sign):
+    """By hand, mirrored: differences ±(0.06, 0.05, 0.04, 0.05) against margin 0.03. Mean ±0.05;
+    deviations -0.01, 0, 0.01, 0 sum to 2e-4 squared, so sd = sqrt(2e-4 / 3) = 0.0081650 and
+    se = 0.0040825. Below: t against -margin is (-0.05 + 0.03) / se = -4.8990 on 3 degrees of
+    freedom, P(T3 > -4.8990) = 0.99186, and against +margin (-0.05 - 0.03) / se = -19.596,
+    P(T3 < -19.596) = 0.000145; above, the two swap. So the side beyond its margin decides
+    (p = 0.99186, not equivalent), where a TOST that ran only the other test would call it
+    equivalent (p = 0.000145). Tolerances: 1e-6 on the arithmetic, 2e-5 on the p-values (the
+    hand values' last digit)."""
+    e = tost([sign * d for d in (0.06, 0.05, 0.04, 0.05)], margin=0.03)
+    assert math.isclose(e.mean, sign * 0.05, abs_tol=1e-6) and math.isclose(e.se, 0.0040825, abs_tol=1e-6)
+    beyond, inside = (e.p_lower, e.p_upper) if sign < 0 else (e.p_upper, e.p_lower)
+    assert math.isclose(beyond, 0.99186, abs_tol=2e-5) and math.isclose(inside, 0.000145, abs_tol=2e-5)
+    assert math.isclose(e.p, beyond, rel_tol=1e-12) and not e.equivalent
+
+
 def test_too_little_data_fails_it_where_a_difference_test_would_not():
     """Mean 0 but a wide spread over four values: a t-test of "no difference" cannot reject
     (p = 1), and TOST cannot claim equivalence either: the absence of evidence is not equivalence."""

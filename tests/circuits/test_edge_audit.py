@@ -7,6 +7,8 @@ class; the module's planted faults show some of them failing."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -133,7 +135,9 @@ def test_integrated_gradients_are_complete_at_32_steps(model):
     assert abs(s[(gr.kind == E.RESIDUAL) & (gr.a == 0)].sum() - 1.0) < 0.01
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-gqa"])
+# tiny-gemma2 soft-caps its attention scores: the one model here where AtP*'s recomputed softmax
+# must apply the cap on both the query and the key side to equal the patched run
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-gqa", "tiny-gemma2"])
 def test_atp_star_exact_softmax_is_the_patched_runs_head_output(model):
     """AtP*'s QK fix against the patched forward itself: for residual edges into a query head or a
     KV slot, the score is gz . (z' - z) with z' the head outputs of the run where that edge alone
@@ -311,3 +315,42 @@ def test_mib_s_dataset_mean_is_the_mean_logit_differences_ratio():
     per_pair = np.mean([area(sizes, c, n)[1] for c in both])
     mib = area(sizes, dataset_curve(both, np.ones(2)), n)[1]
     assert per_pair > mib + 0.1  # over- and under-shooting pairs cancel in MIB's mean, not per pair
+
+
+def test_cmd_is_the_area_between_the_curve_and_1_on_both_sides():
+    """By hand, a curve that overshoots 1: sizes 0, 1, 2, 4 of 4 edges (x = 0, 0.25, 0.5, 1),
+    faithfulness 0, 1.5, 1.5, 1. CPR, trapezoids: 0.75 * 0.25 + 1.5 * 0.25 + 1.25 * 0.5 = 1.1875;
+    CMD on |1 - f| = 1, 0.5, 0.5, 0: 0.75 * 0.25 + 0.5 * 0.25 + 0.25 * 0.5 = 0.4375 (without the
+    absolute value it would be -0.1875, and 1 - CPR is -0.1875 too). Exact binary fractions: 1e-12."""
+    cpr, cmd = area([0, 1, 2, 4], [0.0, 1.5, 1.5, 1.0], 4)
+    assert math.isclose(cpr, 1.1875, abs_tol=1e-12) and math.isclose(cmd, 0.4375, abs_tol=1e-12)
+
+
+def test_mib_s_bootstrap_resamples_each_pair_s_recovery_with_its_own_effect():
+    """The CI of MIB's dataset-mean CPR and CMD resamples pairs: a pair's recoveries and its effect
+    go together. Recomputed here from the same seed (float64 sums: 1e-12); with effects this
+    unequal, a bootstrap that kept the effects in place while resampling recoveries gives other
+    intervals, so the check can tell the two apart."""
+    from circuits.edges.faithfulness import BOOTSTRAP, dataset_areas
+
+    rng = np.random.default_rng(3)
+    effects = np.array([0.2, 5.0, 1.0, -0.5, 3.0, 0.8])
+    recovery = rng.random((6, 4))
+    sizes, n = [0, 1, 2, 4], 4
+    cpr, cmd = dataset_areas(sizes, recovery, effects, n, seed=7)
+
+    def intervals(together: bool) -> list:
+        r = np.random.default_rng(7)
+        draws = []
+        for _ in range(BOOTSTRAP):
+            i = r.integers(0, 6, 6)
+            w = effects[i] if together else effects
+            draws.append(area(sizes, dataset_curve(recovery[i], w), n))
+        return [np.percentile([d[j] for d in draws], [2.5, 97.5]) for j in range(2)]
+
+    right, wrong = intervals(True), intervals(False)
+    assert np.allclose(cpr.ci, right[0], rtol=0, atol=1e-12) and np.allclose(
+        cmd.ci, right[1], rtol=0, atol=1e-12
+    )
+    assert np.abs(np.array(right) - np.array(wrong)).max() > 0.01  # the data tell the two apart
+    assert math.isclose(cpr.mean, area(sizes, dataset_curve(recovery, effects), n)[0], abs_tol=1e-12)

@@ -313,6 +313,39 @@ def test_circuit_helpers():
     assert greedy_order(gr, tied).tolist() == order
 
 
+def _bin_by_label(label: str) -> tuple:
+    """An edge's bin read from its label alone, not from `match_bins`: the edge's kind (a KV slot's
+    read by its head is an attention edge), its source and destination layers (the embeddings -1,
+    the logit past the last layer) and their position groups."""
+    import re
+
+    def end(x: str) -> tuple:
+        if x == "LOGIT":
+            return (10**6, None)
+        name, group = x.split("@")
+        m = re.fullmatch(r"EMB|MLP(\d+)|L(\d+)H\d+|KV(\d+)\.\d+", name)
+        assert m, label
+        return (next((int(v) for v in m.groups() if v is not None), -1), group)
+
+    src, dst = label.split("->")
+    (sl, sg), (dl, dg) = end(src), end(dst)
+    return ("attention" if src.startswith("KV") else "residual", sl, dl, sg, dg)
+
+
+def test_the_match_bins_are_kind_layers_and_groups_read_from_the_labels():
+    """Two edges share a bin exactly when they share kind, source and destination layer and source
+    and destination group, as their labels say: a bin definition that dropped the groups (or any
+    part) would merge bins, and the random baseline would draw edges from regions the circuit
+    never touches."""
+    from circuits.edges.choose import match_bins
+
+    gr = E.edge_graph(load_model("mixed-organism-25"))
+    bins = match_bins(gr).tolist()
+    hand = [_bin_by_label(lab) for lab in gr.labels]
+    assert len(set(hand)) > 20  # many bins, so merging any two shows
+    assert len(set(zip(hand, bins))) == len(set(hand)) == len(set(bins))  # the same partition
+
+
 def test_matched_random_circuits_are_uniform_within_the_circuit_s_bins():
     """The fair baseline: per bin (kind, source/destination layer and group) as many edges as the
     circuit has there, each edge of the bin equally likely, the circuit's own edges included."""

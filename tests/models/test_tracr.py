@@ -218,3 +218,43 @@ def test_verify_runs_the_invariants_on_a_program_s_own_prompts(short):
     report = verify(load_tracr(f"tracr-{short}"), progress=False)
     assert report.passed and "rerotation_equals_offset_prefill" in report.not_applicable
     assert len(report.invariants) == 7 and all(r.passed for r in report.invariants)
+
+
+def test_a_component_s_score_is_its_output_edges_summed_with_their_signs():
+    """Node level: a component's score is |the sum of its output edges' scores|, so edges that
+    cancel cancel (a sum of |edges| would score this component 6, not 0), and the node AUROC
+    ranks components by it."""
+    from circuits.ground_truth import components, node_scores
+
+    model = load_tracr("tracr-reverse")
+    site = edge_patcher(model, pairs(model, 1, seed=0)[0])
+    names = components(model)
+    labels = site.graph.labels
+    outs = {c: [i for i, lab in enumerate(labels) if lab.split("@")[0] == c] for c in names}
+    c = next(c for c in names if len(outs[c]) >= 3)
+    s = np.zeros(len(labels))
+    s[outs[c][0]], s[outs[c][1]], s[outs[c][2]] = 3.0, -3.0, 0.5
+    got = node_scores(site, s, names)
+    assert got[names.index(c)] == pytest.approx(0.5, abs=1e-12)  # exact sums of binary fractions
+    assert np.count_nonzero(got) == 1
+
+
+def test_edge_auroc_ranks_by_magnitude_whatever_the_sign(monkeypatch):
+    """A method whose scores are large and negative exactly on the known edges finds the circuit:
+    AUROC 1 on |score| (on the signed scores it would be 0)."""
+    import circuits.ground_truth as GT
+    from circuits.edges.scores import EdgeScores
+
+    model = load_tracr("tracr-count-first")
+    chosen = pairs(model, 2, seed=0)
+
+    def scored(site, method, steps=8):
+        truth = known_edges(model, site)
+        rng = np.random.default_rng(0)
+        noise = rng.uniform(-1, 1, truth.size)
+        return EdgeScores(method, np.where(truth, -5.0, 0.0) + noise, forwards=1, backwards=1)
+
+    monkeypatch.setattr(GT, "score_edges", scored)
+    got, _ = GT.score_program(model, chosen, steps=2, progress=False)
+    for m in ("eap", "eap-ig", "atp*"):
+        assert all(a == pytest.approx(1.0, abs=1e-12) for _, _, a in got[(m, "edge")])  # ranks: exact
