@@ -173,7 +173,8 @@ def test_a_user_s_program_runs_from_the_command_line(tmp_path, capsys):
     (tmp_path / "same.py").write_text(SAME_ENDS)
     spec = f"{tmp_path / 'same.py'}:same_ends"
     out, pairs_file = tmp_path / "gt.json", tmp_path / "same.jsonl"
-    bench = ["bench", "ground-truth", "--programs", f"{spec},reverse", "--n", "2", "--json", str(out)]
+    # `--program` (argparse's unique prefix of --programs) is the spelling a user of one program types
+    bench = ["bench", "ground-truth", "--program", f"{spec},reverse", "--n", "2", "--json", str(out)]
     assert main(bench) == 0
     printed = capsys.readouterr().out
     assert f"same_ends ({tmp_path / 'same.py'}:same_ends); reverse (tracr library)" in printed
