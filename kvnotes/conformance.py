@@ -259,23 +259,10 @@ def hf_reference(
     hf_model.eval()
     prompts = prompts if prompts is not None else verification_prompts(model)
     ids = {label: list(old.ids) for label, (old, _) in prompts.items()}
-    gaps: dict[str, float] = {}
     with torch.no_grad():
         with hf_in_float64(hf_model):
             f64 = {label: _hf_forward(hf_model, i) for label, i in ids.items()}
-        # legitimate computations in the model's dtype: the prompt at once, and cut in two at a
-        # quarter, a half and three quarters through transformers' own cache (other matrix shapes,
-        # so other roundings); each tensor's gap is the farthest of them from the truth, folded in
-        # as each is computed (holding all eight, every position's logits among them, costs GBs)
-        for label, i in ids.items():
-            k64, v64, l64 = f64[label]
-            for split in range(4):
-                k, v, lg = _hf_forward(hf_model, i, split=len(i) * split // 4)
-                for what, xs, ys in (("keys", k, k64), ("values", v, v64)):
-                    for l, (x, y) in enumerate(zip(xs, ys)):
-                        _widest(gaps, f"{label}: layer {l} {what}", (x.double() - y).abs().max().item())
-                _widest(gaps, f"{label}: logits, every position", (lg.double() - l64).abs().max().item())
-                del k, v, lg
+        gaps = _low_gaps(hf_model, ids, f64)
     keys, values, logits = ({label: f64[label][i] for label in ids} for i in range(3))
     dtype = dtype_name(model.dtype)
     source += (
@@ -291,6 +278,25 @@ def hf_reference(
         gaps=gaps,
         dtype=dtype,
     )
+
+
+def _low_gaps(hf_model, ids: dict[str, list[int]], f64: dict) -> dict[str, float]:
+    """Each tensor's rounding gap in the model's dtype: the farthest from the float64 truth `f64`
+    of four legitimate computations, the prompt at once and cut in two at a quarter, a half and
+    three quarters through transformers' own cache (other matrix shapes, so other roundings),
+    folded in as each is computed (holding all of them, every position's logits among them, costs
+    gigabytes on Gemma)."""
+    gaps: dict[str, float] = {}
+    for label, i in ids.items():
+        k64, v64, l64 = f64[label]
+        for split in range(4):
+            k, v, lg = _hf_forward(hf_model, i, split=len(i) * split // 4)
+            for what, xs, ys in (("keys", k, k64), ("values", v, v64)):
+                for l, (x, y) in enumerate(zip(xs, ys)):
+                    _widest(gaps, f"{label}: layer {l} {what}", (x.double() - y).abs().max().item())
+            _widest(gaps, f"{label}: logits, every position", (lg.double() - l64).abs().max().item())
+            del k, v, lg
+    return gaps
 
 
 def _widest(gaps: dict[str, float], where: str, gap: float) -> None:
@@ -447,8 +453,7 @@ def _checks(
     old64 = truths.add("old", lambda: ops.prefill(model, old))
     new64 = truths.add("new", lambda: ops.prefill(model, new))
     decided_new64 = truths.add("decided new", lambda: ops.decide(model, new64(), new).last)
-    # the last row, cloned: a view would keep every position's float64 logits alive
-    full64 = truths.add("full forward", lambda: full_logits(model, old.ids)[-1].clone())
+    full64 = truths.add("full forward", lambda: full_logits(model, old.ids)[-1].clone())  # not a view
     chunk = list(old.ids[1:stop])  # the prompt without BOS, as a chunk
     q = min(len(old.ids) + 13, model.n_ctx - len(chunk) - 8)  # past the prompt, inside n_ctx
     chunk_at_q64 = truths.add("chunk at q", lambda: ops.prefill(model, chunk, offset=q))
