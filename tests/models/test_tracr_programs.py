@@ -130,9 +130,9 @@ def test_the_pair_floor_is_the_analyses_own():
     assert PAIR_FLOOR == MIN_EFFECT  # one constant, written in two layers: the same number
 
 
-# 40 seeded programs in 4 chunks (xdist spreads them); `python -m circuits.random_programs
+# 50 seeded programs in 5 chunks (xdist spreads them); `python -m circuits.random_programs
 # --programs 200` is the full run the docs report
-@pytest.mark.parametrize("chunk", range(4))
+@pytest.mark.parametrize("chunk", range(5))
 def test_the_known_circuit_is_exact_on_random_programs(chunk):
     report = check_random_programs(10, seed=10_000 * (chunk + 1), n_pairs=2, progress=False)
     assert len(report.checks) == 10
