@@ -1,7 +1,10 @@
 """The keystone (probes/keystone.py): on the notes organism every editing method recovers the same on
 a composed cache as on a recomputed one, and the same experiment without re-rotation leaves the
-diagonal; a skill recomputed whole at the seam is the recomputed cache; a budget larger than the
-downstream region is refused before any forward; the part renders."""
+diagonal; on tiny-llama (RoPE, full attention), where composing is not exact, the composed side is
+measurably not the recomputed one and every side is read on the recomputed pair's scale (the
+methods that never read the old notebook sit on the diagonal exactly); a skill recomputed whole at
+the seam is the recomputed cache; a budget larger than the downstream region is refused before any
+forward; the part renders."""
 
 from __future__ import annotations
 
@@ -43,6 +46,44 @@ def test_without_re_rotation_the_organism_leaves_the_diagonal(organism_keystone)
     -0.27 [-0.42, -0.12] for selective_causal@8 at n = 16): a CI that excludes 0 and a gap over 0.1."""
     n = organism_keystone.norot_diagonal
     assert abs(n["gap"]) > 0.1 and (n["ci"][1] < 0 or n["ci"][0] > 0), n
+
+
+@pytest.fixture(scope="module")
+def inexact_keystone():
+    """tiny-llama: random weights, full attention, 2 seam tokens, so a composed skill never saw its
+    host. Its decisions move little (0.01-0.2 logits), so the floor is 0.01: the figures checked
+    here are definitions, which hold at any effect size (6 of 12 pairs pass it)."""
+    m = load_model("tiny-llama")
+    return K.keystone(m, "order-cancel", n=12, host=16, seam=2, budgets=(1, 2), min_effect=0.01, progress=False)
+
+
+def test_where_composing_is_not_exact_the_composed_side_is_not_the_recomputed_one(inexact_keystone):
+    """On the recomputed notebook, `suffix` (the field and everything after it recomputed) is full
+    recompute, so it recovers 1 (measured within 6e-6; held to 1e-3, float32 rounding over effects
+    of 0.01 logits). On the composed notebook the skill before the field keeps its composition
+    error, which is far larger than these effects: |gap.suffix| measured 1.6-19 per pair, held to
+    over 0.5 on every pair. A composed side that is secretly the recomputed notebook gives 0."""
+    r = inexact_keystone
+    assert r.part("gap.suffix").n >= 4
+    assert all(abs(v - 1) < 1e-3 for v in r.part("recomputed.suffix").values)
+    assert all(abs(v) > 0.5 for v in r.part("gap.suffix").values), r.part("gap.suffix").values
+
+
+def test_every_side_is_read_on_the_recomputed_pairs_scale(inexact_keystone):
+    """`hoist` (the corrected prompt prefilled) and `full` never read the old notebook, so they give
+    the same logit on every side, and on one scale per pair the same recovery: each gap is exactly
+    0 for every pair, its CI [0, 0], so the ablation concludes "no difference" for them, the known
+    answer. Read on each side's own old decision instead, hoist's gaps become the composition error
+    over the effect (measured -6.4 to 7.2 recoveries per pair here, so the per-pair check fails)."""
+    r = inexact_keystone
+    for m in ("hoist", "full"):
+        for gap in (f"gap.{m}", f"norot_gap.{m}"):
+            e = r.part(gap)
+            assert e.n >= 4 and all(abs(v) < 1e-9 for v in e.values), (gap, e.values)
+            assert e.ci[0] <= 0 <= e.ci[1]
+    assert all(abs(v - 1) < 1e-9 for side in K.SIDES for v in r.part(f"{side}.full").values)
+    hoist = [r.part(f"{side}.hoist").values for side in K.SIDES]
+    assert all(max(vs) - min(vs) < 1e-9 for vs in zip(*hoist))  # one forward's rounding: none
 
 
 def test_a_skill_recomputed_whole_at_the_seam_is_the_recomputed_cache():
