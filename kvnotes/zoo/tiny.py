@@ -135,9 +135,11 @@ def tiny_tokenizer():
     )
 
 
-def build_tiny(name: str, seed: int = 0, *, device=None, dtype=None):
+def build_tiny(name: str, seed: int = 0, *, device=None, dtype=None, **changes):
     """Build tiny model `name` (see the table above) with weights drawn from `seed` in float32, then
-    cast to `dtype` and moved to `device` once (`kvnotes.models.placement`; default cpu, float32)."""
+    cast to `dtype` and moved to `device` once (`kvnotes.models.placement`; default cpu, float32).
+    `changes` replace config fields (`n_layers=1`: a model whose every K/V depends on its own token
+    and position alone, so recomputing a changed slot is exact)."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     from kvnotes.engine.transformer_lens.model import from_hooked
@@ -146,7 +148,7 @@ def build_tiny(name: str, seed: int = 0, *, device=None, dtype=None):
     device, dtype = placement(device, dtype)
     tokenizer = tiny_tokenizer()
     cfg = HookedTransformerConfig(
-        **{**TINY_BASE, **TINY_CONFIGS[name]},
+        **{**TINY_BASE, **TINY_CONFIGS[name], **changes},
         d_vocab=len(tokenizer),
         model_name=name,
         seed=seed,
