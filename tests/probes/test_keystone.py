@@ -54,7 +54,9 @@ def inexact_keystone():
     host. Its decisions move little (0.01-0.2 logits), so the floor is 0.01: the figures checked
     here are definitions, which hold at any effect size (6 of 12 pairs pass it)."""
     m = load_model("tiny-llama")
-    return K.keystone(m, "order-cancel", n=12, host=16, seam=2, budgets=(1, 2), min_effect=0.01, progress=False)
+    return K.keystone(
+        m, "order-cancel", n=12, host=16, seam=2, budgets=(1, 2), min_effect=0.01, progress=False
+    )
 
 
 def test_where_composing_is_not_exact_the_composed_side_is_not_the_recomputed_one(inexact_keystone):
