@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from circuits.attribution import SlotAttribution, slot_attribution
-from kvnotes.analysis.registry import Context, Options, analysis, option
+from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, analysis, option
 from kvnotes.display import Displayable
 from kvnotes.errors import OutOfRange, PromptAttributionError, TokenCountChanged
 from kvnotes.metrics import logit_diff, spearman
@@ -60,6 +60,23 @@ class PromptAttribution(Displayable):
     gradient_seconds: float
     exact_seconds: float
     meta: Mapping = field(default_factory=dict)
+    min_effect: float = MIN_EFFECT  # the probes' floor: a source that moves ld less ranks noise
+
+    @property
+    def effect(self) -> float:
+        """How far the source moves the decision: ld_source - ld (logits)."""
+        return self.ld_source - self.ld
+
+    @property
+    def small_effect(self) -> str | None:
+        """A warning where the source moves the decision less than `min_effect`, else None."""
+        if abs(self.effect) >= self.min_effect:
+            return None
+        return (
+            f"small effect: the source moves the decision by {self.effect:+.3f} logits, under the "
+            f"{self.min_effect} the probes require (min_effect); slot effects and their ranking are "
+            "within that of nothing: choose a counterfactual that changes the answer more"
+        )
 
     @property
     def slot_estimate(self) -> list[float]:
@@ -83,6 +100,8 @@ class PromptAttribution(Displayable):
             f"Spearman rho (estimate vs exact, top {len(self.exact)}): {rho}; gradient pass "
             f"{self.gradient_seconds:.2f} s, exact pass {self.exact_seconds:.2f} s"
         )
+        if self.small_effect:
+            lines.insert(1, "WARNING " + self.small_effect)
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -160,6 +179,7 @@ def attribute_prompt(
     counterfactual: str | None = None,
     top: int = 8,
     steps: int = 4,
+    min_effect: float = MIN_EFFECT,
     progress: bool = True,
 ) -> PromptAttribution:
     """Which slots carry the decision at `prompt`'s last token, read as the logit difference of
@@ -169,7 +189,8 @@ def attribute_prompt(
     The source is `counterfactual`'s notebook (same token count) or else the value mean-ablation.
     `steps` > 1 averages the gradient along the path from the prompt's K/V to the source's
     (integrated gradients, `steps` backward passes): replacing a slot is a large change, and one
-    gradient at the start can misrank it.
+    gradient at the start can misrank it. A source that moves the decision less than `min_effect`
+    is flagged (`small_effect`, and a warning line in the table and on the page).
 
     >>> from kvnotes import load_model
     >>> model = load_model("tiny-llama")
@@ -221,6 +242,7 @@ def attribute_prompt(
         rank_correlation=spearman([r["estimate"] for r in exact], [r["total"] for r in exact]),
         gradient_seconds=gradient_seconds,
         exact_seconds=exact_seconds,
+        min_effect=min_effect,
         meta={
             "n_layers": L,
             "top": k,
@@ -256,7 +278,9 @@ def _exact(
         for p in chosen
         for spec in (Patch(positions=(p,)), *(Patch(positions=(p,), layers=(l,)) for l in range(L)))
     ]
-    lds = _ld(decide_patched(model, nb, src, specs, query, vocab=vocab, progress=progress)).view(k, L + 1)
+    lds = _ld(decide_patched(model, nb, src, specs, query, vocab=vocab, progress=progress).last).view(
+        k, L + 1
+    )
     delta = (lds - a.ld).tolist()
     exact = [
         {"position": p, "token": tokens[i], "estimate": float(total[i]), "total": d[0], "per_layer": d[1:]}
@@ -303,5 +327,6 @@ def _run_prompt_attribution(ctx: Context, cfg: PromptAttributionConfig) -> Promp
         counterfactual=cfg.counterfactual,
         top=cfg.top,
         steps=cfg.steps,
+        min_effect=ctx.min_effect,
         progress=ctx.progress,
     )

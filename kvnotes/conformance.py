@@ -517,7 +517,7 @@ def _checks(
         return vs_old(ops.refresh(model, nb_old(), old, edited))
 
     def batched_equals_single():
-        batched = ops.decide_patched(model, nb_old(), nb_new(), specs, new, batch_size=3)
+        batched = ops.decide_patched(model, nb_old(), nb_new(), specs, new, batch_size=3).last
         return vs_truth(batched, single(nb_old(), nb_new()), singles64())
 
     return {

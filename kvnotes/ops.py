@@ -6,10 +6,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from tqdm.auto import tqdm
 
 from kvnotes.batches import fixed_batches, plan_batches, rows_per_forward, run_rows, sharing_enabled
 from kvnotes.engine import Capability, Hook, Readout, has, move_keys, run
 from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
+from kvnotes.hooks import hook_name
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.prompt import Prompt
@@ -203,7 +205,9 @@ def query_tokens(model: KVModel, notebook: Notebook, query: PromptLike) -> tuple
         ids = [int(t) for t in query]
     if not ids:
         raise OutOfRange(
-            "nothing to decide: the query is empty (does the notebook already hold the whole prompt?)"
+            "nothing to decide: the query is empty (does the notebook already hold the whole prompt?); "
+            "for free-form text prefill all but its last token and decide that one: "
+            "p = free_prompt(model, text); decide(model, prefill(model, p), p)"
         )
     return ids, torch.arange(start, start + len(ids))
 
@@ -349,6 +353,146 @@ def patched_slots(dst: Notebook, src: Notebook, specs: Sequence[Patch]) -> Noteb
     )
 
 
+def _prompt_of(nb: Notebook, what: str) -> list[int]:
+    """The token ids of a notebook that holds one slot per position from 0 (a prefilled prompt)."""
+    if not torch.equal(torch.sort(nb.positions).values, torch.arange(nb.n_slots)):
+        raise BadArgument(
+            f"{what} must hold one slot per position from 0 (a prefilled prompt) to be recomputed "
+            "downstream of a patch; prefill the prompt whole, or patch with downstream='keep'"
+        )
+    return nb.tokens[0, torch.argsort(nb.positions)].tolist()
+
+
+def patch_recompute(model: KVModel, dst: Notebook, src: Notebook, spec: Patch = Patch()) -> Notebook:
+    """TransformerLens's activation patching on a notebook: `spec`'s K/V taken from `src`, and every
+    position from the first patched one on recomputed reading them, as `run_with_hooks` with
+    `attn.hook_k`/`attn.hook_v` replaced computes them. (`patch` keeps every later slot as `dst`
+    computed it: the question "what does the decision read from this slot", where this one asks
+    "what does the whole prompt compute with this slot changed".)
+
+    Both notebooks hold their prompts whole from position 0, at the same positions. The source's
+    K/V are captured from its own tokens recomputed from the first patched position (the hook
+    points' values, before rotation), so the result is the same on every backend and rotation.
+
+    >>> from kvnotes import load_model, Template
+    >>> model = load_model("tiny-llama")
+    >>> tpl = Template("status: {s}. Then the order waits.\\n[[decision:A:]]")
+    >>> old, new = tpl.render(model, s="shipped"), tpl.render(model, s="pending")
+    >>> dst, src = prefill(model, old), prefill(model, new)
+    >>> spec = Patch(positions=tuple(old.span("s")))
+    >>> kept = decide(model, patch(dst, src, spec), old).last
+    >>> recomputed = decide(model, patch_recompute(model, dst, src, spec), old).last
+    >>> bool((kept - recomputed).abs().max() > 1e-4)  # later slots read the patch: they moved
+    True
+    """
+    dst_ids, src_ids = _prompt_of(dst, "the patched notebook"), _prompt_of(src, "the source notebook")
+    dst.check_compatible(src)
+    if len(dst_ids) != len(src_ids):
+        raise ShapeMismatch(
+            f"the notebooks hold {len(dst_ids)} and {len(src_ids)} positions; patch between prompts "
+            "of one length (a pair whose fields tokenize to the same count)"
+        )
+    n_kv = dst.keys[0].shape[1]
+    mask = _patch_mask(spec, dst, n_kv)  # [layer, kv_head, slot]
+    if not mask.any():
+        return dst
+    slot_pos = dst.positions.tolist()
+    start = min(slot_pos[s] for s in mask.any(0).any(0).nonzero().flatten().tolist())
+    sites = [("attn.hook_k", spec.keys), ("attn.hook_v", spec.values)]
+    names = [hook_name(l, site) for l in range(dst.n_layers) if mask[l].any() for site, on in sites if on]
+    pos = torch.arange(start, len(dst_ids))
+    _, got = run(model, src.truncate(start), src_ids[start:], pos, write=False, capture=names, logits_at=())
+    hooks = []
+    for name in names:
+        l = int(name.split(".")[1])
+        at = mask[l].nonzero()  # (kv_head, slot) pairs
+        heads = at[:, 0]
+        rows = torch.tensor([slot_pos[s] - start for s in at[:, 1].tolist()], dtype=torch.long)
+
+        def put(act: Tensor, hook=None, rows=rows, heads=heads, new=got.activations[name]) -> Tensor:
+            act = act.clone()
+            act[:, rows, heads] = new[:, rows, heads].to(act.dtype)
+            return act
+
+        hooks.append((name, put))
+    nb, _ = run(model, dst.truncate(start), dst_ids[start:], pos, hooks=hooks, logits_at=())
+    return replace(nb, spans=dst.spans)
+
+
+def _recomputed_rows(
+    model: KVModel,
+    dst: Notebook,
+    src: Notebook,
+    specs: Sequence[Patch],
+    query: list[int],
+    batch_size: int,
+    hooks: Sequence[Hook],
+    vocab: Sequence[int] | None,
+    progress: bool,
+) -> Tensor:
+    """`decide_patched(..., downstream="recompute")`'s logits `[n, vocab]`: the source's hook_k /
+    hook_v captured once from the earliest patched position, then per batch one forward of the
+    prompt's rest and the query, each row writing its own patch into those hook points."""
+    dst_ids, src_ids = _prompt_of(dst, "the patched notebook"), _prompt_of(src, "the source notebook")
+    dst.check_compatible(src)
+    if len(dst_ids) != len(src_ids):
+        raise ShapeMismatch(
+            f"the notebooks hold {len(dst_ids)} and {len(src_ids)} positions; patch between prompts "
+            "of one length (a pair whose fields tokenize to the same count)"
+        )
+    n, n_kv, slot_pos = len(dst_ids), dst.keys[0].shape[1], dst.positions
+    masks = [_patch_mask(s, dst, n_kv) for s in specs]  # [layer, kv_head, slot] each
+    starts = [int(slot_pos[m.any(0).any(0)].min()) if m.any() else n for m in masks]
+    first = min(starts)
+    sites = {"attn.hook_k": [s.keys for s in specs], "attn.hook_v": [s.values for s in specs]}
+    names = {
+        (l, site): hook_name(l, site)
+        for l in range(dst.n_layers)
+        for site, on in sites.items()
+        if any(o and m[l].any() for o, m in zip(on, masks))
+    }
+    pos = torch.arange(first, n)
+    _, got = run(
+        model,
+        src.truncate(first),
+        src_ids[first:],
+        pos,
+        write=False,
+        capture=list(names.values()),
+        logits_at=(),
+    )
+    order = sorted(range(len(specs)), key=starts.__getitem__)
+    out: list[Tensor | None] = [None] * len(specs)
+    for a in tqdm(range(0, len(order), batch_size), desc="patches", unit="batch", disable=not progress):
+        rows = order[a : a + batch_size]
+        p0 = min(starts[i] for i in rows)
+        ours = []
+        for (l, site), name in names.items():
+            at = [
+                (r, *hs)
+                for r, i in enumerate(rows)
+                if sites[site][i]
+                for hs in masks[i][l].nonzero().tolist()  # (kv_head, slot)
+            ]
+            if not at:
+                continue
+            r_, h_, t_ = (torch.tensor(x, dtype=torch.long) for x in zip(*at))
+            t_ = slot_pos[t_] - p0  # the slot's token among this forward's
+
+            def put(act: Tensor, hook=None, r_=r_, h_=h_, t_=t_, new=got.activations[name], off=p0 - first):
+                act = act.clone()
+                act[r_, t_, h_] = new[0, t_ + off, h_].to(act.dtype)
+                return act
+
+            ours.append((name, put))
+        tokens = torch.tensor([dst_ids[p0:] + query] * len(rows))
+        at_pos = torch.arange(p0, n + len(query))
+        _, ro = run(model, dst.truncate(p0), tokens, at_pos, write=False, hooks=[*ours, *hooks], vocab=vocab)
+        for r, i in enumerate(rows):
+            out[i] = ro.last[r]
+    return torch.stack([o for o in out if o is not None])
+
+
 OVERLAY_BYTES = 256 * 2**20  # the patched slots' K/V one forward may hold (rows x touched slots)
 
 
@@ -392,10 +536,14 @@ def decide_patched(
     progress: bool = False,
     hooks: Sequence[Hook] = (),
     vocab: Sequence[int] | None = None,
-) -> Float[Tensor, "n d_vocab"]:
-    """Decision logits for each patch in `specs`, evaluated as batched forwards.
+    downstream: str = "keep",
+) -> Readout:
+    """Decision logits for each patch in `specs` (one batch row each: `.last` is `[n, d_vocab]`),
+    the same shape `decide` reads out.
 
-    Equal to `[decide(model, patch(dst, src, s), prompt).last[0] for s in specs]` (up to float
+    `downstream="keep"` (default): every slot a patch does not touch stays as `dst` computed it, so
+    the decision alone reads the patch (what the decision reads from a slot). Equal to
+    `[decide(model, patch(dst, src, s), prompt).last[0] for s in specs]` (up to float
     rounding), but each batch of patches is one forward over the decision tokens, reading `dst`
     as it is plus only the patched slots per row (`patched_slots`, `run`'s overlay): the
     notebook is never copied. `batch_size`: patches per forward, in the order given (default:
@@ -405,8 +553,21 @@ def decide_patched(
     `vocab`: only these token ids' logits (columns in that order). In hooks on attention
     scores or patterns the key axis is `dst`'s slots (a patched slot's own column masked), then
     the patched slots, then the decision tokens.
+
+    `downstream="recompute"`: TransformerLens's activation patching, every position after the
+    first patched one recomputed reading the patch (`patch_recompute`): `batch_size` patches
+    (default 16) per forward, each forward from the lowest first patched position of its rows
+    over the rest of the prompt and the decision tokens, the prefix before it read from `dst`.
     """
+    if downstream not in ("keep", "recompute"):
+        raise BadArgument(
+            f"downstream={downstream!r}: use 'keep' (the notebook's later slots as they are) or "
+            "'recompute' (every later position recomputed, as TransformerLens's hooks patch)"
+        )
     ids, pos = query_tokens(model, dst, prompt)
+    if downstream == "recompute" and specs:
+        out = _recomputed_rows(model, dst, src, specs, ids, batch_size or 16, hooks, vocab, progress)
+        return Readout(logits=out[:, None], positions=(int(pos[-1]),))
     resume = not hooks and has(model, Capability.RESUME)
     first = [first_layer(s, dst.n_layers) if resume else 0 for s in specs]
     batches = fixed_batches(len(specs), batch_size)
@@ -422,7 +583,8 @@ def decide_patched(
         return hooks, patched_slots(dst, src, chosen)
 
     kw = dict(vocab=vocab, batches=batches, resume=resume, progress=progress, desc="patches", patched=most)
-    return run_rows(model, dst, ids, pos, first, make, **kw)
+    out = run_rows(model, dst, ids, pos, first, make, **kw)
+    return Readout(logits=out[:, None], positions=(int(pos[-1]),))
 
 
 # --- edits ---------------------------------------------------------------------------------

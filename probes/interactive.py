@@ -135,7 +135,9 @@ class PatchSession:
         else:
             spec = Patch(positions=pos, layers=layers, keys=keys, values=values)
             ld_patched = self._ld(
-                decide_patched(self.model, self.nb_old, self.nb_new, [spec], self.new, vocab=self.answers)[0]
+                decide_patched(
+                    self.model, self.nb_old, self.nb_new, [spec], self.new, vocab=self.answers
+                ).last[0]
             )
         rec = float(recovery(ld_patched, self.ld_old, self.ld_new, undefined="nan"))
         return PatchState(

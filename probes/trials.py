@@ -128,7 +128,7 @@ class Trial:
         dst = self.old_nb if dst is None else dst
         out = decide_patched(
             self.model, dst, src, list(specs), self.pair.new, batch_size=batch_size, vocab=self.vocab
-        )
+        ).last
         return self.recovery(self.score(out))
 
     def token_strings(self, positions: Sequence[int]) -> list[str]:

@@ -189,7 +189,10 @@ def scaling(model, tokens: Sequence[int], batches: Sequence[int], patched: int =
             specs = [ops.Patch(positions=slots)] * B
             ov = ops.patched_slots(dst, src, specs)
             ov_bytes = sum(k.nbytes + v.nbytes for k, v in zip(ov.keys, ov.values, strict=True))
-            call = lambda specs=specs: ops.decide_patched(model, dst, src, specs, new, batch_size=len(specs))  # noqa: E731
+
+            def call(specs=specs):
+                return ops.decide_patched(model, dst, src, specs, new, batch_size=len(specs)).last
+
             by_batch.append(
                 dict(
                     batch=B,

@@ -253,7 +253,7 @@ def _engine(model: KVModel, nb_old: Notebook, nb_new: Notebook, new: Prompt, voc
 
     def engine(batch: Sequence[int]) -> torch.Tensor:
         specs = [ops.Patch(positions=(p,)) for p in batch]
-        return ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=len(specs), vocab=vocab)
+        return ops.decide_patched(model, nb_old, nb_new, specs, new, batch_size=len(specs), vocab=vocab).last
 
     return engine
 

@@ -117,10 +117,10 @@ def test_a_batch_that_would_not_fit_is_refused_before_any_forward(model, pair, m
         ops.decide_patched(model, dst, src, specs, new, batch_size=12)
     assert calls == []  # refused before any forward
     with pretend_free(free):
-        fitted = ops.decide_patched(model, dst, src, specs, new, batch_size=5)
-        planned = ops.decide_patched(model, dst, src, specs, new)  # planned: cut to fit by itself
+        fitted = ops.decide_patched(model, dst, src, specs, new, batch_size=5).last
+        planned = ops.decide_patched(model, dst, src, specs, new).last  # planned: cut to fit by itself
     assert calls  # with the option applied, it runs
-    want = ops.decide_patched(model, dst, src, specs, new, batch_size=12)
+    want = ops.decide_patched(model, dst, src, specs, new, batch_size=12).last
     # same logits whatever the batches: float32 rounding of differently batched matmuls
     assert (fitted - want).abs().max() < 1e-4 and (planned - want).abs().max() < 1e-4
     with pretend_free(int(per / FRACTION)), pytest.raises(BadArgument, match="shorter prompt"):

@@ -54,7 +54,7 @@ def test_every_slot_from_the_counterfactual_gives_its_decision(tiny):
     truth_prompt = _ld(tiny, full_logits(tiny, tiny.encode(PROMPT))[-1])
     truth_counter = _ld(tiny, full_logits(tiny, tiny.encode(COUNTER))[-1])
     nb, src, query = _notebooks(tiny, COUNTER)
-    every = decide_patched(tiny, nb, src, [Patch()], query, vocab=_vocab(tiny))
+    every = decide_patched(tiny, nb, src, [Patch()], query, vocab=_vocab(tiny)).last
     every_ld = float(every[0, 0] - every[0, 1])
     assert_close(
         torch.tensor([r.ld, r.ld_source, every_ld]),
@@ -285,3 +285,19 @@ def test_attribute_command_refuses_bad_input_before_loading(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "exactly two" in err and "3" in err
+
+
+def test_a_source_that_barely_moves_the_decision_is_flagged():
+    """On the probes' minimum-effect scale: the same attribution is flagged under a floor above its
+    effect and not under one below it, in the result, its table and its page's reading."""
+    from dashboards.circuit_panels import prompt_attribution_panels
+
+    prompt = "order_status: shipped.\nQ: Can the order be cancelled? A:"
+    r = attribute_prompt(get_model("tiny-llama"), prompt, (" yes", " no"), top=2, progress=False)
+    assert abs(r.effect - (r.ld_source - r.ld)) < 1e-12
+    low = type(r).from_dict({**r.to_dict(), "min_effect": abs(r.effect) / 2})
+    high = type(r).from_dict({**r.to_dict(), "min_effect": abs(r.effect) * 2})
+    assert low.small_effect is None and "WARNING" not in low.table()
+    assert high.small_effect and "WARNING small effect" in high.table().splitlines()[1]
+    assert "Caution, small effect" in prompt_attribution_panels(high)[0].reading
+    assert "Caution" not in prompt_attribution_panels(low)[0].reading

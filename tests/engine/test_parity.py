@@ -182,7 +182,7 @@ def _mixed_patches(case) -> list[Patch]:
 def test_decide_patched_equals_loop_of_single_patches(case):
     model = case.model
     specs = _mixed_patches(case)
-    batched = decide_patched(model, case.nb_old, case.nb_new, specs, case.new, batch_size=4)
+    batched = decide_patched(model, case.nb_old, case.nb_new, specs, case.new, batch_size=4).last
     single = torch.stack([decide(model, patch(case.nb_old, case.nb_new, s), case.new).last[0] for s in specs])
     assert batched.shape == (len(specs), model.facts.d_vocab_out)
     assert_close(batched, single, what="batched vs single patches")
@@ -274,8 +274,8 @@ def test_vocab_subset_equals_the_same_columns_of_full_logits(case):
     assert sub.shape == (3,)
     assert_close(sub, full[ids], what="vocab-restricted logits")
     specs = [Patch(positions=(case.field,)), Patch(positions=(case.field + 1,), keys=False)]
-    batched = decide_patched(model, case.nb_old, case.nb_new, specs, case.new, vocab=ids)
-    whole = decide_patched(model, case.nb_old, case.nb_new, specs, case.new)
+    batched = decide_patched(model, case.nb_old, case.nb_new, specs, case.new, vocab=ids).last
+    whole = decide_patched(model, case.nb_old, case.nb_new, specs, case.new).last
     assert_close(batched, whole[:, ids], what="vocab-restricted patched logits")
 
 

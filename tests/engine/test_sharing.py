@@ -100,7 +100,7 @@ def test_a_decision_with_its_field_recomputed_in_the_same_forward_equals_refresh
 # --- the default batches and resumed batches ---------------------------------------------------
 def test_default_batches_equal_one_patch_at_a_time(case):
     specs = _sweep(case)
-    batched = decide_patched(case.model, case.nb_old, case.nb_new, specs, case.new)
+    batched = decide_patched(case.model, case.nb_old, case.nb_new, specs, case.new).last
     assert_close(batched, _one_at_a_time(case, specs), what="default batches (resumed) vs single patches")
     assert (batched - batched[0]).abs().amax(-1).max() > 1e-3  # the sweep is not degenerate
 
@@ -113,7 +113,7 @@ def test_a_batch_resumed_one_layer_too_late_is_caught(case, monkeypatch):
     right = _one_at_a_time(case, specs)
     real = ops.first_layer
     monkeypatch.setattr(ops, "first_layer", lambda s, n: real(s, n) + 1)
-    wrong = decide_patched(case.model, case.nb_old, case.nb_new, specs, case.new, batch_size=1)
+    wrong = decide_patched(case.model, case.nb_old, case.nb_new, specs, case.new, batch_size=1).last
     with pytest.raises(AssertionError, match="resumed"):
         assert_close(wrong, right, what="resumed")
 

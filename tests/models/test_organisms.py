@@ -126,7 +126,9 @@ def test_notes_organism_top_notes_lie_in_the_decision_window(notes_organism):
         nb_old, nb_new = prefill(notes_organism, pair.old), prefill(notes_organism, pair.new)
         old, new = (logit_diff(decide(notes_organism, nb, pair.new).last[0], a, b) for nb in (nb_old, nb_new))
         slots = pair.downstream()
-        out = decide_patched(notes_organism, nb_old, nb_new, [Patch(positions=(p,)) for p in slots], pair.new)
+        out = decide_patched(
+            notes_organism, nb_old, nb_new, [Patch(positions=(p,)) for p in slots], pair.new
+        ).last
         rec = recovery(logit_diff(out, a, b), old, new)
         start = pair.new.span("decision").start
         inside = torch.tensor([p > start - window for p in slots])

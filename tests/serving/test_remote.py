@@ -46,7 +46,7 @@ def _engine(nn, pair, slots) -> list[float]:
     stop = pair.old.span("decision").start
     nb_old, nb_new = ops.prefill(nn, pair.old, upto=stop), ops.prefill(nn, pair.new, upto=stop)
     specs = [ops.Patch(positions=(s,)) for s in slots]
-    lg = ops.decide_patched(nn, nb_old, nb_new, specs, pair.old, vocab=pair.answers)
+    lg = ops.decide_patched(nn, nb_old, nb_new, specs, pair.old, vocab=pair.answers).last
     return (lg[:, 0] - lg[:, 1]).tolist()
 
 
