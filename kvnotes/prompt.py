@@ -204,3 +204,57 @@ def _token_range(offsets, cs: int, ce: int, name: str, text: str) -> tuple[int, 
             "tokenizes to at least one token"
         )
     return (hit[0], hit[-1] + 1)
+
+
+def free_prompt(model, text: str) -> Prompt:
+    """Free-form `text` as a Prompt whose last token is its `decision` span, so that
+    `prefill(model, p)` holds every token before it and `decide(model, nb, p)` reads the model's
+    next-token logits after the whole text. The text is taken literally (braces and brackets are
+    not template syntax); BOS first when the tokenizer has one. `free_pair` makes two to patch.
+
+    >>> from kvnotes import load_model, prefill, decide
+    >>> model = load_model("tiny-llama")
+    >>> p = free_prompt(model, "The order {id} has shipped")
+    >>> nb = prefill(model, p)
+    >>> nb.n_slots == len(p) - 1, tuple(decide(model, nb, p).last.shape)
+    (True, (1, 512))
+    """
+    ids, offsets = _tokenize(model, text)
+    first = 1 if len(ids) and ids[0] == getattr(model.tokenizer, "bos_token_id", None) else 0
+    if len(ids) - first < 2:
+        raise TemplateError(
+            f"{text!r} is {len(ids) - first} token(s); a free prompt needs at least 2, one to read "
+            "the decision at and one before it"
+        )
+    last = offsets[-1]
+    return Prompt(
+        text=text,
+        ids=tuple(ids),
+        spans={"decision": (len(ids) - 1, len(ids))},
+        char_spans={"decision": (int(last[0]), int(last[1]))},
+        values={},
+        template=_literal(text),
+        offsets=tuple(offsets),
+    )
+
+
+def _literal(text: str) -> Template:
+    """A template that fills to `text` exactly (braces escaped); text holding `[[`/`]]`, which
+    template syntax cannot write literally, gets an empty template (its prompt has no fields)."""
+    try:
+        return Template(text.replace("{", "{{").replace("}", "}}"))
+    except TemplateError:
+        return Template("")
+
+
+def free_pair(model, old: str, new: str) -> tuple[Prompt, Prompt]:
+    """Two free-form texts as prompts to patch between (`free_prompt` each): refused, naming both
+    counts, unless they tokenize to the same number of tokens (patching lines slots up by
+    position)."""
+    a, b = free_prompt(model, old), free_prompt(model, new)
+    if len(a) != len(b):
+        raise TokenCountChanged(
+            f"the two texts are {len(a)} and {len(b)} tokens; patching matches slots by position, so "
+            "give texts of one length (change a word for one that tokenizes to as many tokens)"
+        )
+    return a, b

@@ -70,6 +70,22 @@ def test_readme_example_runs(gemma, capsys):
     assert all(re.fullmatch(r".* recovers -?\d+\.\d\d of the decision", ln) for ln in lines)
 
 
+def test_readme_free_form_example_runs(gemma, capsys):
+    """The README's free-form example, executed as written: one text in, its next token out; two
+    texts of one token count in, a per-slot sweep out, one row per slot before the decision."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", readme, re.S)[1]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own README
+    (printed,) = capsys.readouterr().out.splitlines()
+    assert printed.strip()  # the model's next token after the text
+    old, sweep = scope["old"], scope["sweep"]
+    assert tuple(sweep.last.shape) == (len(old) - 1, gemma.facts.d_vocab_out)
+
+
 # --- probes on the real model ---------------------------------------------------------------------
 def test_gemma_reads_the_field_directly_on_order_cancel(gemma):
     """The measured regime of Gemma 3 270M base on order-cancel (docs/probes.md): near-verbatim
