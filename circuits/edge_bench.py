@@ -371,7 +371,7 @@ class _Tally:
 @dataclass(frozen=True)
 class EdgeBenchConfig(Options):
     task: str = option("order-cancel", "the task whose pairs are scored (a name or task file)")
-    n: int = option(4, "prompt pairs (0: skip the bench)", least=0)
+    n: int = option(4, "prompt pairs", least=0, skips=True)
     ig_steps: int = option(8, "EAP-IG steps", least=1)
     exact_edges: int = option(
         256, "edges patched exactly per pair when the graph is too large for all", least=1

@@ -497,7 +497,7 @@ class GroundTruthConfig(Options):
         "comma-separated tracr programs, shipped (reverse) or your own (FILE.py:NAME); "
         "default: every shipped one",
     )
-    n: int = option(8, "pairs a program (0: skip the bench)", least=0)
+    n: int = option(8, "pairs a program", least=0, skips=True)
     ig_steps: int = option(8, "EAP-IG steps", least=1)
 
 

@@ -356,6 +356,8 @@ def prompt_attribution_panels(a, key: str = "attribution") -> list[Panel]:
         + "; ".join(f"'{visible(row['token'])}' @{row['position']} {row['total']:+.3f}" for row in top)
         + "."
     )
+    if getattr(a, "small_effect", None):  # attributions saved before the flag have none
+        reading = f"Caution, {a.small_effect}. " + reading
     panels = [
         Panel(
             title="Attribution over the prompt",

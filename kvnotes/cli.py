@@ -11,6 +11,13 @@ from pathlib import Path
 
 from kvnotes.args import add_model
 
+DESCRIPTION = (
+    "kvnotes: the KV cache as a notebook of conclusions. Patch, edit and splice a model's cache "
+    "exactly; run the causal probes, circuits, edits and splices on a model and a task; write a "
+    "report (kvnotes report) and browse it (kvnotes dashboard). Each command's --help lists its "
+    "options; the README has a first run."
+)
+
 
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: the command, what was wrong and where the help is (exit 2)."""
@@ -26,11 +33,46 @@ def _write_json(path: str | None, data: dict) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
-def _emit(report, path: str | None) -> int:
-    """Print a result's table and write its JSON if asked; the command's success exit code."""
+def _emit(report, path: str | None, name: str | None = None) -> int:
+    """Print a result's table, then its reading (what its page says of it, one line per analysis:
+    the conclusion, where the table gives the figures), and write its JSON if asked; the command's
+    success exit code. `name`: the analysis of a model-level result (a section's name its own)."""
     print(report.table())
+    lines = _readings(report, name)
+    if lines:
+        print("\nreading:")
+        print("\n".join(f"  {line}" for line in lines))
     _write_json(path, report.to_dict())
     return 0
+
+
+def _readings(report, name: str | None) -> list[str]:
+    """Each analysis's first panel reading (`dashboards`), as plain text."""
+    import html
+    import re
+
+    from dashboards.registry import PANELS, SUMMARIES, load_panels
+    from kvnotes.analysis.registry import analyses
+
+    load_panels()
+    results = report.results if name is None and isinstance(getattr(report, "results", None), dict) else None
+    pairs = list(results.items()) if results is not None else ([(name, report)] if name else [])
+    known = analyses()
+    sections = {known[k].section for k, _ in pairs if k in known and known[k].section in SUMMARIES}
+    shown = [(sec, SUMMARIES[sec](results or {}, "cli")) for sec in sorted(sections)]
+    for key, result in pairs:
+        fn = PANELS.get(key)
+        if fn is None and hasattr(result, "headline"):  # as the page draws it: the generic panel
+            from dashboards.render import generic_panel
+
+            fn = lambda r, k: [generic_panel(r, k)]  # noqa: E731
+        shown.append((key, fn(result, "cli") if fn else []))
+    out = []
+    for key, panels in shown:
+        text = next((p.reading for p in panels if getattr(p, "reading", "")), "")
+        if text:
+            out.append(f"{key}: " + html.unescape(re.sub(r"<[^>]+>", "", text)))
+    return out
 
 
 def _ints(text: str) -> list[int]:
@@ -61,7 +103,7 @@ def _run_model_tool(name: str, model, **options):
 
 def cmd_verify(args) -> int:
     report = _run_model_tool("verify", _load(args))
-    _emit(report, args.json)
+    _emit(report, args.json, "verify")
     return 0 if report.passed else 1
 
 
@@ -73,7 +115,7 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x.strip())
 
 
-def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str, str]:
+def _add_options(parser: argparse.ArgumentParser, group: list[dict], alone: bool = False) -> dict[str, str]:
     """One option per config field of the analyses in `group` (from `cli_spec`; fields of the same
     name share one option, which sets each of them); returns option dest -> field name."""
     from kvnotes.analysis.registry import LIMITS
@@ -97,6 +139,9 @@ def _add_options(parser: argparse.ArgumentParser, group: list[dict]) -> dict[str
         kw: dict = {"dest": f"opt_{name}", "default": None, "help": text, "metavar": name.upper()}
         number = {"int": int, "float": float}.get(o["item"])
         bounds = {"least": o.get("least"), "most": o.get("most")}
+        if o.get("skips"):  # 0 leaves the analysis out of a group's run; its own command needs 1
+            bounds["least"] = 1 if alone else bounds["least"]
+            text = text if alone else text.replace(" (default", " (0 leaves it out; default", 1)
         if o["kind"] == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         elif o["kind"] == "list":
@@ -128,7 +173,7 @@ def add_analysis_commands(sub) -> None:
             for a in group:
                 sp = bsub.add_parser(a.get("command") or a["name"].replace("_", "-"), help=a["help"])
                 add_model(sp)
-                dests = _add_options(sp, [a])
+                dests = _add_options(sp, [a], alone=True)
                 sp.add_argument(
                     "--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON"
                 )
@@ -287,7 +332,7 @@ def cmd_model_analysis(args) -> int:
     if result is None:
         sub = a.command or a.name.replace("_", "-")
         raise KVNotesError(f"{a.name} was sized to nothing; give it a size (kvnotes bench {sub} --help)")
-    code = _emit(result, args.json)
+    code = _emit(result, args.json, a.name)
     if args.html:
         from dashboards.render import write_page
 
@@ -326,7 +371,7 @@ def cmd_attribute(args) -> int:
         top=args.top,
         steps=args.steps,
     )
-    _emit(result, args.json)
+    _emit(result, args.json, "prompt_attribution")
     if args.html:
         from dashboards.render import write_page
 
@@ -456,7 +501,7 @@ def cmd_sweep(args) -> int:
         remote=where,
         seed=args.seed,
     )
-    code = _emit(result, args.json)
+    code = _emit(result, args.json, "slot_sweep")
     if args.html:
         from dashboards.render import write_page
 
@@ -508,7 +553,7 @@ def cmd_auto_circuit_env(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `kvnotes` parser: the fixed commands, then the analysis commands the registry declares."""
-    p = Parser(prog="kvnotes", description=__doc__)
+    p = Parser(prog="kvnotes", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
     _add_verify(sub)
     _add_attribute(sub)

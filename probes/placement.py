@@ -38,6 +38,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from tqdm.auto import tqdm
 
@@ -67,6 +68,7 @@ class MemoryPlacement(ProbeResult):
     (the edited fact), and `ttft@S.<side>` / `ttft@S.<placement>.<method>` (seconds per turn, one per
     episode). `tost[S]`: late against full at `margin`, over questions."""
 
+    TASK_FREE: ClassVar[bool] = True  # its episodes are generated; it reads no pair task
     PART_PATTERNS = (
         r"(accuracy|updated)@\d+\.(early|late|full)",
         r"(cost|late_minus_full)@\d+",

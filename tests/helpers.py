@@ -122,3 +122,9 @@ def make_case(model) -> Case:
     old = TEMPLATE.render(model, order_status=OLD)
     new = old.with_values(model, order_status=NEW)
     return Case(model=model, old=old, new=new, nb_old=prefill(model, old), nb_new=prefill(model, new))
+
+
+def readings(printed: str) -> dict[str, str]:
+    """A command's printed reading block (`kvnotes.cli._emit`): analysis or section -> its line."""
+    lines = printed.split("\nreading:\n", 1)[1].splitlines() if "\nreading:\n" in printed else []
+    return dict(ln.strip().split(": ", 1) for ln in lines if ln.startswith("  ") and ": " in ln)

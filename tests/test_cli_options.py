@@ -291,3 +291,33 @@ def test_a_refusal_that_needs_no_model_imports_no_torch(case, tmp_path):
     code, torch_imported, err = _refusal_without_torch(argv, tmp_path)
     assert (code, torch_imported) == ("2", "False"), err
     assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+DANGLING = {"a", "an", "the", "and", "or", "of", "to", "with", "after", "one", "in", "on", "for", "by", "vs"}
+
+
+def _helps(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command words, help line) for every subcommand at every depth."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                yield (*path, choice.dest), choice.help or ""
+            for name, sp in action.choices.items():
+                yield from _helps(sp, (*path, name))
+
+
+def test_every_help_line_is_whole():
+    """Each command's help line, as `kvnotes ... --help` lists it, is there and does not stop
+    mid-sentence (the first line of a wrapped docstring once did: "... after one"); an analysis's
+    help is its docstring's whole first paragraph; `kvnotes --help` opens for a user."""
+    from kvnotes.analysis.registry import analyses
+
+    helps = dict(_helps(PARSER))
+    assert len(helps) > 20
+    for words, text in helps.items():
+        last = text.rstrip(".").split()[-1:] if text else []
+        assert last and last[0].lower() not in DANGLING and text.count("(") == text.count(")"), (words, text)
+    for a in analyses().values():
+        para = " ".join((a.run.__doc__ or "").strip().split("\n\n")[0].split()).rstrip(".")
+        assert a.help.lower() == para.lower(), (a.name, a.help)
+    assert PARSER.description.startswith("kvnotes: the KV cache as a notebook of conclusions")

@@ -193,13 +193,15 @@ def register(analysis: Analysis) -> Analysis:
 
 
 def analysis(name: str, section: str, config: type, result: type, **options) -> Callable:
-    """Register the decorated `run(ctx, cfg)` as analysis `name`; the first line of its docstring
-    is its help (`Analysis` takes the other `options`: quick, needs, default, in_report, flag, ...)."""
+    """Register the decorated `run(ctx, cfg)` as analysis `name`; the first paragraph of its
+    docstring is its help, whole (`Analysis` takes the other `options`: quick, needs, default,
+    in_report, flag, ...)."""
 
     def add(run_fn: Callable) -> Callable:
-        first = (run_fn.__doc__ or "").strip().split("\n")[0].rstrip(".")
+        first = " ".join((run_fn.__doc__ or "").strip().split("\n\n")[0].split()).rstrip(".")
+        word = first.split(" ")[0]  # lowercased to run on after the command's name, unless an acronym
         help_ = options.pop("help", None) or (
-            first[:1].lower() + first[1:] if first[1:2].islower() else first
+            first[:1].lower() + first[1:] if len(word) == 1 or word[1:].islower() else first
         )
         register(Analysis(name, section, config, run_fn, result, help_, **options))
         return run_fn
@@ -313,7 +315,7 @@ def _option_spec(a: Analysis, f: dataclasses.Field) -> dict:
     item = get_args(hint)[0] if get_origin(hint) is tuple else hint
     kind = "list" if get_origin(hint) is tuple else item.__name__ if item in (bool, int, float) else "str"
     shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else str(f.default)
-    keep = ("help", "cli", "choices", "metavar", "least", "most", *LIMITS)
+    keep = ("help", "cli", "choices", "metavar", "least", "most", "skips", *LIMITS)
     return {
         "name": f.name,
         "kind": kind,
@@ -343,7 +345,9 @@ def option(default: Any, help: str, **extra) -> Any:
     checked by `Options` and by the CLI as it parses), and a limit the model sets (`LIMITS`,
     checked against the model's outline before the load and the model once loaded:
     `fit_to_model`): `layer` (a layer index), `layers` (a count of layers), `heads` (a count of
-    heads over all layers), `tokens` (a length in tokens, which must fit the model's context)."""
+    heads over all layers), `tokens` (a length in tokens, which must fit the model's context);
+    `skips`: 0 sizes the analysis to nothing (a report leaves it out; its own command's parser
+    takes 1 at least, so 0 is refused before the model loads)."""
     return field(default=default, metadata={"help": help, **extra})
 
 

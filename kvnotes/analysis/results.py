@@ -252,10 +252,11 @@ class Curve:
         return cls(x_name=d["x_name"], x=tuple(d["x"]), points=pts)
 
     def __str__(self) -> str:
-        return "  ".join(
-            f"{self.x_name}={x:g}: {'n/a' if p.mean is None else f'{p.mean:+.2f}'}"
-            for x, p in zip(self.x, self.points)
+        """One line: the x name, then each x (3 significant figures) and its mean."""
+        pts = ", ".join(
+            f"{x:.3g} → {'n/a' if p.mean is None else f'{p.mean:+.2f}'}" for x, p in zip(self.x, self.points)
         )
+        return f"{self.x_name}: {pts}" if pts else f"{self.x_name}: no points"
 
 
 def to_json_value(value: Any) -> Any:
@@ -545,13 +546,24 @@ class ProbeResult(Displayable):
                     f"{self.name}.{k}"
                     + (" (in-sample)" if k in inside else "")
                     + (" *" if k == self.headline else ""),
-                    str(v),
+                    _shown(k, v),
                 )
                 for k, v in self.parts.items()
             ]
             + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()]
             + self.notes()
         )
+
+
+def _shown(name: str, e: Estimate) -> str:
+    """A part as its table row shows it: a count of tokens or a time as a plain mean (a bootstrap
+    CI of a count that never varies, or of one machine's timings, says nothing), the rest with its
+    CI."""
+    last = re.split(r"[.@]", name)[-1]
+    if e.mean is None or not (last.endswith(("tokens", "seconds")) or name.startswith("ttft")):
+        return str(e)
+    unit = "tokens" if last.endswith("tokens") else "s"
+    return f"{e.mean:.4g} {unit} (mean of {e.n})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -650,13 +662,35 @@ class SectionReport(Displayable):
         return self.table()
 
     def table(self) -> str:
-        """A readable table: one row per figure, the headline of each analysis starred."""
+        """A readable table: one row per figure (its own n), the headline of each analysis starred,
+        and the pairs each analysis left out, with why. The header names the task only where an
+        analysis read it."""
         rows = [r for p in self.results.values() for r in p.rows()]
         width = max([len(a) for a, _ in rows] + [10])
-        head = f"{self.model} · task {self.task} · n={self.n} · seed {self.seed}   (mean [95% CI] n)"
+        task = (
+            []
+            if all(getattr(p, "TASK_FREE", False) for p in self.results.values())
+            else [f"task {self.task}"]
+        )
+        head = " · ".join([self.model, *task, f"seed {self.seed}"]) + "   (mean [95% CI] n; * each headline)"
         lines = [head, "-" * len(head)]
         lines += [f"{a:<{width}}  {b}" for a, b in rows]
+        lines += [line for p in self.results.values() for line in _dropped(p)]
         return "\n".join(lines)
+
+
+def _dropped(r: ProbeResult) -> list[str]:
+    """One line naming the pairs `r` left out and why, or none."""
+    if not r.excluded:
+        return []
+    each = [
+        ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in e.items() if k != "reason"
+        )
+        + (f": {e['reason']}" if "reason" in e else "")
+        for e in r.excluded
+    ]
+    return [f"{r.name}: {len(each)} pair{'s' if len(each) != 1 else ''} left out ({'; '.join(each)})"]
 
 
 ProbeReport = SectionReport  # the probes' and every task section's report, under its older name

@@ -176,7 +176,7 @@ def _answer(mine: torch.Tensor, full: torch.Tensor, stale: torch.Tensor) -> tupl
 
 @dataclass(frozen=True)
 class EditCostConfig(Options):
-    tokens: int = option(2048, "prompt length (0: skip the bench)", least=0, tokens=True)
+    tokens: int = option(2048, "prompt length", least=0, tokens=True, skips=True)
     repeats: int = option(3, "side-by-side timings per position (the median is reported)", least=1)
     # where the field sits decides how much a suffix recompute redoes: early, middle and late
     fractions: tuple[float, ...] = option(

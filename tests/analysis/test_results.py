@@ -130,3 +130,48 @@ def test_non_finite_values_are_counted_not_hidden():
     r = GenericResult(name="mine", headline="a", parts={"a": e, "b": Estimate.of([1.0, float("nan")])})
     assert r.dropped() == 4
     assert "4 undefined or non-finite value(s) left out" in panels(r)[0].note
+
+
+def test_a_section_s_header_says_only_what_its_rows_bear_out():
+    """No section-wide n (each row carries its own; a keystone run once printed n=0 over 16 pairs),
+    the task named only where an analysis read one, the star explained, and every pair an analysis
+    left out named with its reason."""
+    from kvnotes.analysis.results import SectionReport
+    from probes.placement import MemoryPlacement
+
+    e = Estimate.of([0.5, 0.7, 0.9])
+    mine = GenericResult(
+        name="mine", headline="a", parts={"a": e}, excluded=({"seed": 3, "reason": "decision moved < 0.1"},)
+    )
+    table = SectionReport(model="m", task="order-cancel", n=0, seed=0, results={"mine": mine}).table()
+    head = table.splitlines()[0]
+    assert "n=" not in head and "task order-cancel" in head and "* each headline" in head
+    assert "mine.a *" in table and "n=3" in table
+    assert "mine: 1 pair left out (seed 3: decision moved < 0.1)" in table.splitlines()
+    assert MemoryPlacement.TASK_FREE
+    free = GenericResult(name="free", headline="a", parts={"a": e})
+    object.__setattr__(free, "TASK_FREE", True)  # as a generated-episode analysis declares it
+    head = SectionReport(model="m", task="order-cancel", n=0, seed=0, results={"free": free}).table()
+    assert "order-cancel" not in head.splitlines()[0]
+
+
+def test_counts_and_times_print_as_plain_numbers_and_curves_in_three_figures():
+    """A count of tokens or a time has no CI in the table (`refresh.tokens +3.000 [+3.000, +3.000]`
+    said nothing); a curve's x reads in 3 significant figures, not `0.00340136`."""
+    from kvnotes.analysis.results import Curve
+
+    r = GenericResult(
+        name="edit_methods",
+        headline="refresh",
+        parts={
+            "refresh": Estimate.of([0.5, 0.7]),
+            "refresh.tokens": Estimate.of([3.0, 3.0]),
+            "refresh.seconds": Estimate.of([0.25, 0.75]),
+        },
+        curves={"faithfulness": Curve.of("fraction of edges", [0.00340136, 0.5], [[0.1, 0.3], [0.9, 1.1]])},
+    )
+    rows = dict(r.rows())
+    assert rows["edit_methods.refresh.tokens"] == "3 tokens (mean of 2)"
+    assert rows["edit_methods.refresh.seconds"] == "0.5 s (mean of 2)"
+    assert rows["edit_methods.refresh *"].startswith("+0.600 [")
+    assert rows["edit_methods.faithfulness"] == "fraction of edges: 0.0034 → +0.20, 0.5 → +1.00"

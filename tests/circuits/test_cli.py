@@ -7,6 +7,7 @@ import json
 
 from circuits import CircuitReport
 from kvnotes.cli import main
+from tests.helpers import readings
 
 
 def test_circuits_command_writes_every_analysis(tmp_path, notes_organism, capsys):
@@ -21,7 +22,10 @@ def test_circuits_command_writes_every_analysis(tmp_path, notes_organism, capsys
     assert {"best_auc", "single_feature_recovery", "topk_curve", "reconstruction"} <= set(a["sae"])
     assert a["read_heads"]["details"]["grouping"]["n_kv_heads"] == notes_organism.n_kv_heads
     assert CircuitReport.from_dict(d).to_dict() == d
-    assert "read_heads.top_k" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "read_heads.top_k" in printed
+    said = readings(printed)  # one line of conclusion per analysis, as its page reads it
+    assert {"read_heads", "write_heads", "scrubbing", "attribution", "sae"} <= set(said), said
 
 
 def test_unknown_analysis_is_refused_before_loading_the_model(capsys):

@@ -6,6 +6,7 @@ weights, and planted faults (no QK fix, a flipped sign, values left unpatched) f
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -442,7 +443,19 @@ def test_circuits_edges_command(tmp_path, capsys):
     assert rc == 0
     d = json.loads(out.read_text())["results"]["edges"]
     assert {"faithfulness", "random", "greedy", "graph"} <= set(d)
-    assert "edges.faithfulness_auc" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "edges.faithfulness_auc" in printed
+    # every edge was patched here, so exhaustive patching's time is measured, not estimated; where a
+    # sample was patched, its rows say so (a figure extrapolated from k edges never reads as measured)
+    assert "edges.exhaustive_seconds" in printed and "estimated" not in printed
+    r = EdgeCircuits.from_dict({"name": "edges", **d})
+    sampled = replace(
+        r, recall_over="a random 64 per pair and each method's top 40", cost={"exact": {"edges": 80}}
+    )
+    rows = dict(sampled.rows())
+    label = f" (estimated from 80 of {r.n_edges} edges patched)"
+    assert f"edges.exhaustive_seconds{label}" in rows and f"edges.speedup{label}" in rows
+    assert not any("estimated" in k for k in rows if "rho" in k or "faithfulness" in k)
 
 
 def test_a_bad_edge_method_is_refused_before_the_model_loads(capsys):

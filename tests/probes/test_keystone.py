@@ -124,7 +124,7 @@ def test_a_budget_over_the_downstream_region_is_refused_before_any_forward(monke
         K.keystone(load_model("tiny-llama"), "order-cancel", n=2, budgets=(4, 999), progress=False)
 
 
-def test_compose_keystone_command_writes_its_part(tmp_path):
+def test_compose_keystone_command_writes_its_part(tmp_path, capsys):
     out = tmp_path / "k.json"
     rc = main(
         [
@@ -143,6 +143,8 @@ def test_compose_keystone_command_writes_its_part(tmp_path):
     assert rc == 0
     d = json.loads(out.read_text())["results"]["keystone"]
     assert "gap.erratum" in d and d["details"]["diagonal"]["method"]
+    head, *_ = capsys.readouterr().out.splitlines()
+    assert "n=" not in head and "task notes-organism" in head  # no section-wide n (it once said n=0)
 
 
 def test_the_keystone_panel_draws_both_sides_and_the_diagonal(organism_keystone):

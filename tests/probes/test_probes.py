@@ -26,7 +26,7 @@ from probes import (
 )
 from probes.causal import single_slot_map
 from probes.controls import knockout_hooks
-from tests.helpers import MODEL_NAMES, get_model
+from tests.helpers import MODEL_NAMES, get_model, readings
 
 TASK = "order-cancel"
 
@@ -189,7 +189,10 @@ def test_cli_probe_all_writes_the_documented_json(tmp_path, capsys):
         # a pair without a matched control leaves the out-of-sample headline, counted in dropped
         assert len(p["values"]) + p.get("dropped", 0) == 2
         assert (p["ci"] is None) == (len(p["values"]) < 2) and (p["ci"] is None or len(p["ci"]) == 2)
-    assert "field_refresh.recovery *" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "field_refresh.recovery *" in printed
+    # the conclusion after the figures: the probes' summary, as the page reads it
+    assert readings(printed)["probes"].startswith("Field-only refresh recovers ")
 
 
 def test_cli_regime_on_a_tiny_model(tmp_path):

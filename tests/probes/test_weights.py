@@ -26,7 +26,7 @@ from probes.weights import (
     rome,
     weight_edit,
 )
-from tests.helpers import get_model
+from tests.helpers import get_model, readings
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -178,7 +178,9 @@ def test_cli_weights_flag(tmp_path, capsys):
     assert set(report.probes) == {"edit_methods", "weight_edit"}
     w = report.probes["weight_edit"]
     assert w.drift_task == "lookup-organism" and w["target"].n == 3
-    assert "weight_edit.contamination *" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "weight_edit.contamination *" in printed
+    assert {"edit_methods", "weight_edit"} <= set(readings(printed))
     assert main(["edit", "--model", "notes-organism", "--n", "1", "--weights"]) == 2
 
 
