@@ -98,31 +98,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         )
 
 
-# The longest test files, longest first (seconds on 2 cores, from `pytest --durations`): pytest-xdist
-# hands out whole files in collection order, so a long file drawn last ran alone at the end while the
-# other worker sat idle (the suite took 1,387 s with 2,254 tests). Longest first, the two workers
-# finish within about one short file of each other; every other file keeps its random place.
-LONGEST_FIRST = (
-    "tests/test_verify_gemma.py",  # 440
-    "tests/dashboards/test_notebooks.py",  # 250
-    "tests/engine/test_nnsight_gemma.py",  # 142
-    "tests/test_gemma.py",  # 131
-    "tests/models/test_tracr_programs.py",  # 118
-    "tests/analysis/test_results.py",  # 108
-    "tests/bench/test_ttft.py",  # 95
-    "tests/dashboards/test_report.py",  # 77
-    "tests/dashboards/test_server.py",  # 72
-    "tests/test_kernel_sweep.py",  # 52
-)
-
-
 def pytest_collection_modifyitems(session, config, items):
     # The real-server test first: on two workers it then serves (vLLM on one core, the client
-    # waiting) while the other worker runs the rest, instead of running alone at the end. Then the
-    # longest files (LONGEST_FIRST); the sort is stable, so the random order holds within files
-    # and among all the others.
-    rank = {"tests/serving/test_vllm.py": -1, **{f: i for i, f in enumerate(LONGEST_FIRST)}}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    # waiting) while the other worker runs the rest, instead of running alone at the end.
+    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/serving/test_vllm.py")
 
 
 def _workers() -> int:
