@@ -52,12 +52,13 @@ def slot_label(position: int, token: str) -> str:
 def style(fig: go.Figure, title: str, x: str, y: str, *, height: int = 380) -> go.Figure:
     fig.update_layout(
         template="plotly_white",
-        title={"text": plotly_text(title), "x": 0.01, "font": {"size": 15}},
+        title={"text": plotly_text(title), "x": 0.01, "y": 0.98, "yanchor": "top", "font": {"size": 15}},
         xaxis_title=plotly_text(x),
         yaxis_title=plotly_text(y),
         height=height,
-        margin={"l": 60, "r": 20, "t": 50, "b": 60},
-        legend={"orientation": "h", "y": -0.2},
+        margin={"l": 60, "r": 20, "t": 90, "b": 60},
+        # above the plot, under the title: below it the legend covered rotated tick labels
+        legend={"orientation": "h", "x": 0, "y": 1.0, "xanchor": "left", "yanchor": "bottom"},
         hoverlabel={"namelength": -1},
     )
     return fig

@@ -365,6 +365,9 @@ def placement_panels(r: ProbeResult, key: str) -> list[Panel]:
         y_title="seconds",
         log_y=True,
     )
+    if len(sizes) <= 8:  # ticks at the sizes measured (one size drew one dot among ticks 314-316)
+        for fig in (acc, edits, ttft):
+            fig.update_xaxes(tickvals=sizes, ticktext=[str(s) for s in sizes])
     note = (
         f"n = {r.episodes} episodes per size, {r.facts} questions each; CIs resample episodes; the memory's "
         f"first {r.seam} tokens recomputed at the seam; timed on {r.machine}"

@@ -9,12 +9,14 @@ a result goes through Jinja2's autoescaping or `figures.esc`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
@@ -43,8 +45,41 @@ def panels(obj, key: str = "") -> list[Panel]:
     if isinstance(obj, ProbeResult):
         return result_panels({name: obj}, key or name)
     if name in PANELS:
-        return PANELS[name](obj, key or name)
+        return explained(PANELS[name](obj, key or name))
     return [table_panel(obj, analyses()[name].title or name, key or name)]
+
+
+NOTHING = (
+    "Nothing to show: every value this chart would draw is undefined on this run (too few usable "
+    "pairs, or changes under the minimum effect on this model); more pairs (--n), a lower "
+    "--min-effect, or a model whose answer this analysis moves would fill it."
+)
+NA = " (n/a: undefined on this run, for too few usable pairs or changes under the minimum effect.)"
+
+
+def _drawn(fig) -> bool:
+    """Whether any trace of `fig` has a finite value to draw (y, or z for a heatmap)."""
+    for trace in fig.data:
+        for axis in ("y", "z"):
+            vals = getattr(trace, axis, None)
+            flat = list(np.asarray(vals, dtype=object).ravel()) if vals is not None else []
+            if any(isinstance(v, int | float) and math.isfinite(v) for v in flat):
+                return True
+    return False
+
+
+def explained(made: list[Panel]) -> list[Panel]:
+    """Panels whose chart has nothing to draw lose the empty chart and say why and what would fill
+    it; a reading with an undefined figure (n/a) says what n/a means. So the page never shows an
+    empty chart or a bare n/a."""
+    out = []
+    for p in made:
+        if p.figure is not None and not _drawn(p.figure):
+            p = replace(p, figure=None, reading=f"{NOTHING} {p.reading}".strip())
+        elif "n/a" in p.reading and "n/a:" not in p.reading and not p.reading.startswith("Nothing"):
+            p = replace(p, reading=p.reading.rstrip() + NA)
+        out.append(p)
+    return out
 
 
 def analysis_of(obj) -> str:
@@ -101,10 +136,11 @@ def result_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
     for section, rs in groups.items():
         skey = f"{task}/{section}"
         if section in SUMMARIES:
-            out += _noting_dropped(SUMMARIES[section](rs, skey), sum(r.dropped() for r in rs.values()))
+            made = explained(SUMMARIES[section](rs, skey))
+            out += _noting_dropped(made, sum(r.dropped() for r in rs.values()))
         for name, r in rs.items():
             made = PANELS[name](r, skey) if name in PANELS else [generic_panel(r, f"{skey}/{name}")]
-            out += _noting_dropped(made, r.dropped())
+            out += _noting_dropped(explained(made), r.dropped())
     return out
 
 

@@ -52,6 +52,7 @@ def _readings(report, name: str | None) -> list[str]:
     import re
 
     from dashboards.registry import PANELS, SUMMARIES, load_panels
+    from dashboards.render import explained
     from kvnotes.analysis.registry import analyses
 
     load_panels()
@@ -59,14 +60,14 @@ def _readings(report, name: str | None) -> list[str]:
     pairs = list(results.items()) if results is not None else ([(name, report)] if name else [])
     known = analyses()
     sections = {known[k].section for k, _ in pairs if k in known and known[k].section in SUMMARIES}
-    shown = [(sec, SUMMARIES[sec](results or {}, "cli")) for sec in sorted(sections)]
+    shown = [(sec, explained(SUMMARIES[sec](results or {}, "cli"))) for sec in sorted(sections)]
     for key, result in pairs:
         fn = PANELS.get(key)
         if fn is None and hasattr(result, "headline"):  # as the page draws it: the generic panel
             from dashboards.render import generic_panel
 
             fn = lambda r, k: [generic_panel(r, k)]  # noqa: E731
-        shown.append((key, fn(result, "cli") if fn else []))
+        shown.append((key, explained(fn(result, "cli")) if fn else []))
     out = []
     for key, panels in shown:
         text = next((p.reading for p in panels if getattr(p, "reading", "")), "")

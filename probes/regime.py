@@ -43,6 +43,18 @@ class Regime(ProbeResult):
     n_layers: int
 
 
+def _no_filler(task) -> str:
+    """Why the regime sweep cannot run on `task`, and what can: a built-in task cannot be edited, so
+    name the built-in tasks that have a filler; a user's task can take one."""
+    from kvnotes.tasks.task import builtin_tasks
+
+    why = f"task {task.name!r} has no {{filler}} field, so the field cannot be moved away from the decision"
+    if task.name not in builtin_tasks():
+        return why + "; add {filler} to its template after the gating field"
+    ok = [n for n in builtin_tasks() if load_task(n).has_filler]
+    return why + f" (its prompts are fixed); the regime sweep runs on {', '.join(ok)} (--task {ok[0]})"
+
+
 def regime(
     model: KVModel,
     task: Task | str,
@@ -65,10 +77,7 @@ def regime(
     """
     task = load_task(task)
     if not task.has_filler:
-        raise TaskError(
-            f"task {task.name!r} has no {{filler}} field, so the field cannot be moved away "
-            "from the decision; add {filler} to its template after the gating field"
-        )
+        raise TaskError(_no_filler(task))
     parts, distance, measured, skipped = {}, [], [], []
     shared = Prefixes(model)  # the same pairs at every distance: their start before the filler, once
     for d in tqdm(list(distances), desc="regime", disable=not progress, unit="distance"):

@@ -293,3 +293,45 @@ def test_verify_and_bench_reports_display_themselves():
     sweep = patch_sweep_report(model, [64], n_slots=4)
     assert list(sweep.figure().data[0].y) == [p.ratio for p in sweep.results]
     assert "Patch-sweep speedup" in sweep._repr_html_()
+
+
+def test_an_empty_chart_or_a_bare_n_a_always_says_why():
+    """`explained`: a chart with nothing finite to draw is dropped and its reading says why and what
+    would fill it; a reading with an undefined figure says what n/a means; a drawn chart is kept."""
+    import plotly.graph_objects as go
+
+    from dashboards.figures import Panel
+    from dashboards.render import explained
+
+    empty = Panel(title="e", reading="recovers n/a early", figure=go.Figure(go.Bar(x=["a"], y=[None])))
+    blank = Panel(title="b", reading="nothing drawn", figure=go.Figure())
+    na = Panel(
+        title="n", reading="moves the decision n/a of the way", figure=go.Figure(go.Bar(x=["a"], y=[0.5]))
+    )
+    drawn = Panel(title="d", reading="0.50", figure=go.Figure(go.Heatmap(z=[[None, 1.0]])))
+    e, b, n, d = explained([empty, blank, na, drawn])
+    assert e.figure is None and e.reading.startswith("Nothing to show") and "--n" in e.reading
+    assert b.figure is None and b.reading.startswith("Nothing to show")
+    assert n.figure is not None and "n/a: undefined on this run" in n.reading
+    assert d == drawn
+
+
+def test_the_organism_s_quick_report_has_no_unexplained_empty_chart(tmp_path):
+    """The report a user first meets on an organism: every chart on its page draws something, or
+    stands beside a "Nothing to show" reading instead (the memory placement's edits on the notes
+    organism, which reads no memory, once drew an empty chart headed "recovers n/a")."""
+    from dashboards.render import _drawn, panels
+
+    cfg = ReportConfig.quick(
+        n=3, draws=3, k_max=3, sae_train_pairs=4, sae_eval_pairs=4, sae_samples=1024, turns=2
+    )
+    report = run_report(get_model("notes-organism"), ["notes-organism"], tmp_path, cfg, progress=False)
+    shown = panels(report)
+    assert len(shown) > 20
+    for p in shown:
+        assert p.figure is None or _drawn(p.figure), p.title
+        if p.figure is None and p.html is None:
+            assert p.reading, p.title
+        assert "n/a" not in p.reading or "n/a:" in p.reading or p.reading.startswith("Nothing"), p.reading
+    edits = next(p for p in shown if p.title == "Editing placed memory")
+    assert edits.figure is None and edits.reading.startswith("Nothing to show")
