@@ -363,6 +363,18 @@ def _prompt_of(nb: Notebook, what: str) -> list[int]:
     return nb.tokens[0, torch.argsort(nb.positions)].tolist()
 
 
+def _prompts_of(dst: Notebook, src: Notebook) -> tuple[list[int], list[int]]:
+    """Both notebooks' prompts (`_prompt_of`), refused unless from one model and of one length."""
+    dst_ids, src_ids = _prompt_of(dst, "the patched notebook"), _prompt_of(src, "the source notebook")
+    dst.check_compatible(src)
+    if len(dst_ids) != len(src_ids):
+        raise ShapeMismatch(
+            f"the notebooks hold {len(dst_ids)} and {len(src_ids)} positions; patch between prompts "
+            "of one length (a pair whose fields tokenize to the same count)"
+        )
+    return dst_ids, src_ids
+
+
 def patch_recompute(model: KVModel, dst: Notebook, src: Notebook, spec: Patch = Patch()) -> Notebook:
     """TransformerLens's activation patching on a notebook: `spec`'s K/V taken from `src`, and every
     position from the first patched one on recomputed reading them, as `run_with_hooks` with
@@ -385,13 +397,7 @@ def patch_recompute(model: KVModel, dst: Notebook, src: Notebook, spec: Patch = 
     >>> bool((kept - recomputed).abs().max() > 1e-4)  # later slots read the patch: they moved
     True
     """
-    dst_ids, src_ids = _prompt_of(dst, "the patched notebook"), _prompt_of(src, "the source notebook")
-    dst.check_compatible(src)
-    if len(dst_ids) != len(src_ids):
-        raise ShapeMismatch(
-            f"the notebooks hold {len(dst_ids)} and {len(src_ids)} positions; patch between prompts "
-            "of one length (a pair whose fields tokenize to the same count)"
-        )
+    dst_ids, src_ids = _prompts_of(dst, src)
     n_kv = dst.keys[0].shape[1]
     mask = _patch_mask(spec, dst, n_kv)  # [layer, kv_head, slot]
     if not mask.any():
@@ -433,13 +439,7 @@ def _recomputed_rows(
     """`decide_patched(..., downstream="recompute")`'s logits `[n, vocab]`: the source's hook_k /
     hook_v captured once from the earliest patched position, then per batch one forward of the
     prompt's rest and the query, each row writing its own patch into those hook points."""
-    dst_ids, src_ids = _prompt_of(dst, "the patched notebook"), _prompt_of(src, "the source notebook")
-    dst.check_compatible(src)
-    if len(dst_ids) != len(src_ids):
-        raise ShapeMismatch(
-            f"the notebooks hold {len(dst_ids)} and {len(src_ids)} positions; patch between prompts "
-            "of one length (a pair whose fields tokenize to the same count)"
-        )
+    dst_ids, src_ids = _prompts_of(dst, src)
     n, n_kv, slot_pos = len(dst_ids), dst.keys[0].shape[1], dst.positions
     masks = [_patch_mask(s, dst, n_kv) for s in specs]  # [layer, kv_head, slot] each
     starts = [int(slot_pos[m.any(0).any(0)].min()) if m.any() else n for m in masks]
