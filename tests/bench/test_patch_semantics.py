@@ -10,6 +10,7 @@ import json
 from kvnotes.bench.patch_semantics import SemanticsReport, patch_semantics
 from kvnotes.cli import main
 from kvnotes.zoo import load_model
+from tests.helpers import readings
 
 
 def test_the_bench_times_three_ways_and_checks_two_agree():
@@ -23,12 +24,13 @@ def test_the_bench_times_three_ways_and_checks_two_agree():
     assert "run_with_hooks" in r.table() and "median of 1" in r.table()
 
 
-def test_the_command_writes_its_report_and_the_panel_reads_it(tmp_path):
+def test_the_command_writes_its_report_and_the_panel_reads_it(tmp_path, capsys):
     from dashboards.bench_panels import patch_semantics_panels
 
     out = tmp_path / "s.json"
     argv = ["bench", "patch-semantics", "--model", "tiny-llama", "--prompt-length", "32", "--repeats", "1"]
     assert main([*argv, "--json", str(out)]) == 0
+    assert readings(capsys.readouterr().out)["patch_semantics"].startswith("Recomputing later positions")
     d = json.loads(out.read_text())
     r = SemanticsReport.from_dict(d)
     assert r.model == "tiny-llama" and r.results[0].agree < 1e-4

@@ -19,6 +19,7 @@ from kvnotes.errors import BadOption
 from kvnotes.tasks import load_task, sample
 from kvnotes.zoo import load_model
 from probes.regime import filler_text
+from tests.helpers import readings
 
 K = sys.modules["probes.keystone"]
 
@@ -143,8 +144,10 @@ def test_compose_keystone_command_writes_its_part(tmp_path, capsys):
     assert rc == 0
     d = json.loads(out.read_text())["results"]["keystone"]
     assert "gap.erratum" in d and d["details"]["diagonal"]["method"]
-    head, *_ = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out
+    head = printed.splitlines()[0]
     assert "n=" not in head and "task notes-organism" in head  # no section-wide n (it once said n=0)
+    assert readings(printed)["keystone"].startswith("Farthest from the diagonal")
 
 
 def test_the_keystone_panel_draws_both_sides_and_the_diagonal(organism_keystone):
