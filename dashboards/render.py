@@ -125,6 +125,12 @@ def result_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
 
     `key` is a part key ("order-cancel/circuits") or a task; panels are keyed under
     "<task>/<section>"."""
+    return [p for _, made in labelled_panels(results, key) for p in made]
+
+
+def labelled_panels(results: Mapping[str, ProbeResult], key: str) -> list[tuple[str, list[Panel]]]:
+    """`result_panels`, grouped: (a section's name, its summary's panels) or (an analysis's name,
+    its own panels), in page order (the CLI's readings take each group's first reading)."""
     load_panels()
     known = analyses()
     task, _, last = key.rpartition("/")
@@ -132,15 +138,15 @@ def result_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
     groups: dict[str, dict[str, ProbeResult]] = {}
     for name, r in results.items():
         groups.setdefault(known[name].section if name in known else "other", {})[name] = r
-    out: list[Panel] = []
+    out: list[tuple[str, list[Panel]]] = []
     for section, rs in groups.items():
         skey = f"{task}/{section}"
         if section in SUMMARIES:
             made = explained(SUMMARIES[section](rs, skey))
-            out += _noting_dropped(made, sum(r.dropped() for r in rs.values()))
+            out.append((section, _noting_dropped(made, sum(r.dropped() for r in rs.values()))))
         for name, r in rs.items():
             made = PANELS[name](r, skey) if name in PANELS else [generic_panel(r, f"{skey}/{name}")]
-            out += _noting_dropped(explained(made), r.dropped())
+            out.append((name, _noting_dropped(explained(made), r.dropped())))
     return out
 
 

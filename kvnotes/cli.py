@@ -47,30 +47,21 @@ def _emit(report, path: str | None, name: str | None = None) -> int:
 
 
 def _readings(report, name: str | None) -> list[str]:
-    """Each analysis's first panel reading (`dashboards`), as plain text."""
+    """Each analysis's first panel reading, as its page shows it (`dashboards.render`), in plain
+    text: a section's results by their labelled panels, a model-level result by its own."""
     import html
     import re
 
-    from dashboards.registry import PANELS, SUMMARIES, load_panels
-    from dashboards.render import explained
-    from kvnotes.analysis.registry import analyses
+    from dashboards.render import labelled_panels, panels
 
-    load_panels()
-    results = report.results if name is None and isinstance(getattr(report, "results", None), dict) else None
-    pairs = list(results.items()) if results is not None else ([(name, report)] if name else [])
-    known = analyses()
-    sections = {known[k].section for k, _ in pairs if k in known and known[k].section in SUMMARIES}
-    shown = [(sec, explained(SUMMARIES[sec](results or {}, "cli"))) for sec in sorted(sections)]
-    for key, result in pairs:
-        fn = PANELS.get(key)
-        if fn is None and hasattr(result, "headline"):  # as the page draws it: the generic panel
-            from dashboards.render import generic_panel
-
-            fn = lambda r, k: [generic_panel(r, k)]  # noqa: E731
-        shown.append((key, explained(fn(result, "cli")) if fn else []))
+    results = getattr(report, "results", None)
+    if name is None and isinstance(results, dict):
+        shown = labelled_panels(results, "cli")
+    else:
+        shown = [(name, panels(report, "cli"))] if name else []
     out = []
-    for key, panels in shown:
-        text = next((p.reading for p in panels if getattr(p, "reading", "")), "")
+    for key, made in shown:
+        text = next((p.reading for p in made if p.reading), "")
         if text:
             out.append(f"{key}: " + html.unescape(re.sub(r"<[^>]+>", "", text)))
     return out

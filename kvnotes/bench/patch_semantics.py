@@ -148,12 +148,13 @@ def patch_semantics(
             f"recompute and run_with_hooks disagree by {agree:.3g} logits on {model.name}: the two "
             "ways of TransformerLens's patching must compute the same; report this as a bug"
         )
-    a, b = _answers(ops.decide(model, src, new).last[0], ops.decide(model, dst, old).last[0])
+    on_new, on_old = ops.decide(model, src, new).last[0], ops.decide(model, dst, old).last[0]
+    a, b = _answers(on_new, on_old)
 
     def ld(x: torch.Tensor) -> torch.Tensor:
         return x[..., a].double() - x[..., b].double()
 
-    effect = abs(float(ld(ops.decide(model, src, new).last[0]) - ld(ops.decide(model, dst, old).last[0])))
+    effect = abs(float(ld(on_new) - ld(on_old)))
     point = SemanticsPoint(
         tokens=len(old),
         slots=len(slots),
