@@ -18,7 +18,10 @@ def pytest_configure(config):
     # child on torch's default of one thread per core, beside the other worker, waits on its
     # OpenMP barriers for a core that is taken (the circuit-report notebook: 19 s alone, 206 s
     # beside one busy core, 19 s there with one thread).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers())))
+    # Not in xdist's controller: its workers inherit its environment, so a value set there (for one
+    # process, all the cores) would be theirs too and the setdefault below would keep it.
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers())))
 
 
 @pytest.fixture(autouse=True)
