@@ -11,6 +11,7 @@ effects in the note map, so the hostile request tokens reach the page.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,10 @@ XSS_IMG = '<img src=x onerror="window.__pwned=2">'
 XSS_AMP = "Tom & Jerry"
 XSS_TASK_NAME = "xss-order-cancel <img src=x onerror=\"window.__pwned=4\"> & 'Tom'"  # the task's name
 
-_built: dict[str, Path] = {}
+NAMES = {
+    "xss": ("tiny-llama", XSS_TASK, "tiny-llama/xss-run"),
+    "organism": ("notes-organism", ORGANISM_TASK, "notes-organism"),
+}
 
 
 def build(model: str, task: Path, out: Path) -> Path:
@@ -51,14 +55,27 @@ def build(model: str, task: Path, out: Path) -> Path:
 
 
 def report_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{"xss": dir, "organism": dir}, both under one root (`root()`), built on first use."""
-    if not _built:
-        base = root(tmp_path_factory)
-        _built["xss"] = build("tiny-llama", XSS_TASK, base / "tiny-llama" / "xss-run")
-        _built["organism"] = build("notes-organism", ORGANISM_TASK, base / "notes-organism")
-    return dict(_built)
+    """{"xss": dir, "organism": dir}, both under one root (`root()`), built once for the whole run:
+    the first worker to ask builds them under a file lock, the others (and, where .ci/run names one
+    directory for both, the load pass after the suite) read what it wrote. Read-only for the tests."""
+    from filelock import FileLock
+
+    base = root(tmp_path_factory)
+    base.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(base.parent / f"{base.name}.lock")):
+        if not (base / "built").exists():
+            for model, task, sub in NAMES.values():
+                build(model, task, base / sub)
+            (base / "built").write_text("every report is complete\n")
+    return {key: base / sub for key, (_, _, sub) in NAMES.items()}
 
 
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The directory above both reports (the dashboard finds them by walking it)."""
-    return tmp_path_factory.getbasetemp() / "dashboard-reports"
+    """The directory above both reports (the dashboard finds them by walking it): $KVNOTES_SAMPLE_REPORTS,
+    else one beside every xdist worker's temporary directory (their common parent)."""
+    given = os.environ.get("KVNOTES_SAMPLE_REPORTS")
+    if given:
+        return Path(given)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return shared / "dashboard-reports"
