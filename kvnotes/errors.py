@@ -1,6 +1,15 @@
-"""Errors that name what was wrong and the way out. All are ValueErrors, so callers can catch broadly."""
+"""Errors that name what was wrong and the way out. All are ValueErrors, so callers can catch broadly.
+Also the one warning a figure carries (SmallEffect) and the threshold it is read against."""
 
 from __future__ import annotations
+
+MIN_EFFECT = 0.1
+"""Logits. A pair whose decision moves less is left out of every analysis, and a recovery read on a
+smaller change warns (SmallEffect): its ratio of two small differences is mostly noise."""
+
+
+class SmallEffect(UserWarning):
+    """A figure read on a change smaller than MIN_EFFECT (what the analyses would leave out)."""
 
 
 class KVNotesError(ValueError):

@@ -4,6 +4,7 @@ correlation, logit cosine, decision agreement, KV deviation."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvnotes.engine.guard import allow
-from kvnotes.errors import BadArgument
+from kvnotes.errors import MIN_EFFECT, BadArgument, SmallEffect
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Tensor
 
@@ -62,11 +63,22 @@ def recovery(
     new: Tensor | float,
     *,
     undefined: Literal["raise", "nan"] = "raise",
+    min_effect: float | int = MIN_EFFECT,
 ) -> Float[Tensor, "*b"]:
     """(patched - old) / (new - old) in float64: 0 = unchanged from old, 1 = fully the new decision.
 
     Where |new - old| < 1e-9 recovery is undefined: `undefined="raise"` raises ValueError,
     `undefined="nan"` gives NaN there (for callers that drop undefined values, not prompts).
+    Where |new - old| is defined but under `min_effect` (logits; the analyses' MIN_EFFECT, 0.1) it
+    warns SmallEffect, naming the effect: a ratio of two small differences is mostly noise, and the
+    analyses leave such pairs out. `min_effect=0` takes every effect as it is (no warning).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     r = recovery(0.0196, 0.0, 0.02)
+    >>> round(float(r), 2), w[0].category.__name__
+    (0.98, 'SmallEffect')
     """
     if undefined not in ("raise", "nan"):
         raise BadArgument(f"undefined must be 'raise' or 'nan', got {undefined!r}")
@@ -79,8 +91,22 @@ def recovery(
         flat = denom.abs() < 1e-9
         if undefined == "raise" and flat.any():
             raise ValueError("recovery is undefined: the old and new metrics are equal for some prompt")
+        small = ~flat & (denom.abs() < min_effect)
+        if small.any():
+            _warn_small(denom.abs()[small], int(denom.numel()), min_effect)
         out = (patched - old) / denom
         return torch.where(flat, math.nan, out) if undefined == "nan" else out
+
+
+def _warn_small(effects: Tensor, total: int, min_effect: float) -> None:
+    warnings.warn(
+        f"recovery read on an effect of {float(effects.min()):.3g} logits"
+        + (f" ({effects.numel()} of {total} prompts under the minimum)" if total > 1 else "")
+        + f", under the minimum effect {min_effect:g} the analyses use: a ratio of two small differences "
+        "is mostly noise. Use pairs whose decision moves more, or pass min_effect=0 to take it as it is.",
+        SmallEffect,
+        stacklevel=3,
+    )
 
 
 def undefined_recovery(n: int, device: torch.device | str | None = None) -> Float[Tensor, " n"]:

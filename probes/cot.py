@@ -83,7 +83,7 @@ def cot_refresh(
         s, e, c = runs["stale"][0], runs["edited"][0], runs["clean"][0]
         add("chain_effect", c - s)
         if abs(c - s) >= min_effect:
-            add("recovery", float(recovery(e, s, c)))
+            add("recovery", float(recovery(e, s, c, min_effect=0)))
         add("no_cot_recovery", float(t.recovery(t.ld(edited))))
         add("edited_tokens", float(len(runs["edited"][1])))
         add("clean_tokens", float(len(runs["clean"][1])))

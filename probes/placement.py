@@ -162,7 +162,7 @@ def _edits(
         }
         usable = abs(ld(target) - ld(old)) >= min_effect  # else recovery is noise (or 0 / 0)
         for m, (logits, t) in fixed.items():
-            rec = float(recovery(ld(logits), ld(old), ld(target), undefined="nan"))
+            rec = float(recovery(ld(logits), ld(old), ld(target), undefined="nan", min_effect=0))
             out[f"recovery@{size}.{place}.{m}"] = rec if usable else None
             out[f"edited@{size}.{place}.{m}"] = wins(logits)
             out[f"ttft@{size}.{place}.{m}"] = t + extra

@@ -111,8 +111,9 @@ class Trial:
         )
 
     def recovery(self, ld: Tensor | float) -> Tensor:
-        """`recovery` of `ld` between this pair's old and new decisions (NaN where they are equal)."""
-        return recovery(ld, self.ld_old, self.ld_new, undefined="nan")
+        """`recovery` of `ld` between this pair's old and new decisions (NaN where they are equal).
+        No SmallEffect warning: the analyses weigh each pair's effect themselves (min_effect)."""
+        return recovery(ld, self.ld_old, self.ld_new, undefined="nan", min_effect=0)
 
     def sweep(
         self,

@@ -307,7 +307,9 @@ def _edit_pair(
         "target.stale_cache": float(t.recovery(t.score(r.stale.last)[0])),
         "erratum": float(t.recovery(ld_err)),
         "contamination": (
-            float(recovery(r.ld_concurrent, ld_c, ld_alt)) if abs(ld_alt - ld_c) >= min_effect else None
+            float(recovery(r.ld_concurrent, ld_c, ld_alt, min_effect=0))
+            if abs(ld_alt - ld_c) >= min_effect
+            else None
         ),
         "contamination.flips": (
             float((r.ld_concurrent > 0) == (ld_alt > 0)) if (ld_c > 0) != (ld_alt > 0) else None

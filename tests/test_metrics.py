@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 from scipy.stats import spearmanr
 
+from kvnotes.errors import MIN_EFFECT, SmallEffect
 from kvnotes.metrics import answer_columns, answer_logprob, logit_diff, recovery, spearman
 from kvnotes.ops import Patch, decide
 from probes.trials import make_trials
@@ -95,3 +97,18 @@ def test_make_trials_with_answer_logprob(model):
         rec = t.sweep([Patch(), Patch(positions=())])
         lds = t.ld_old + rec * (t.ld_new - t.ld_old)
         assert lds.tolist() == pytest.approx([t.ld_new, t.ld_old], abs=1e-5)
+
+
+def test_recovery_flags_an_effect_under_the_minimum_and_only_there():
+    """A 0.02-logit change recovered 0.98 is mostly noise: recovery warns SmallEffect, naming the
+    smallest effect, how many prompts and the way out; at 0.1 logits (MIN_EFFECT) and above it is
+    silent, and min_effect=0 silences it."""
+    with pytest.warns(SmallEffect, match=r"effect of 0\.02 logits \(1 of 2 prompts.*min_effect=0") as w:
+        got = recovery(torch.tensor([0.0196, 0.5]), torch.tensor([0.0, 0.0]), torch.tensor([0.02, 1.0]))
+    assert len(w) == 1 and got.tolist() == pytest.approx([0.98, 0.5], abs=1e-6)  # float32 inputs
+    assert MIN_EFFECT == pytest.approx(0.1)  # the analyses' threshold, which the warning names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails here
+        recovery(0.05, 0.0, MIN_EFFECT)
+        recovery(0.05, 0.0, -0.5)
+        recovery(0.0196, 0.0, 0.02, min_effect=0)

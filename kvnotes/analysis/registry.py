@@ -33,7 +33,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tqdm.auto import tqdm
 
-from kvnotes.errors import BadOption, KVNotesError, NeedUnmet, OutOfRange, UnknownAnalysisError
+from kvnotes.errors import MIN_EFFECT, BadOption, KVNotesError, NeedUnmet, OutOfRange, UnknownAnalysisError
 from kvnotes.models.backends import DEFAULT_BACKEND
 from kvnotes.tasks.pairs import is_pairs
 
@@ -81,7 +81,6 @@ def unmet(a: Analysis, *, task: Any = None, model: Any = None) -> str | None:
     return next((w for need in a.requires if (w := need.refusal(a.name, task, model))), None)
 
 
-MIN_EFFECT = 0.1  # logits: pairs whose decision moves less are excluded (recovery would be noise)
 TASK, MODEL = "task", "model"
 
 

@@ -311,8 +311,8 @@ def _result(
 ) -> SweepResult:
     """The sweep's result: every way against the engine, in time and in logits."""
     (eng, eng_ab), (nai, naive_ab), (flo, _) = timed.pop("engine"), timed.pop("naive"), timed.pop("floor")
-    rec_engine = recovery(logit_diff(eng_ab, 0, 1), s.ld_old, s.ld_new)
-    rec_naive = recovery(logit_diff(naive_ab, 0, 1), s.ld_old, s.ld_new)
+    rec_engine = recovery(logit_diff(eng_ab, 0, 1), s.ld_old, s.ld_new, min_effect=0)
+    rec_naive = recovery(logit_diff(naive_ab, 0, 1), s.ld_old, s.ld_new, min_effect=0)
     return SweepResult(
         tokens=len(s.old),
         n_patches=len(s.slots),
