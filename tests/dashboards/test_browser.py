@@ -353,3 +353,75 @@ def test_edge_graph_hover_and_size_slider(watched, base_url, dirs):
     assert sorted(rank for rank, o in after["lit"] if o == 1) == list(range(1, sizes[j] + 1))
     assert page.evaluate("typeof window.__pwned") == "undefined"
     assert_clean(watched, "edge graph")
+
+
+# Each figure of the page: how many finite values its traces hold (y, z, or x of a horizontal bar)
+# and which panel it stands in, with that panel's reading.
+FIGURE_VALUES = """() => [...document.querySelectorAll('div.kv-fig')].map(gd => {
+  const flat = v => (v == null || typeof v === 'string') ? [] :
+    (typeof v === 'object' && 'length' in v) ? Array.from(v).flatMap(flat) : [v];
+  const finite = (gd._fullData || []).filter(t => t.visible !== false).reduce((n, t) =>
+    n + ['y', 'z'].concat(t.orientation === 'h' ? ['x'] : [])
+      .reduce((m, a) => m + flat(t[a]).filter(v => typeof v === 'number' && isFinite(v)).length, 0), 0);
+  const panel = gd.closest('article.panel');
+  return {id: gd.id, finite, title: panel ? panel.querySelector('h3').textContent : '',
+          reading: panel ? panel.querySelector('.reading').textContent : ''};
+})"""
+TRACES = (
+    "([id, show]) => document.querySelectorAll('#' + id + ' .cartesianlayer .overplot')"
+    ".forEach(g => g.style.visibility = show ? '' : 'hidden')"
+)
+EMPTY = {  # what a panel gone wrong would put on the page: no traces, and traces with nothing finite
+    "planted-no-trace": "{data: [], layout: {title: {text: 'no trace'}}}",
+    "planted-all-nan": "{data: [{type: 'scatter', x: [0, 1], y: [NaN, null]}], layout: {}}",
+    # finite values that draw no pixel: only the screenshot can tell
+    "planted-unseen": "{data: [{type: 'scatter', x: [0, 1], y: [1, 2], mode: 'markers', "
+    "marker: {opacity: 0}}], layout: {}}",
+}
+
+
+def figures_without_traces(w: Watched) -> list[str]:
+    """Each figure on the page with nothing drawn: no finite value in its traces, or a screenshot that
+    does not change when its trace layer is hidden (axes and a title alone). Its id and panel title."""
+    empty = []
+    for fig in w.page.evaluate(FIGURE_VALUES):
+        el = w.page.locator(f"#{fig['id']}")
+        shown = el.screenshot()
+        w.page.evaluate(TRACES, [fig["id"], False])
+        hidden = el.screenshot()
+        w.page.evaluate(TRACES, [fig["id"], True])
+        # the same encoder on the same pixels writes the same bytes: equal PNGs, nothing hidden
+        if fig["finite"] == 0 or shown == hidden:
+            empty.append(f"{fig['id']} ({fig['title']}: {fig['reading'][:80]!r})")
+    return empty
+
+
+def test_no_figure_of_the_organism_report_is_empty_unless_it_says_why(watched, base_url, dirs):
+    """The organism's quick report, in Chromium: every figure draws something (finite values, and
+    pixels that go when its traces are hidden); where a chart had nothing to draw, its panel has no
+    figure and says so ("Nothing to show", what would fill it), and no headline is a bare n/a. The
+    check is shown to fail on three planted empty figures."""
+    page = watched.page
+    page.goto(f"{base_url}/report/{report_id(dirs['organism'])}/")
+    n = wait_drawn(watched, "organism report page")
+    assert figures_without_traces(watched) == [], "figures with nothing drawn on the organism's report"
+    readings = page.locator("article.panel .reading").all_inner_texts()
+    nothing = [r for r in readings if r.startswith("Nothing to show")]
+    assert all(
+        page.locator("article.panel", has_text=r[:60]).locator("div.kv-fig").count() == 0 for r in nothing
+    ), "a 'Nothing to show' panel still has a figure"
+    bare = [r for r in readings if "n/a" in r and "n/a:" not in r and r not in nothing]  # those say why
+    assert nothing and bare == [], f"every n/a says what it means; {bare}"
+    # the check can fail: three empty figures planted into the same page are each found
+    for fid, spec in EMPTY.items():
+        page.evaluate(
+            "([id, spec]) => { const a = document.createElement('article'); a.className = 'panel';"
+            ' a.innerHTML = \'<h3>planted</h3><p class="reading">planted</p><div class="kv-fig" id="\''
+            " + id + '\"></div>'; document.querySelector('main').appendChild(a);"
+            " return Plotly.newPlot(id, ...Object.values(eval('(' + spec + ')'))); }",
+            [fid, spec],
+        )
+    found = figures_without_traces(watched)
+    assert [f.split(" ")[0] for f in found] == list(EMPTY), found
+    assert n >= 10 and watched.page.locator("div.kv-fig").count() == n + len(EMPTY)
+    assert_clean(watched, "organism report page")
