@@ -191,6 +191,8 @@ def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> list[Panel]:
         est(g("dissociation", "rule_slot"), "dissociation: rule slot only", group="recovery"),
     ]
     items = [i for i in items if i["n"] or i["mean"] is not None]
+    if not items:  # none of the probes it summarises ran (e.g. `kvnotes probe false-note-injection`)
+        return []
     fr, nt = g("field_refresh", "recovery"), g("notes_transplant", "kv")
     part = nt is not None and nt.ci is not None and nt.ci[0] > 0
     if _above(nt, fr):
@@ -204,6 +206,8 @@ def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> list[Panel]:
     else:
         verdict = "the two do not separate at this n"
     reading = f"Field-only refresh recovers {say(fr)}; the notes transplant {say(nt)}: {verdict}."
+    if fr is None and nt is None:
+        reading = "What the probes run here recover (or, knocked out, lose) of the decision."
     fig = ci_bars(
         items, title="Causal probes and controls", y_title="fraction of the decision", reference=1.0
     )
