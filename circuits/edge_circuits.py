@@ -100,6 +100,16 @@ class EdgeCircuits(ProbeResult):
     # how the circuits were fitted: on the other half of the pairs, or why none were scored
     circuits_note: str = ""
 
+    def cell(self, part: str) -> tuple[str, str] | None:
+        """Each scoring method a row (exact patching's time too); rho, recall and seconds the columns."""
+        for method in (*_KEY.values(), "exact"):
+            for column in ("rho", "recall"):
+                if part == f"{column}_{method}":
+                    return (method, column)
+            if part == f"{method}_seconds":
+                return (method, "seconds")
+        return None
+
     def rows(self) -> list[tuple[str, str]]:
         """The parts' rows, exhaustive patching's time and the speedup over it labelled as
         estimates where only a sample of the edges was patched (their time per edge times every

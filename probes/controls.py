@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -327,9 +328,15 @@ class FalseNoteInjection(ProbeResult):
     cross_fitted: bool | None = None  # as Knockout's
     cross_fitted_pairs: tuple[bool, ...] | None = None
     matched_off_class: Mapping[int, tuple[int, int]] | None = None  # per k, as Knockout's
+    GRID_ROWS: ClassVar[str] = "slots injected"
 
     def notes(self) -> list[tuple[str, str]]:
         return _control_notes(self, self.matched_off_class)
+
+    def cell(self, part: str) -> tuple[str, str] | None:
+        """Each k a row; the injection, whether the answer follows, and the controls the columns."""
+        what, _, k = part.rpartition("k")
+        return (f"k={k}", what.rstrip("_") or "recovery")
 
 
 def false_note_injection(

@@ -110,6 +110,11 @@ class EditMethods(ProbeResult):
     erratum: str
     ks: tuple[int, ...]  # slot budgets of the selective methods
 
+    def cell(self, part: str) -> tuple[str, str] | None:
+        """Each method a row; its recovery, agreement, tokens and seconds the columns."""
+        method, _, what = part.partition(".")
+        return (method, what or "recovery")
+
 
 def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM) -> ProbeResult:
     """Every editing method on every pair: parts `{method}` (recovery), `{method}.agree` (same

@@ -65,6 +65,11 @@ class Keystone(ProbeResult):
     diagonal: dict = field(default_factory=dict)
     norot_diagonal: dict = field(default_factory=dict)
 
+    def cell(self, part: str) -> tuple[str, str] | None:
+        """Each method a row; composed, recomputed, norot and the gaps its columns."""
+        side, _, method = part.partition(".")
+        return (method, side) if method else None
+
 
 def hosted(model: KVModel, pair: Pair, host_text: str) -> tuple[Pair, int]:
     """`pair` with `host_text` before both prompts (after BOS), and where the task's own text (the

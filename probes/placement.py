@@ -87,6 +87,16 @@ class MemoryPlacement(ProbeResult):
     tost: dict[str, dict] = field(default_factory=dict)  # per size: `Equivalence.to_dict()`
     machine: str = ""
     skipped: tuple[str, ...] = ()  # preset sizes left out because they do not fit the context
+    GRID_ROWS: ClassVar[str] = "placement (and edit)"
+
+    def cell(self, part: str) -> tuple[str, str] | None:
+        """Each placement (early, late, full; with an edit, placement.method) a row at each size;
+        accuracy, updated, recovery, edited and ttft the columns. cost and late_minus_full rows."""
+        figure, _, where = part.partition(".")
+        if not where:
+            return None
+        name, _, size = figure.partition("@")
+        return (f"{where} @{size}" if len(self.sizes) > 1 else where, name)
 
     def notes(self) -> list[tuple[str, str]]:
         """Each size's TOST verdict (late against full) and the sizes left out."""

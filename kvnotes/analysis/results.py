@@ -465,6 +465,54 @@ class ProbeResult(Displayable):
         """Further table rows a result class adds after its figures (how its controls were chosen)."""
         return []
 
+    GRID_ROWS: ClassVar[str] = "method"  # what the rows of `grid()` are
+
+    def cell(self, part: str) -> tuple[str, str] | None:
+        """Where `part` sits in this result's small table (`grid`): (row, column), one row per
+        method (or size), one column per figure; None: a row of its own. A subclass whose parts
+        cross methods with figures says how."""
+        return None
+
+    def grid(self) -> list[str]:
+        """The parts `cell` places, as a small table: methods as rows, each figure a column (mean
+        [95% CI]; counts and seconds plain), the headline starred. No lines when it places none."""
+        placed = {k: c for k in self.parts if (c := self.cell(k)) is not None}
+        if not placed:
+            return []
+        rows = list(dict.fromkeys(r for r, _ in placed.values()))
+        cols = list(dict.fromkeys(c for _, c in placed.values()))
+        ns = sorted({self.parts[k].n for k in placed if self.parts[k].mean is not None})
+        each = len(ns) > 1  # counts differ: each cell says its own
+
+        def shown(k: str) -> str:
+            e = self.parts[k]
+            if e.mean is None:
+                return "n/a"
+            star = " *" if k == self.headline else ""
+            return _shown(k, e, n=False) + (f" n={e.n}" if each else "") + star
+
+        text = {c: shown(k) for k, c in placed.items()}
+        inside = {placed[k][1] for k in self.in_sample() if k in placed}
+        shown_cols = [c + (" (in-sample)" if c in inside else "") for c in cols]
+        head = [f"{self.name} by {self.GRID_ROWS}", *shown_cols]
+        body = [[r, *(text.get((r, c), "") for c in cols)] for r in rows]
+        note = "" if each or not ns else f"n={ns[0]} each"
+        if "n/a" in text.values():
+            note += ("; " if note else "") + "n/a: no usable pairs"
+        return _aligned([head, *body], f"({note})" if note else "")
+
+    def curve_tables(self) -> list[str]:
+        """The curves as small tables: one per x axis, each curve a column of its means."""
+        by_x: dict = {}
+        for k, c in self.curves.items():
+            by_x.setdefault((c.x_name, c.x), []).append((k, c))
+        out = []
+        for (x_name, xs), curves in by_x.items():
+            head = [f"{self.name}: {x_name}", *(k for k, _ in curves)]
+            body = [[f"{x:.3g}", *(_mean(c.points[i]) for _, c in curves)] for i, x in enumerate(xs)]
+            out += _aligned([head, *body], "(means)")
+        return out
+
     def dropped(self) -> int:
         """Non-finite values left out of all this result's parts and curves (0: none)."""
         return sum(e.dropped for e in self.parts.values()) + sum(
@@ -537,33 +585,46 @@ class ProbeResult(Displayable):
         )
 
     def rows(self) -> list[tuple[str, str]]:
-        """One row per part (the headline starred, in-sample parts labelled so), per curve, and
-        the class's `notes`."""
+        """One row per part that `cell` leaves out of the grid (the headline starred, in-sample
+        parts labelled so), and the class's `notes`. The grid and the curves print as small
+        tables (`grid`, `curve_tables`)."""
         inside = set(self.in_sample())
-        return (
-            [
-                (
-                    f"{self.name}.{k}"
-                    + (" (in-sample)" if k in inside else "")
-                    + (" *" if k == self.headline else ""),
-                    _shown(k, v),
-                )
-                for k, v in self.parts.items()
-            ]
-            + [(f"{self.name}.{k}", str(v)) for k, v in self.curves.items()]
-            + self.notes()
-        )
+        return [
+            (
+                f"{self.name}.{k}"
+                + (" (in-sample)" if k in inside else "")
+                + (" *" if k == self.headline else ""),
+                _shown(k, v),
+            )
+            for k, v in self.parts.items()
+            if self.cell(k) is None
+        ] + self.notes()
 
 
-def _shown(name: str, e: Estimate) -> str:
+def _shown(name: str, e: Estimate, *, n: bool = True) -> str:
     """A part as its table row shows it: a count of tokens or a time as a plain mean (a bootstrap
     CI of a count that never varies, or of one machine's timings, says nothing), the rest with its
-    CI."""
+    CI; `n=False`: without the count of values (a grid states it once)."""
     last = re.split(r"[.@]", name)[-1]
     if e.mean is None or not (last.endswith(("tokens", "seconds")) or name.startswith("ttft")):
-        return str(e)
+        return str(e) if n else str(e).replace(f" n={e.n}", "")
     unit = "tokens" if last.endswith("tokens") else "s"
-    return f"{e.mean:.4g} {unit} (mean of {e.n})"
+    return f"{e.mean:.4g} {unit}" + (f" (mean of {e.n})" if n else "")
+
+
+def _mean(e: Estimate) -> str:
+    return "n/a" if e.mean is None else f"{e.mean:+.3f}"
+
+
+def _aligned(table: list[list[str]], note: str) -> list[str]:
+    """A small table's lines: its first column left-aligned, the others right-aligned, two spaces
+    between; `note` after the header."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in table
+    ]
+    return ["", f"{lines[0]}   {note}", *lines[1:]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -662,9 +723,10 @@ class SectionReport(Displayable):
         return self.table()
 
     def table(self) -> str:
-        """A readable table: one row per figure (its own n), the headline of each analysis starred,
-        and the pairs each analysis left out, with why. The header names the task only where an
-        analysis read it."""
+        """A readable table: one row per figure (its own n), each analysis's methods crossed with
+        its figures as a small table (`ProbeResult.grid`) and its curves as small tables, the
+        headline of each analysis starred, and the pairs each analysis left out, with why. The
+        header names the task only where an analysis read it."""
         rows = [r for p in self.results.values() for r in p.rows()]
         width = max([len(a) for a, _ in rows] + [10])
         task = (
@@ -674,8 +736,11 @@ class SectionReport(Displayable):
         )
         head = " · ".join([self.model, *task, f"seed {self.seed}"]) + "   (mean [95% CI] n; * each headline)"
         lines = [head, "-" * len(head)]
-        lines += [f"{a:<{width}}  {b}" for a, b in rows]
+        for p in self.results.values():  # each analysis: its rows, then its small tables
+            lines += [f"{a:<{width}}  {b}" for a, b in p.rows()] + p.grid() + p.curve_tables()
         lines += [line for p in self.results.values() for line in _dropped(p)]
+        if len(lines) > 2 and lines[2] == "":  # a small table first: no blank line under the rule
+            del lines[2]
         return "\n".join(lines)
 
 

@@ -174,4 +174,34 @@ def test_counts_and_times_print_as_plain_numbers_and_curves_in_three_figures():
     assert rows["edit_methods.refresh.tokens"] == "3 tokens (mean of 2)"
     assert rows["edit_methods.refresh.seconds"] == "0.5 s (mean of 2)"
     assert rows["edit_methods.refresh *"].startswith("+0.600 [")
-    assert rows["edit_methods.faithfulness"] == "fraction of edges: 0.0034 → +0.20, 0.5 → +1.00"
+    assert "edit_methods.faithfulness" not in rows  # a curve is a small table of its own
+    assert [line.split() for line in r.curve_tables()[2:]] == [["0.0034", "+0.200"], ["0.5", "+1.000"]]
+
+
+def test_methods_print_as_rows_of_a_small_table():
+    """A result whose parts cross methods with figures prints them as the docs' tables do: one row
+    per method, one column per figure, the count stated once, the headline starred."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True, kw_only=True)
+    class Crossed(GenericResult):
+        def cell(self, part):
+            method, _, what = part.partition(".")
+            return (method, what or "recovery")
+
+    r = Crossed(
+        name="edit_methods",
+        headline="erratum",
+        parts={
+            "refresh": Estimate.of([0.0, 0.2]),
+            "refresh.tokens": Estimate.of([3.0, 3.0]),
+            "erratum": Estimate.of([0.9, 1.0]),
+            "erratum.tokens": Estimate.of([31.0, 31.0]),
+        },
+    )
+    assert r.rows() == []  # every part sits in the grid
+    _, head, *body = r.grid()
+    assert head.split()[:5] == ["edit_methods", "by", "method", "recovery", "tokens"] and "(n=2 each)" in head
+    assert [line.split()[0] for line in body] == ["refresh", "erratum"]
+    erratum = body[1].split()
+    assert erratum[1] == "+0.950" and erratum[4] == "*" and erratum[5:] == ["31", "tokens"]

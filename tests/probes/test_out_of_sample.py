@@ -115,8 +115,10 @@ def test_the_injection_headline_is_the_cross_fitted_figure(across):
     room = max(k for k in (1, 2) if res[f"xfit_k{k}"].n)  # the largest k with a matched control
     assert d["headline"] == f"xfit_k{room}" and d["mean"] == d[f"xfit_k{room}"]["mean"]  # exact: a copy
     assert set(d["in_sample"]) == {"k1", "k2", "follows_k1", "follows_k2", "random_k1", "random_k2"}
-    rows = dict(res.rows())
-    assert f"false_note_injection.xfit_k{room} *" in rows and "false_note_injection.k2 (in-sample)" in rows
+    head, *body = [line for line in res.grid() if line]  # k as rows, the figures as columns
+    assert "recovery (in-sample)" in head and "xfit (in-sample)" not in head and "xfit " in head
+    starred = [line.split()[0] for line in body if "*" in line]
+    assert starred == [f"k={room}"], body
 
 
 @pytest.mark.parametrize("planted", [None, _position_reported_as_cross_fitted])
