@@ -25,9 +25,9 @@ from circuits.edges.graph import (
     edge_graph,
 )
 from kvnotes.capture import CaptureRun, RunCapture, capture_pair
-from kvnotes.engine import Capability, require, run
+from kvnotes.engine import Capability, has, require, run
 from kvnotes.engine.memory import FRACTION, budget, mib, row_bytes
-from kvnotes.engine.plan import softcap
+from kvnotes.engine.plan import Resume, softcap
 from kvnotes.engine.transformer_lens import kv_weights
 from kvnotes.errors import BadArgument
 from kvnotes.metrics import Metric, answer_columns, logit_diff
@@ -58,6 +58,20 @@ class _Run:
     pattern: dict = field(default_factory=dict)
     z: dict = field(default_factory=dict)  # [b, T, H, d_head]
     mid_live: dict = field(default_factory=dict)  # resid_mid kept in the graph (gradient runs)
+
+    def below(self, layer: int, rows: int) -> _Run:
+        """What the blocks below `layer` left behind, for `rows` rows (a one-row run's values
+        repeated, as views; a forward that starts at `layer` fills the rest): the embeddings and
+        each such block's values."""
+
+        def wide(v: Tensor) -> Tensor:
+            return v.expand(rows, *v.shape[1:])
+
+        out = _Run(emb=None if self.emb is None else wide(self.emb))
+        for f in _Run.__dataclass_fields__:
+            if f != "emb":
+                getattr(out, f).update({l: wide(v) for l, v in getattr(self, f).items() if l < layer})
+        return out
 
     def row(self, m: int) -> _Run:
         """Row `m` of what a batched forward left behind."""
@@ -115,9 +129,31 @@ class EdgePatcher:
             raise BadArgument(f"circuits must be [rows, {len(self.graph)}] booleans, got {tuple(keep.shape)}")
         out = []
         for a in range(0, keep.shape[0], batch):
-            out.append(self._forward(_Patch(*self._masks(keep[a : a + batch])))[0])
+            rows = keep[a : a + batch]
+            out.append(self._forward(_Patch(*self._masks(rows)), start=self.first_layer(rows))[0])
         lds = torch.cat(out).numpy() if out else np.zeros(0)
         return (lds - self.ld_old) / self.effect
+
+    def first_layer(self, keep: Tensor | np.ndarray) -> int:
+        """The lowest layer whose blocks read a corrupted edge (kept at any share but 1) of any row of
+        `keep` (n_layers: only
+        the logit's, or none): every block below computes the new run's values, so a forward may
+        start there from the new run's residual (`_forward(start=)`), on a backend that can resume."""
+        if not has(self.model, Capability.RESUME):
+            return 0
+        gr = self.graph
+        cut = (np.asarray(keep) != 1).any(0)  # an edge kept at any share but 1 (0, or a fraction)
+        if not cut.any():
+            return gr.n_layers
+        return int(self._edge_layer[cut].min())
+
+    @property
+    def _edge_layer(self) -> np.ndarray:
+        """The block each edge's reader sits in (the logit: n_layers)."""
+        if "_layers" not in self.__dict__:
+            gr = self.graph
+            self.__dict__["_layers"] = np.where(gr.kind == RESIDUAL, gr.b // gr.block, gr.a)
+        return self.__dict__["_layers"]
 
     def exact(self, edges: Sequence[int] | np.ndarray | None = None, *, batch: int = 16) -> np.ndarray:
         """Exact scores: the recovery lost by corrupting each edge alone (default every edge)."""
@@ -144,15 +180,20 @@ class EdgePatcher:
         return res, att
 
     # -- the forward ------------------------------------------------------------------------------
-    def _forward(self, mode: _Mode, ids: Sequence[int] | None = None) -> tuple[Tensor, _Run]:
+    def _forward(self, mode: _Mode, ids: Sequence[int] | None = None, start: int = 0) -> tuple[Tensor, _Run]:
         """One forward of the computed tokens (the new prompt's unless `ids`) under `mode`'s hooks:
         the decision's metric per row (float64; kept in the autograd graph under `_Grad`), and what
-        the forward left behind."""
+        the forward left behind. `start` > 0 (a patch whose corrupted edges all sit in blocks from
+        `start` on, `first_layer`): the blocks below are not run, their values are the new run's."""
         model = self.model
         ids = self.ids_new if ids is None else ids
         tok = torch.as_tensor(list(ids))[None].expand(mode.rows, -1)
         vocab, columns = answer_columns(self.metric, self.pair.answers)
-        st = _Run()
+        st, resume = _Run(), None
+        start = min(start, self.graph.n_layers - 1)  # the logit's edges alone: the last block runs
+        if start > 0:
+            st = self.new.below(start, mode.rows)
+            resume = Resume(start, self.new.x[start])
         with _mlp_in_hook(model):
             _, out = run(
                 model,
@@ -163,6 +204,7 @@ class EdgePatcher:
                 hooks=_Hooks(self, mode, st).hooks(),
                 logits_at=(int(self.pos[-1]),),
                 vocab=vocab,
+                resume=resume,
             )
         self.forwards += 1
         score = self.metric(out.last, columns)
