@@ -10,11 +10,12 @@ whose output someone downstream reads gives the known circuit in the notebook's 
 (`circuits.edges`): residual edges writer -> reader at each position group, and attention edges
 from the KV slots a head's queries select. Node level: the heads and MLPs those edges touch.
 
-Per program and method (EAP, EAP-IG, AtP*, exact edge patching), against the known circuit, as
+Per program and method (EAP, EAP-IG, AtP*, exact edge patching, ACDC's threshold sweep: each edge's
+largest surviving tau, and the ensemble of EAP-IG's and ACDC's ranks), against the known circuit, as
 InterpBench reports them: precision and recall of the top |known| by |score|, and AUROC of |score|,
 at edge level and at node level (a node's score: its output edges' scores summed; exact: the patch
-of all of them at once). Beside them, the faithfulness of the known circuit itself: the recovery
-of a run in which only its edges carry the clean prompt's values.
+of all of them at once). Beside them, the faithfulness of the known circuit itself: the recovery of a
+run in which only its edges carry the clean prompt's values.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
 from circuits.edges import GROUPS, RESIDUAL, EdgePatcher, edge_patcher, score_edges
+from circuits.edges.acdc import acdc_scores
 from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
 from kvnotes.errors import BadArgument, UnknownModelError
 
-METHODS = ("eap", "eap-ig", "atp*", "exact")
+METHODS = ("eap", "eap-ig", "atp*", "exact", "acdc", "ensemble")
+# the ensemble: each edge's rank by |score| under these methods, averaged (MIB's circuit-track winners
+# averaged EAP-IG with edge pruning's ranks; ACDC's sweep stands in for the pruning here)
+ENSEMBLE = ("eap-ig", "acdc")
 
 
 # --- the known circuit in the edge graph -----------------------------------------------------------
@@ -405,14 +410,39 @@ def score_program(model, pairs, *, steps: int = 8, progress: bool = True):
         sizes["known_edges"].append(int(truth.sum()))
         sizes["known_nodes"].append(len(nodes))
         sizes["faithfulness"].append(float(patcher.patch(truth[None])[0]))
+        made: dict[str, np.ndarray] = {}
+        at_nodes: dict[str, np.ndarray] = {}
         for m in METHODS:
-            s = patcher.exact() if m == "exact" else score_edges(patcher, m, steps=steps).scores
-            s = np.nan_to_num(np.asarray(s, dtype=np.float64))
-            ns = node_scores(patcher, None if m == "exact" else s, names)
+            s = _method_scores(patcher, m, steps, made)
+            made[m] = s = np.nan_to_num(np.asarray(s, dtype=np.float64))
+            if m == "ensemble":  # the members' node scores' ranks averaged, as at edge level
+                ns = _ranks([at_nodes[e] for e in ENSEMBLE])
+            else:
+                ns = node_scores(patcher, None if m == "exact" else s, names)
+            at_nodes[m] = ns
             for lv, sc, tr in (("edge", np.abs(s), truth), ("node", ns, node_truth)):
                 p, r = precision_recall(sc, tr)
                 got[(m, lv)].append((p, r, auroc(sc, tr)))
     return got, sizes
+
+
+def _method_scores(patcher: EdgePatcher, method: str, steps: int, made: dict | None = None) -> np.ndarray:
+    """One pair's edge scores by `method`: exact single-edge patching, ACDC's threshold sweep (each
+    edge's largest surviving tau), a gradient method, or the ensemble of the `ENSEMBLE` methods' scores
+    in `made` (computed here where missing): their ranks by |score| averaged, as fractions."""
+    made = {} if made is None else made
+    if method == "ensemble":
+        return _ranks([made[m] if m in made else _method_scores(patcher, m, steps) for m in ENSEMBLE])
+    if method == "exact":
+        return patcher.exact()
+    if method == "acdc":
+        return acdc_scores([patcher])[0]
+    return score_edges(patcher, method, steps=steps).scores
+
+
+def _ranks(scores: list[np.ndarray]) -> np.ndarray:
+    """Each item's rank by |score| under each score vector, as a fraction of the items, averaged."""
+    return np.mean([rankdata(np.abs(np.nan_to_num(s))) / len(s) for s in scores], axis=0)
 
 
 def _load(name: str):

@@ -33,6 +33,7 @@ from dashboards.figures import (
     say,
     scatter,
     slot_label,
+    style,
     token_text,
     visible,
 )
@@ -742,3 +743,48 @@ def _edge_methods_panel(r: EdgeCircuits, key: str) -> Panel:
         note=n_note(r) + f"; recall@{r.top}: the share of the exact top {r.top} among a method's top {r.top}",
         key=f"{key}/methods",
     )
+
+
+# --- circuit discovery against tracr's compiled circuits ----------------------------------------
+
+
+def best_methods(b) -> dict[str, tuple[str, float]]:
+    """Per program, the method with the highest edge-level AUROC and that AUROC (ties: the first in
+    the bench's order), for programs where it is defined."""
+    out: dict[str, tuple[str, float]] = {}
+    for r in b.results:
+        if r.level == "edge" and r.auroc is not None and r.auroc > out.get(r.program, ("", -1.0))[1]:
+            out[r.program] = (r.method, r.auroc)
+    return out
+
+
+@panel("ground_truth")
+def ground_truth_panels(b, key: str) -> list[Panel]:
+    best = best_methods(b)
+    methods = list(dict.fromkeys(r.method for r in b.results))
+    programs = list(dict.fromkeys(r.program for r in b.results))
+    at = {(r.program, r.method): r.auroc for r in b.results if r.level == "edge"}
+    z = [[at.get((p, m)) for m in methods] for p in programs]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=methods,
+            y=programs,
+            zmin=0.5,
+            zmax=1.0,
+            colorscale="Viridis",
+            text=[["-" if v is None else f"{v:.2f}" for v in row] for row in z],
+            texttemplate="%{text}",
+            hovertemplate="%{y} · %{x}: edge AUROC %{z:.3f}<extra></extra>",
+        )
+    )
+    tall = 120 + 40 * len(programs)
+    style(fig, "Edge-level AUROC against the known circuit", "method", "program", height=tall)
+    reached = [p for p, (_, a) in best.items() if a >= 0.95]
+    reading = (
+        f"The best method reaches edge-level AUROC 0.95 on {len(reached)} of {len(best)} programs. Best per "
+        "program: " + "; ".join(f"{p} {m} {a:.2f}" for p, (m, a) in best.items()) + "."
+    )
+    note = f"{b.pairs} pairs a program, AUROC the mean over pairs; {b.machine}"
+    title = "Circuit discovery vs tracr"
+    return [Panel(title=title, reading=reading, figure=fig, note=note, key=f"{key}/ground_truth")]
