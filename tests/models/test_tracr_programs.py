@@ -179,6 +179,15 @@ def test_a_user_s_program_runs_from_the_command_line(tmp_path, capsys):
     assert main(bench) == 0
     printed = capsys.readouterr().out
     assert f"same_ends ({tmp_path / 'same.py'}:same_ends); reverse (tracr library)" in printed
+    # the reading names the best method of each program, from the table's own figures
+    from circuits.ground_truth import GroundTruthReport
+    from dashboards.circuit_panels import best_methods
+    from tests.helpers import readings
+
+    best = best_methods(GroundTruthReport.from_dict(json.loads(out.read_text())))
+    said = readings(printed)["ground_truth"]
+    assert set(best) == {"same_ends", "reverse"} and said.startswith("The best method reaches edge-level")
+    assert all(f"{p} {m} {a:.2f}" in said for p, (m, a) in best.items()), said
     programs = json.loads(out.read_text())["programs"]
     assert programs["same_ends"]["faithfulness"] == pytest.approx(1.0, abs=TOL)
     assert programs["same_ends"]["checked"] >= 2
