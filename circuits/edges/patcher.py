@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 
 import numpy as np
 import torch
@@ -136,9 +136,9 @@ class EdgePatcher:
 
     def first_layer(self, keep: Tensor | np.ndarray) -> int:
         """The lowest layer whose blocks read a corrupted edge (kept at any share but 1) of any row of
-        `keep` (n_layers: only
-        the logit's, or none): every block below computes the new run's values, so a forward may
-        start there from the new run's residual (`_forward(start=)`), on a backend that can resume."""
+        `keep` (n_layers: only the logit's, or none): every block below computes the new run's
+        values, so a forward may start there from the new run's residual (`_forward(start=)`), on a
+        backend that can resume (0 on one that cannot)."""
         if not has(self.model, Capability.RESUME):
             return 0
         gr = self.graph
@@ -147,13 +147,11 @@ class EdgePatcher:
             return gr.n_layers
         return int(self._edge_layer[cut].min())
 
-    @property
+    @cached_property
     def _edge_layer(self) -> np.ndarray:
         """The block each edge's reader sits in (the logit: n_layers)."""
-        if "_layers" not in self.__dict__:
-            gr = self.graph
-            self.__dict__["_layers"] = np.where(gr.kind == RESIDUAL, gr.b // gr.block, gr.a)
-        return self.__dict__["_layers"]
+        gr = self.graph
+        return np.where(gr.kind == RESIDUAL, gr.b // gr.block, gr.a)
 
     def exact(self, edges: Sequence[int] | np.ndarray | None = None, *, batch: int = 16) -> np.ndarray:
         """Exact scores: the recovery lost by corrupting each edge alone (default every edge)."""
