@@ -32,6 +32,11 @@ Scores, in recovery units (the share of ld_new - ld_old that corrupting the edge
   (EAP) or averaged over `steps` runs whose field embeddings lie on the straight path from old to new
   (integrated gradients, midpoint rule: Hanna et al. 2024); attention edges through the scores'
   and values' gradients;
+- `eap-ig-act`: EAP-IG on the activations (MIB's variant): each writer's own edges interpolated from
+  old to new (`steps` midpoints), everything downstream recomputed, the gradient at each reader
+  averaged over its writer's runs; one writer's scores add up to its whole patch (per-writer
+  completeness), at `steps` gradient runs per writer (1 + 3 per layer), each resumed at the
+  writer's own block;
 - `atp*`: attribution patching with the QK fix (Kramár et al. 2024) for every edge that reaches
   attention through a key or a query: an attention edge, or a residual edge into a KV slot, has its
   patched keys and values recomputed exactly and the softmax of every query that reads them
@@ -65,7 +70,7 @@ from circuits.edges.graph import (
 )
 from circuits.edges.patcher import EdgePatcher, edge_patcher, groups_of
 from circuits.edges.qk import EXACT_KEYS
-from circuits.edges.scores import GRADDROP, METHODS, EdgeScores, score_edges, writer_deltas
+from circuits.edges.scores import GRADDROP, IG_ACTIVATIONS, METHODS, EdgeScores, score_edges, writer_deltas
 
 __all__ = [
     "ATTENTION",
@@ -74,6 +79,7 @@ __all__ = [
     "FIELD",
     "GRADDROP",
     "GROUPS",
+    "IG_ACTIVATIONS",
     "METHODS",
     "NOTES",
     "OTHER",

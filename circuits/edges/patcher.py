@@ -206,7 +206,7 @@ class EdgePatcher:
             )
         self.forwards += 1
         score = self.metric(out.last, columns)
-        return (score if isinstance(mode, _Grad) else score.detach()), st
+        return (score if mode.live else score.detach()), st
 
 
 @contextlib.contextmanager
@@ -223,9 +223,12 @@ def _mlp_in_hook(model: KVModel):
 
 class _Mode:
     """How a patching forward's hooks act (the base: no patch, no leaves; the two runs are captured
-    by `kvnotes.capture` instead)."""
+    by `kvnotes.capture` instead). `live`: the forward keeps its autograd graph (its values are not
+    detached); `leaves`: zero leaves at every reader's input, the scores and the head outputs."""
 
     rows = 1
+    live = False
+    leaves: dict | None = None
     interpolate: Tensor | None = None  # [rows] alphas of the field's embeddings
     old_emb: Tensor | None = None
     drop: Tensor | None = None  # [rows] the layer whose outputs pass no gradient (GradDrop), or -1
@@ -267,21 +270,39 @@ class _Patch(_Mode):
         return self.att[:, l][:, :, patcher.groups][..., patcher.groups].transpose(-1, -2)
 
 
+def _leaf(mode: _Mode, name, like: Tensor) -> Tensor:
+    """A zero leaf the shape of `like`, kept in `mode.leaves[name]` for its gradient."""
+    t = torch.zeros_like(like).requires_grad_(True)
+    assert mode.leaves is not None
+    mode.leaves[name] = t
+    return t
+
+
 class _Grad(_Mode):
     """Rows: runs whose field embeddings are interpolated (alpha per row); zero leaves at every
     reader's input, the scores and the head outputs, for their gradients."""
+
+    live = True
 
     def __init__(self, alphas: Tensor, old_emb: Tensor, drop: Tensor | None = None):
         self.interpolate = alphas
         self.old_emb = old_emb
         self.rows = len(alphas)
         self.drop = drop
-        self.leaves: dict = {}
+        self.leaves = {}
 
-    def leaf(self, name, like: Tensor) -> Tensor:
-        t = torch.zeros_like(like).requires_grad_(True)
-        self.leaves[name] = t
-        return t
+
+class _PatchGrad(_Patch):
+    """A patch (each edge carrying its share of the old run's value; shares may be fractions) whose
+    forward keeps its autograd graph: with `leaves`, zero leaves as under `_Grad` (EAP-IG on the
+    activations: one writer's edges interpolated, the gradient at every reader); without, the
+    metric differentiable in the shares themselves (edge pruning's masks)."""
+
+    live = True
+
+    def __init__(self, res: Tensor, att: Tensor, *, leaves: bool = True):
+        super().__init__(res, att)
+        self.leaves = {} if leaves else None
 
 
 def _head_changes(model: KVModel, l: int, s: Tensor, off: Tensor, dh: Tensor) -> Tensor:
@@ -319,7 +340,8 @@ class _Hooks:
         self.model, gr = patcher.model, patcher.graph
         self.L, self.H, self.KVH = gr.n_layers, gr.n_heads, gr.n_kv_heads
         self.B, self.g = gr.block, self.H // self.KVH
-        self.grad = isinstance(mode, _Grad)
+        self.grad = mode.leaves is not None  # zero leaves for the gradients
+        self.live = mode.live  # the autograd graph kept: values stored undetached
         self.patching = isinstance(mode, _Patch)
         self.pend: dict = {}
 
@@ -347,8 +369,19 @@ class _Hooks:
         return out
 
     def kept(self, x: Tensor) -> Tensor:
-        """`x` as stored: detached unless gradients are wanted."""
-        return x if self.grad else x.detach()
+        """`x` as stored: detached unless the forward keeps its autograd graph."""
+        return x if self.live else x.detach()
+
+    def leaf(self, name, like: Tensor) -> Tensor | None:
+        """A zero leaf for `name`'s gradient, where the mode wants leaves."""
+        return _leaf(self.mode, name, like) if self.grad else None
+
+    def changed(self, corr: Tensor | None, name, like: Tensor) -> Tensor | None:
+        """A reader's input change: its corrupted edges' (`corr`, under a patch), plus its leaf."""
+        leaf = self.leaf(name, like)
+        if leaf is None:
+            return corr
+        return leaf if corr is None else corr + leaf
 
     def keep_in(self, x, hook, store: dict, l: int):
         store[l] = self.kept(x)
@@ -371,12 +404,8 @@ class _Hooks:
         if l in self.pend:
             return self.pend[l]
         x, H, KVH = self.st.x[l], self.H, self.KVH
-        if self.grad:
-            corr = self.mode.leaf(("attn", l), x[:, None].expand(-1, H + KVH, -1, -1))
-        else:
-            corr = self.mode.corrections(
-                self.patcher, self.st, l, slice(l * self.B, l * self.B + H + KVH), False
-            )
+        corr = self.mode.corrections(self.patcher, self.st, l, slice(l * self.B, l * self.B + H + KVH), False)
+        corr = self.changed(corr, ("attn", l), x[:, None].expand(-1, H + KVH, -1, -1))
         if corr is None:
             self.pend[l] = None
         else:
@@ -403,7 +432,7 @@ class _Hooks:
         if self.patching:
             s = self._old_keys(s, l)
         if self.grad:
-            s = s + self.mode.leaf(("scores", l), s)
+            s = s + _leaf(self.mode, ("scores", l), s)
         self.st.scores[l] = self.kept(s)
         return s
 
@@ -430,7 +459,7 @@ class _Hooks:
         if self.patching:
             z = _old_values(self.patcher, self.mode, self.st, l, z)
         if self.grad:
-            z = z + self.mode.leaf(("z", l), z)
+            z = z + _leaf(self.mode, ("z", l), z)
         attn = self.model.tl.blocks[l].attn
         self.st.z[l] = self.kept(z)
         heads = torch.einsum("bthe,hed->bthd", z, attn.W_O)
@@ -448,33 +477,31 @@ class _Hooks:
 
     def mid(self, x, hook, l: int):
         self.st.mid[l] = x.detach()
-        if self.grad:
+        if self.live:
             x = self.dropped(self.st.x[l], x, l)  # the attention's output
             self.st.mid_live[l] = x
         return x
 
     def mlp_in(self, x, hook, l: int):
-        if self.grad:
-            return x + self.mode.leaf(("mlp", l), x)
         at = l * self.B + self.H + self.KVH
         corr = self.mode.corrections(self.patcher, self.st, l, slice(at, at + 1), True)
-        return x if corr is None else x + corr[:, 0]
+        corr = self.changed(None if corr is None else corr[:, 0], ("mlp", l), x)
+        return x if corr is None else x + corr
 
     def resid_post(self, x, hook, l: int):
         # the MLP's output: TransformerLens fires hook_mlp_out inside some MLPs and not others
         st = self.st
-        out = x - st.mid_live[l] if self.grad else x - st.mid[l]
+        out = x - st.mid_live[l] if self.live else x - st.mid[l]
         st.mlp[l] = self.kept(out)
-        return self.dropped(st.mid_live[l], x, l) if self.grad else x
+        return self.dropped(st.mid_live[l], x, l) if self.live else x
 
     def final(self, x, hook):
         L, B = self.L, self.B
-        if self.grad:
-            leaf = self.mode.leaf(("logit",), x[:, -1:])
-            return torch.cat([x[:, :-1], x[:, -1:] + leaf], dim=1)
         corr = self.mode.corrections(self.patcher, self.st, L, slice(L * B, L * B + 1), True)
+        corr = None if corr is None else corr[:, 0, -1:]
+        corr = self.changed(corr, ("logit",), x[:, -1:])
         if corr is not None:
-            x = torch.cat([x[:, :-1], x[:, -1:] + corr[:, 0, -1:]], dim=1)
+            x = torch.cat([x[:, :-1], x[:, -1:] + corr], dim=1)
         return x
 
 

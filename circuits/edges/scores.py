@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from circuits.edges.graph import ATTENTION, GROUPS, RESIDUAL, EdgeGraph
-from circuits.edges.patcher import EdgePatcher, _Grad, _post_delta, _Run
+from circuits.edges.patcher import EdgePatcher, _Grad, _Mode, _PatchGrad, _post_delta, _Run
 from circuits.edges.qk import EXACT_KEYS, qk_fix
 from kvnotes.engine.guard import allow
 from kvnotes.errors import BadArgument
@@ -19,6 +19,9 @@ from kvnotes.types import Tensor
 
 METHODS = ("eap", "eap-ig", "atp*")  # what the `edges` analysis runs on every pair
 GRADDROP = "atp*-gd"  # AtP* with GradDrop: one backward per layer, so asked for by name (the bench)
+# EAP-IG on the activations (MIB's variant): `steps` runs per writer (1 + 3 per layer), by name
+IG_ACTIVATIONS = "eap-ig-act"
+BY_NAME = (GRADDROP, IG_ACTIVATIONS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,16 +39,17 @@ class EdgeScores:
 def score_edges(
     patcher: EdgePatcher, method: str = "eap-ig", *, steps: int = 16, chunk: int = 4, keys: str = "changed"
 ) -> EdgeScores:
-    """Every edge's score by `method` ("eap", "eap-ig", "atp*", "atp*-gd").
+    """Every edge's score by `method` ("eap", "eap-ig", "atp*", "atp*-gd", "eap-ig-act"); `steps`:
+    the integrated-gradient methods' points on each path (midpoint rule).
 
     `keys`: how AtP*'s exact-softmax step recomputes a patched key's softmax: "changed" (the changed
     keys' terms swapped in) or "whole" (every key again, the reference way `kvnotes bench edges`
     times beside it). The same scores up to float64 rounding."""
     if keys not in EXACT_KEYS:
         raise BadArgument(f"keys must be one of {', '.join(EXACT_KEYS)}, got {keys!r}")
-    if method not in (*METHODS, GRADDROP):
+    if method not in (*METHODS, *BY_NAME):
         raise BadArgument(
-            f"unknown edge-scoring method {method!r}; choose one of {', '.join((*METHODS, GRADDROP))}"
+            f"unknown edge-scoring method {method!r}; choose one of {', '.join((*METHODS, *BY_NAME))}"
         )
     if steps < 1:
         raise BadArgument(f"steps must be at least 1, got {steps}")
@@ -53,6 +57,8 @@ def score_edges(
     if method == GRADDROP:
         scores = _graddrop(patcher, keys)
         steps = 1
+    elif method == IG_ACTIVATIONS:
+        scores = _ig_activations(patcher, steps, chunk)
     else:
         if method == "eap-ig":  # the midpoint rule over the field embeddings' path
             alphas = (torch.arange(steps, dtype=torch.float64, device=patcher.model.device) + 0.5) / steps
@@ -74,10 +80,12 @@ def score_edges(
     )
 
 
-def _gradients(patcher: EdgePatcher, mode: _Grad) -> tuple[dict, _Run]:
-    """One gradient run: the metric summed over rows, differentiated at every leaf."""
+def _gradients(patcher: EdgePatcher, mode: _Mode, start: int = 0) -> tuple[dict, _Run]:
+    """One gradient run (from block `start`; below it, the new run's values, and no leaves): the
+    metric summed over rows, differentiated at every leaf."""
+    assert mode.leaves is not None
     with torch.enable_grad():
-        score, st = patcher._forward(mode)
+        score, st = patcher._forward(mode, start=start)
         names = list(mode.leaves)
         grads = torch.autograd.grad(score.sum(), [mode.leaves[n] for n in names], allow_unused=True)
     patcher.backwards += 1
@@ -100,6 +108,45 @@ def _graddrop(patcher: EdgePatcher, keys: str = "changed") -> np.ndarray:
         total += np.where(dst_layer == m, 0.0, np.abs(acc.result(1)))
     terms = np.where(dst_layer < L, L - 1, L)
     return total / terms / abs(patcher.effect)
+
+
+def _ig_activations(patcher: EdgePatcher, steps: int, chunk: int) -> np.ndarray:
+    """EAP-IG on the activations (MIB's EAP-IG-activations; per component as Marks et al. 2024
+    integrate): for each writer (the embeddings; per layer its KV slots, its heads, its MLP), `steps`
+    runs in which that writer's edges alone carry old + a (new - old), a at the midpoints of [0, 1],
+    every other edge the new run's value and everything downstream recomputed; an edge's score is its
+    writer's change . the gradient at its reader, averaged over its own writer's runs. So the scores
+    of one writer's edges add up to what patching all of them removes (completeness, per writer, up
+    to the midpoint rule's error), which EAP-IG on the inputs holds only for the embeddings'."""
+    gr = patcher.graph
+    alphas = (np.arange(steps, dtype=np.float64) + 0.5) / steps
+    acc = _Accumulator(patcher)
+    out = np.zeros(len(gr))
+    for edges in _writers(gr):
+        acc.res.zero_()
+        acc.att.zero_()
+        for a in range(0, steps, chunk):
+            part = alphas[a : a + chunk]
+            keep = np.ones((len(part), len(gr)))
+            keep[:, edges] = part[:, None]
+            mode = _PatchGrad(*patcher._masks(torch.as_tensor(keep)))
+            grads, st = _gradients(patcher, mode, start=patcher.first_layer(keep))
+            acc.add(grads, st, exact=False)
+        out[edges] = acc.result(steps)[edges]
+    return out / patcher.effect * -1.0
+
+
+def _writers(graph: EdgeGraph) -> list[np.ndarray]:
+    """The edges out of each writer whose outputs EAP-IG on the activations interpolates together:
+    the embeddings, and per layer its KV slots (its attention edges), its heads, its MLP."""
+    H, res = graph.n_heads, graph.kind == RESIDUAL
+    out = [np.flatnonzero(res & (graph.a == 0))]
+    for l in range(graph.n_layers):
+        w0 = 1 + l * (H + 1)
+        out.append(np.flatnonzero((graph.kind == ATTENTION) & (graph.a == l)))
+        out.append(np.flatnonzero(res & (graph.a >= w0) & (graph.a < w0 + H)))
+        out.append(np.flatnonzero(res & (graph.a == w0 + H)))
+    return [e for e in out if len(e)]
 
 
 def _reader_layers(graph: EdgeGraph) -> np.ndarray:
@@ -137,6 +184,8 @@ class _Accumulator:
         L, B = gr.n_layers, gr.block
         D = self.deltas.double()
         for l in range(L):
+            if ("attn", l) not in grads:  # a run resumed above layer l: no reader of it was read
+                continue
             ga = grads[("attn", l)].double().sum(0)  # [H + KVH, T, d]
             gm = grads[("mlp", l)].double().sum(0)[None]  # [1, T, d]
             readers = torch.cat([ga, gm])  # the readers of layer l
@@ -152,6 +201,8 @@ class _Accumulator:
         g, ns = gr.n_heads // gr.n_kv_heads, patcher.prefix.n_slots
         cap = patcher.model.cfg.attn_scores_soft_cap
         for l in range(gr.n_layers):
+            if ("z", l) not in grads:  # a run resumed above layer l
+                continue
             q = st.q_rot[l].detach().double()  # [b, T, H, d]
             k_new = patcher.new.k_rot[l][0].double().repeat_interleave(g, 1)  # [T, H, d]
             k_old = patcher.old.k_rot[l][0].double().repeat_interleave(g, 1)
