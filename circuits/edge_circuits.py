@@ -33,6 +33,7 @@ from circuits.edges import (
 )
 from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, sizes_for, top_circuit
 from circuits.edges.faithfulness import area, cross_fit, dataset_areas
+from circuits.edges.methods import PRUNING, method_scores
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Curve, Estimate, ProbeResult
 from kvnotes.errors import BadOption
@@ -43,7 +44,16 @@ from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials
 EXHAUSTIVE = 4096  # graphs up to this many edges are patched edge by edge in full
 STEP_CHOICES = (2, 4, 8, 16, 32)
 CONVERGED = 0.01  # IG steps are enough when doubling them moves no edge's score by more than this
-_KEY = {"eap": "eap", "eap-ig": "eap_ig", "atp*": "atp"}
+_KEY = {"eap": "eap", "eap-ig": "eap_ig", "atp*": "atp"}  # every run: METHODS, each with its parts' key
+# asked for by name (`--methods`): EAP-IG on the activations, ACDC's sweep, edge pruning, the ensemble
+EXTRA = {
+    "eap-ig-act": "eap_ig_act",
+    "acdc": "acdc",
+    "pruning": "pruning",
+    "ensemble": "ensemble",
+    "eap-ig+acdc": "eap_ig_acdc",
+}
+KEYS = {**_KEY, **EXTRA}
 GRAPH_EDGES = 200  # edges the graph table keeps for drawing (the strongest by mean |score|)
 GROUP_TOKENS = 48  # tokens of each position group the result keeps for reading the graph
 CURVES = ("faithfulness", "random", "greedy")
@@ -86,6 +96,10 @@ class EdgeCircuits(ProbeResult):
         "speedup",
         "effect",
     )
+    PART_PATTERNS = (
+        rf"(rho|recall)_({'|'.join(EXTRA.values())})",
+        rf"({'|'.join(EXTRA.values())})_seconds",
+    )
     CURVES = CURVES
     TABLES = ("edges", "convergence", "graph", "nodes")
     n_edges: int
@@ -102,7 +116,7 @@ class EdgeCircuits(ProbeResult):
 
     def cell(self, part: str) -> tuple[str, str] | None:
         """Each scoring method a row (exact patching's time too); rho, recall and seconds the columns."""
-        for method in (*_KEY.values(), "exact"):
+        for method in (*KEYS.values(), "exact"):
             for column in ("rho", "recall"):
                 if part == f"{column}_{method}":
                     return (method, column)
@@ -139,9 +153,15 @@ def analyse_edges(
     draws: int = 4,
     seed: int = 0,
     min_effect: float = MIN_EFFECT,
+    extra: Sequence[str] = (),
 ) -> EdgeCircuits:
-    """Edge scores (EAP, EAP-IG, AtP*) against exact patching, and circuits chosen by `method`'s
-    scores on half the pairs, evaluated on the other half. `steps` 0: chosen by `converged_steps`."""
+    """Edge scores (EAP, EAP-IG, AtP*, and the `extra` methods of `EXTRA`) against exact patching,
+    and circuits chosen by `method`'s scores on half the pairs, evaluated on the other half. `steps`
+    0: chosen by `converged_steps`."""
+    bad = [m for m in (*extra, method) if m not in KEYS]
+    if bad:
+        raise BadOption(f"unknown edge method {bad[0]!r}; choose from {', '.join(KEYS)}")
+    methods = tuple(dict.fromkeys((*METHODS, *extra, method)))
     used, excluded = split_by_effect(trials, min_effect)
     rng = np.random.default_rng(seed)
     sites = [edge_patcher(t.model, t.pair, metric=t.metric) for t in used]
@@ -151,8 +171,10 @@ def analyse_edges(
         steps, convergence = converged_steps(sites[0])
     steps = steps or STEP_CHOICES[-1]
     parts: dict[str, list] = {k: [] for k in EdgeCircuits.PARTS if k not in ("effect",)}
+    for m in methods[len(METHODS) :]:
+        parts |= {f"rho_{KEYS[m]}": [], f"recall_{KEYS[m]}": [], f"{KEYS[m]}_seconds": []}
     patch_all = bool(graph is not None and len(graph) <= exhaustive)
-    checked = _against_exact(sites, used, steps, exact if not patch_all else None, top, rng, parts)
+    checked = _against_exact(sites, used, methods, steps, exact if not patch_all else None, top, rng, parts)
     scores, exact_rows, cost = checked
     clusters = clusters_of(used)
     curves, note = _circuit_curves(sites, used, scores[method], draws, rng, parts, seed=seed)
@@ -196,26 +218,31 @@ def analyse_edges(
     )
 
 
-def _against_exact(sites, used, steps: int, exact: int | None, top: int, rng, parts: dict):
-    """Each pair's edges scored by every method (timed) and patched exactly (every edge, or with
-    `exact` a random sample plus each method's top 2 `top`): rho, recall@top and the times into
-    `parts`. Returns the scores per method, the exact rows (indices, effects) and the passes."""
-    scores: dict[str, list[np.ndarray]] = {m: [] for m in METHODS}
+def _against_exact(sites, used, methods, steps: int, exact: int | None, top: int, rng, parts: dict):
+    """Each pair's edges scored by every method of `methods` (timed) and patched exactly (every edge,
+    or with `exact` a random sample plus each method's top 2 `top`): rho, recall@top and the times
+    into `parts`. Returns the scores per method, the exact rows (indices, effects) and the passes."""
+    scores: dict[str, list[np.ndarray]] = {m: [] for m in methods}
     exact_rows: list[tuple[np.ndarray, np.ndarray]] = []
     cost: dict[str, dict] = {}
     for site in _progress(sites, used, "edges"):
-        for m in METHODS:
-            t0 = time.perf_counter()
-            sc = score_edges(site, m, steps=steps)
-            parts[f"{_KEY[m]}_seconds"].append(time.perf_counter() - t0)
-            scores[m].append(sc.scores)
-            cost[m] = {"forwards": sc.forwards, "backwards": sc.backwards, "steps": sc.steps}
+        made: dict[str, np.ndarray] = {}
+        for m in methods:
+            t0, f0, b0 = time.perf_counter(), site.forwards, site.backwards
+            made[m] = method_scores(site, m, steps=steps, made=made)
+            parts[f"{KEYS[m]}_seconds"].append(time.perf_counter() - t0)
+            scores[m].append(made[m])
+            cost[m] = {
+                "forwards": site.forwards - f0,
+                "backwards": site.backwards - b0,
+                "steps": _steps(m, steps),
+            }
         E = len(site.graph)
         if exact is None:
             idx = sample = np.arange(E)
         else:
             sample = rng.choice(E, size=min(exact, E), replace=False)
-            tops = [np.argsort(-np.abs(scores[m][-1]))[: 2 * top] for m in METHODS]
+            tops = [np.argsort(-np.abs(scores[m][-1]))[: 2 * top] for m in methods]
             idx = np.unique(np.concatenate([sample, *tops]))
         f0, t0 = site.forwards, time.perf_counter()
         ex = site.exact(idx)
@@ -228,12 +255,20 @@ def _against_exact(sites, used, steps: int, exact: int | None, top: int, rng, pa
         in_sample = np.isin(idx, sample)
         k = min(top, len(idx))
         best = set(idx[np.argsort(-np.abs(ex), kind="stable")[:k]])
-        for m in METHODS:
+        for m in methods:
             s = scores[m][-1]
-            parts[f"rho_{_KEY[m]}"].append(spearman(s[idx[in_sample]].tolist(), ex[in_sample].tolist()))
+            parts[f"rho_{KEYS[m]}"].append(spearman(s[idx[in_sample]].tolist(), ex[in_sample].tolist()))
             mine = set(np.argsort(-np.abs(s), kind="stable")[:k])
-            parts[f"recall_{_KEY[m]}"].append(len(mine & best) / k)
+            parts[f"recall_{KEYS[m]}"].append(len(mine & best) / k)
     return scores, exact_rows, cost
+
+
+def _steps(method: str, ig_steps: int) -> int:
+    """A method's steps as its cost reports them: the integrated-gradient methods' points on each
+    path, edge pruning's optimiser steps, 1 for the rest."""
+    if method in ("eap-ig", "eap-ig-act"):
+        return ig_steps
+    return PRUNING.steps if method == "pruning" else 1
 
 
 def _circuit_curves(sites, used, chosen: list[np.ndarray], draws: int, rng, parts: dict, *, seed: int):
@@ -389,7 +424,12 @@ class EdgesConfig(Pairs):
     ig_steps: int = option(
         0, "EAP-IG steps (0: the fewest of 2-32 whose scores doubling moves < 0.01)", least=0
     )
-    edge_method: str = option("eap-ig", "the edge scores circuits are chosen by", choices=METHODS)
+    edge_method: str = option("eap-ig", "the edge scores circuits are chosen by", choices=tuple(KEYS))
+    methods: str = option(
+        "",
+        "more edge methods scored per pair beside EAP, EAP-IG and AtP* (comma-separated): eap-ig-act, "
+        "acdc, pruning, ensemble (EAP-IG's and pruning's ranks), eap-ig+acdc",
+    )
     exact_edges: int = option(
         512, "edges patched exactly per pair when the graph is too large for all", least=1
     )
@@ -401,8 +441,18 @@ class EdgesConfig(Pairs):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.edge_method not in METHODS:
-            raise BadOption(f"edge_method must be one of {', '.join(METHODS)}, got {self.edge_method!r}")
+        if self.edge_method not in KEYS:
+            raise BadOption(f"edge_method must be one of {', '.join(KEYS)}, got {self.edge_method!r}")
+        bad = [m for m in self.extra if m not in EXTRA]
+        if bad:
+            raise BadOption(
+                f"--methods names {bad[0]!r}; the methods beside EAP, EAP-IG and AtP* are "
+                f"{', '.join(EXTRA)} (comma-separated)"
+            )
+
+    @property
+    def extra(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.methods.split(",") if m.strip())
 
 
 @analysis(
@@ -427,4 +477,5 @@ def _run_edges(ctx: Context, cfg: EdgesConfig) -> EdgeCircuits:
         draws=cfg.circuit_draws,
         seed=ctx.seed,
         min_effect=ctx.min_effect,
+        extra=cfg.extra,
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -29,16 +30,13 @@ import numpy as np
 from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
-from circuits.edges import GROUPS, RESIDUAL, EdgePatcher, edge_patcher, score_edges
-from circuits.edges.acdc import acdc_scores
+from circuits.edges import GROUPS, RESIDUAL, EdgePatcher, edge_patcher
+from circuits.edges.methods import ENSEMBLES, PRUNING, method_scores, rank_average
 from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
 from kvnotes.errors import BadArgument, UnknownModelError
 
-METHODS = ("eap", "eap-ig", "atp*", "exact", "acdc", "ensemble")
-# the ensemble: each edge's rank by |score| under these methods, averaged (MIB's circuit-track winners
-# averaged EAP-IG with edge pruning's ranks; ACDC's sweep stands in for the pruning here)
-ENSEMBLE = ("eap-ig", "acdc")
+METHODS = ("eap", "eap-ig", "eap-ig-act", "atp*", "exact", "acdc", "pruning", "ensemble", "eap-ig+acdc")
 
 
 # --- the known circuit in the edge graph -----------------------------------------------------------
@@ -358,14 +356,15 @@ class GroundTruthReport(BenchReport):
         w = max([10, *(len(r.program) + 2 for r in self.results)])  # the program column's width
         lines = [
             header("circuit discovery vs tracr's compiled circuits", self.sources, self.machine),
-            f"{self.pairs} pairs a program, each checked on the compiled model; EAP-IG {self.steps} "
-            "steps; precision = recall at k = |known|",
-            f"{'program':<{w}}{'method':<8}{'level':<6}{'precision':>10}{'AUROC':>8}{'AUROC 95% CI':>16}",
+            f"{self.pairs} pairs a program, each checked on the compiled model; EAP-IG (on the inputs "
+            f"and on the activations) {self.steps} steps; edge pruning {PRUNING.steps} steps; "
+            "precision = recall at k = |known|",
+            f"{'program':<{w}}{'method':<12}{'level':<6}{'precision':>10}{'AUROC':>8}{'AUROC 95% CI':>16}",
         ]
         for r in self.results:
             ci = f"[{r.auroc_ci[0]:.2f}, {r.auroc_ci[1]:.2f}]" if r.auroc_ci else "-"
             au = f"{r.auroc:.3f}" if r.auroc is not None else "-"
-            lines.append(f"{r.program:<{w}}{r.method:<8}{r.level:<6}{r.precision:>10.3f}{au:>8}{ci:>16}")
+            lines.append(f"{r.program:<{w}}{r.method:<12}{r.level:<6}{r.precision:>10.3f}{au:>8}{ci:>16}")
         lines.append("known circuit's own faithfulness (recovery when only its edges carry the clean run):")
         for name, p in self.programs.items():
             ci = p["faithfulness_ci"]
@@ -389,11 +388,11 @@ def _dropped(p: dict) -> str:
     )
 
 
-def score_program(model, pairs, *, steps: int = 8, progress: bool = True):
-    """Per method and level, each pair's (precision, recall, AUROC); and the known circuits' sizes
-    and faithfulness, for one compiled program's `pairs`."""
+def score_program(model, pairs, *, steps: int = 8, methods: Sequence[str] = METHODS, progress: bool = True):
+    """Per method (of `methods`) and level, each pair's (precision, recall, AUROC); and the known
+    circuits' sizes and faithfulness, for one compiled program's `pairs`."""
     names = components(model)
-    got: dict[tuple[str, str], list[tuple]] = {(m, lv): [] for m in METHODS for lv in ("edge", "node")}
+    got: dict[tuple[str, str], list[tuple]] = {(m, lv): [] for m in methods for lv in ("edge", "node")}
     sizes = {"edges": 0, "known_edges": [], "known_nodes": [], "faithfulness": []}
     for pair in tqdm(pairs, desc=model.name, unit="pair", disable=not progress or None, leave=False):
         patcher = edge_patcher(model, pair)
@@ -412,11 +411,11 @@ def score_program(model, pairs, *, steps: int = 8, progress: bool = True):
         sizes["faithfulness"].append(float(patcher.patch(truth[None])[0]))
         made: dict[str, np.ndarray] = {}
         at_nodes: dict[str, np.ndarray] = {}
-        for m in METHODS:
-            s = _method_scores(patcher, m, steps, made)
+        for m in methods:
+            s = method_scores(patcher, m, steps=steps, made=made)
             made[m] = s = np.nan_to_num(np.asarray(s, dtype=np.float64))
-            if m == "ensemble":  # the members' node scores' ranks averaged, as at edge level
-                ns = _ranks([at_nodes[e] for e in ENSEMBLE])
+            if m in ENSEMBLES:  # the members' node scores' ranks averaged, as at edge level
+                ns = rank_average([_node_scores(patcher, e, made, names, at_nodes) for e in ENSEMBLES[m]])
             else:
                 ns = node_scores(patcher, None if m == "exact" else s, names)
             at_nodes[m] = ns
@@ -426,23 +425,12 @@ def score_program(model, pairs, *, steps: int = 8, progress: bool = True):
     return got, sizes
 
 
-def _method_scores(patcher: EdgePatcher, method: str, steps: int, made: dict | None = None) -> np.ndarray:
-    """One pair's edge scores by `method`: exact single-edge patching, ACDC's threshold sweep (each
-    edge's largest surviving tau), a gradient method, or the ensemble of the `ENSEMBLE` methods' scores
-    in `made` (computed here where missing): their ranks by |score| averaged, as fractions."""
-    made = {} if made is None else made
-    if method == "ensemble":
-        return _ranks([made[m] if m in made else _method_scores(patcher, m, steps) for m in ENSEMBLE])
-    if method == "exact":
-        return patcher.exact()
-    if method == "acdc":
-        return acdc_scores([patcher])[0]
-    return score_edges(patcher, method, steps=steps).scores
-
-
-def _ranks(scores: list[np.ndarray]) -> np.ndarray:
-    """Each item's rank by |score| under each score vector, as a fraction of the items, averaged."""
-    return np.mean([rankdata(np.abs(np.nan_to_num(s))) / len(s) for s in scores], axis=0)
+def _node_scores(patcher, method: str, made: dict, names: list[str], at_nodes: dict) -> np.ndarray:
+    """`method`'s node scores for this pair (kept in `at_nodes`): an ensemble's member that was not
+    itself asked for is scored from its edges as every method is."""
+    if method not in at_nodes:
+        at_nodes[method] = node_scores(patcher, None if method == "exact" else made[method], names)
+    return at_nodes[method]
 
 
 def _load(name: str):
@@ -452,6 +440,16 @@ def _load(name: str):
     if is_program_spec(name):
         return load_program(name)
     return load_tracr(name if name.startswith("tracr-") else f"tracr-{name}")
+
+
+def check_methods(methods: Sequence[str]) -> None:
+    """Refuse an empty list or a method the bench does not know, before anything compiles."""
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise BadArgument(
+            f"the bench's methods are {', '.join(METHODS)} (comma-separated); got "
+            + (f"{bad[0]!r}" if bad else "none")
+        )
 
 
 def check_programs(names: list[str]) -> None:
@@ -471,19 +469,27 @@ def check_programs(names: list[str]) -> None:
 
 
 def ground_truth_bench(
-    programs: list[str] | None = None, *, n: int = 8, steps: int = 8, seed: int = 0, progress: bool = True
+    programs: list[str] | None = None,
+    *,
+    n: int = 8,
+    steps: int = 8,
+    seed: int = 0,
+    methods: Sequence[str] = METHODS,
+    progress: bool = True,
 ) -> GroundTruthReport:
-    """Every shipped tracr program (or `programs`): `n` pairs each, scored by every method."""
+    """Every shipped tracr program (or `programs`): `n` pairs each, scored by every method (or
+    those of `methods`)."""
     from kvnotes.zoo.tracr import TRACR_PROGRAMS, draw_pairs, to_pair
 
     names = programs or TRACR_PROGRAMS
+    check_methods(methods)
     check_programs(names)  # every name, before the first compiles
     results, about = [], {}
     for short in names:
         model = _load(short)
         draw = draw_pairs(model, n, seed=seed)
         chosen = [to_pair(model, p, seed=seed) for p in draw.pairs]
-        got, sizes = score_program(model, chosen, steps=steps, progress=progress)
+        got, sizes = score_program(model, chosen, steps=steps, methods=methods, progress=progress)
         for (m, lv), rows in got.items():
             aur = [a for _, _, a in rows if a is not None]
             est = Estimate.of(aur, seed=seed)
@@ -529,6 +535,11 @@ class GroundTruthConfig(Options):
     )
     n: int = option(8, "pairs a program", least=0, skips=True)
     ig_steps: int = option(8, "EAP-IG steps", least=1)
+    methods: str = option("", f"comma-separated methods, of {', '.join(METHODS)}; default: every one")
+
+    @property
+    def method_list(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.methods.split(",") if m.strip()) or METHODS
 
 
 @analysis(
@@ -547,8 +558,11 @@ def _run_ground_truth(ctx: Context, cfg: GroundTruthConfig) -> GroundTruthReport
     if not cfg.n:
         return None
     names = [p.strip() for p in cfg.programs.split(",") if p.strip()] or None
+    check_methods(cfg.method_list)
     check_programs(names or [])
-    return ground_truth_bench(names, n=cfg.n, steps=cfg.ig_steps, seed=ctx.seed, progress=ctx.progress)
+    return ground_truth_bench(
+        names, n=cfg.n, steps=cfg.ig_steps, seed=ctx.seed, methods=cfg.method_list, progress=ctx.progress
+    )
 
 
 __all__ = [

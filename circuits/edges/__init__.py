@@ -50,10 +50,11 @@ Scores, in recovery units (the share of ld_new - ld_old that corrupting the edge
   the logit's edges, which no layer's drop reaches, L). Unsigned: a magnitude for ranking.
 
 Modules, one idea each: `graph` (the nodes and edges), `patcher` (one pair's two runs and the patching
-forward), `scores` (EAP, EAP-IG, AtP*, GradDrop), `qk` (AtP*'s exact softmax for keys and queries),
-`choose` (top, greedy and matched random circuits), `faithfulness` (cross-fitted curves, CPR and
-CMD both ways, AtP*'s block bound) and `positions` (EAP per token position, for peers whose graph
-has one).
+forward), `scores` (EAP, EAP-IG on the inputs and on the activations, AtP*, GradDrop), `qk` (AtP*'s
+exact softmax for keys and queries), `acdc` (ACDC and its threshold sweep), `pruning` (edge pruning's
+learned masks), `methods` (every method by one name, the ensemble), `choose` (top, greedy and matched
+random circuits), `faithfulness` (cross-fitted curves, CPR and CMD both ways, AtP*'s block bound) and
+`positions` (EAP per token position, for peers whose graph has one).
 """
 
 from circuits.edges.graph import (

@@ -134,6 +134,16 @@ class EdgePatcher:
         lds = torch.cat(out).numpy() if out else np.zeros(0)
         return (lds - self.ld_old) / self.effect
 
+    def soft(self, keep: Tensor) -> Tensor:
+        """`patch` for one batch of rows, differentiable in the shares `keep` [rows, edges] (edge
+        pruning's masks): each edge carries old + keep (new - old), the forward keeps its graph."""
+        if keep.ndim != 2 or keep.shape[1] != len(self.graph):
+            raise BadArgument(f"keep must be [rows, {len(self.graph)}] shares, got {tuple(keep.shape)}")
+        start = self.first_layer(keep.detach().cpu().numpy())
+        with torch.enable_grad():
+            ld, _ = self._forward(_PatchGrad(*self._masks(keep), leaves=False), start=start)
+        return (ld - self.ld_old) / self.effect
+
     def first_layer(self, keep: Tensor | np.ndarray) -> int:
         """The lowest layer whose blocks read a corrupted edge (kept at any share but 1) of any row of
         `keep` (n_layers: only the logit's, or none): every block below computes the new run's
