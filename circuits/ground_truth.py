@@ -10,8 +10,9 @@ whose output someone downstream reads gives the known circuit in the notebook's 
 (`circuits.edges`): residual edges writer -> reader at each position group, and attention edges
 from the KV slots a head's queries select. Node level: the heads and MLPs those edges touch.
 
-Per program and method (EAP, EAP-IG, AtP*, exact edge patching, ACDC's threshold sweep: each edge's
-largest surviving tau, and the ensemble of EAP-IG's and ACDC's ranks), against the known circuit, as
+Per program and method (`METHODS`: EAP, EAP-IG on the inputs and on the activations, AtP*, exact
+edge patching, ACDC's threshold sweep, edge pruning and the two rank-average ensembles; see
+`circuits.edges.methods`), against the known circuit, as
 InterpBench reports them: precision and recall of the top |known| by |score|, and AUROC of |score|,
 at edge level and at node level (a node's score: its output edges' scores summed; exact: the patch
 of all of them at once). Beside them, the faithfulness of the known circuit itself: the recovery of a

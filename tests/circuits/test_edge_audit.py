@@ -104,7 +104,7 @@ def test_finite_differences_catch_the_gradient_taken_after_the_input_norm(monkey
         if l not in self.pend:
             x = self.st.x[l]
             like = x[:, None].expand(-1, self.H + self.KVH, -1, -1)
-            self.pend[l] = self.mode.leaf(("attn", l), like) if self.grad else None
+            self.pend[l] = self.leaf(("attn", l), like)  # the leaf past ln1, not before it
         return self.pend[l]
 
     monkeypatch.setattr(SM._Hooks, "readers", readers)
