@@ -803,3 +803,37 @@ def ground_truth_panels(b, key: str) -> list[Panel]:
     note = f"{b.pairs} pairs a program, AUROC the mean over pairs; {b.machine}"
     title = "Circuit discovery vs tracr"
     return [Panel(title=title, reading=reading, figure=fig, note=note, key=f"{key}/ground_truth")]
+
+
+@panel("acdc_bench")
+def acdc_bench_panels(b, key: str) -> list[Panel]:
+    taus = [f"tau {r.tau:g}" for r in b.results]
+    fig = go.Figure(
+        [
+            go.Bar(name="notebook", x=taus, y=[r.notebook_s for r in b.results]),
+            go.Bar(name="TransformerLens hooks", x=taus, y=[r.tl_s for r in b.results]),
+        ]
+    )
+    style(fig, "ACDC's run, seconds (median)", "threshold", "seconds")
+    differ = sum(r.differ for r in b.results)
+    ratios = ", ".join(f"{r.ratio:.2f}x at tau {r.tau:g}" for r in b.results)
+    agree = (
+        f"the two ways decided every edge alike ({b.n_edges:,} edges at {len(b.results)} thresholds)"
+        if differ == 0
+        else f"the two ways decided {differ} edge(s) differently"
+    )
+    reading = (
+        f"ACDC through the notebook against plain TransformerLens hooks on the same candidates: the "
+        f"TransformerLens way takes {ratios} the notebook's time; {agree}; their decisions on random "
+        f"circuits differ by at most {b.max_diff:.1e} logits."
+    )
+    note = f"{b.pairs} pairs, prompts of up to {b.prompt_tokens} tokens; {b.machine}"
+    return [
+        Panel(
+            title="ACDC: notebook vs TransformerLens",
+            reading=reading,
+            figure=fig,
+            note=note,
+            key=f"{key}/acdc_bench",
+        )
+    ]

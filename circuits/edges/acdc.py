@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from circuits.edges.patcher import EdgePatcher
+from circuits.edges.graph import EdgeGraph
 from kvnotes.errors import BadArgument
 
 THRESHOLDS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)  # tau, in units of the pair's effect
@@ -52,6 +53,16 @@ def visiting_order(graph) -> np.ndarray:
     return np.array(sorted(range(len(graph)), key=lambda e: key[e], reverse=True), dtype=np.int64)
 
 
+@runtime_checkable
+class Patching(Protocol):
+    """What ACDC needs of a pair: its edge graph and each circuit's recovery (`EdgePatcher`, or the
+    plain TransformerLens way it is benched against, `circuits.acdc_peer.TLEdgePatch`)."""
+
+    graph: EdgeGraph
+
+    def patch(self, circuits: np.ndarray, *, batch: int) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class ACDCRun:
     """One ACDC run: the edges kept at `tau`, the recovery of that circuit, and the forwards it took."""
@@ -66,13 +77,13 @@ class ACDCRun:
         return int(self.kept.sum())
 
 
-def _recovery(patchers: Sequence[EdgePatcher], circuits: np.ndarray) -> np.ndarray:
+def _recovery(patchers: Sequence[Patching], circuits: np.ndarray) -> np.ndarray:
     """Each row's recovery, averaged over the pairs."""
     return np.mean([p.patch(circuits, batch=len(circuits)) for p in patchers], axis=0)
 
 
 def acdc(
-    patchers: Sequence[EdgePatcher], tau: float, *, order: np.ndarray | None = None, chunk: int = CHUNK
+    patchers: Sequence[Patching], tau: float, *, order: np.ndarray | None = None, chunk: int = CHUNK
 ) -> ACDCRun:
     """ACDC at threshold `tau` over `patchers` (one pair each, the same model): the circuit it keeps."""
     if not patchers:
@@ -102,7 +113,7 @@ def acdc(
 
 
 def acdc_scores(
-    patchers: Sequence[EdgePatcher], thresholds: Sequence[float] = THRESHOLDS
+    patchers: Sequence[Patching], thresholds: Sequence[float] = THRESHOLDS
 ) -> tuple[np.ndarray, list[ACDCRun]]:
     """ACDC at every threshold: each edge's score is the largest tau at which it survives (0 where
     it is removed at every tau), and the runs themselves."""
