@@ -44,6 +44,7 @@ class ACDCWayPoint:
     kept: int  # edges the notebook's ACDC kept
     tl_kept: int
     differ: int  # edges on which the two ways decided differently
+    visited: int  # edges ACDC decided (all unless stopped at `limit` forwards)
     recovery: float  # of the kept circuit, averaged over the pairs
     tl_recovery: float
 
@@ -78,13 +79,13 @@ class ACDCBenchReport(BenchReport):
             f"({self.computed_tokens} from the field on); TransformerLens {self.rows} candidates a forward",
             f"setup: notebook {self.setup_s:.2f} s, TransformerLens {self.tl_setup_s:.2f} s; the two ways' "
             f"decision on {CHECK_ROWS} random circuits a pair differs by at most {self.max_diff:.1e} logits",
-            f"{'tau':>7}{'notebook s':>12}{'TL s':>10}{'TL/notebook':>13}{'forwards':>10}{'kept':>7}"
-            f"{'TL kept':>9}{'differ':>8}{'recovery':>10}{'TL recovery':>13}",
+            f"{'tau':>7}{'notebook s':>12}{'TL s':>10}{'TL/notebook':>13}{'forwards':>10}{'visited':>9}"
+            f"{'kept':>7}{'TL kept':>9}{'differ':>8}{'recovery':>10}{'TL recovery':>13}",
         ]
         for r in self.results:
             lines.append(
-                f"{r.tau:>7g}{r.notebook_s:>12.2f}{r.tl_s:>10.2f}{r.ratio:>12.2f}x{r.forwards:>10}{r.kept:>7}"
-                f"{r.tl_kept:>9}{r.differ:>8}{r.recovery:>10.4f}{r.tl_recovery:>13.4f}"
+                f"{r.tau:>7g}{r.notebook_s:>12.2f}{r.tl_s:>10.2f}{r.ratio:>12.2f}x{r.forwards:>10}{r.visited:>9}"
+                f"{r.kept:>7}{r.tl_kept:>9}{r.differ:>8}{r.recovery:>10.4f}{r.tl_recovery:>13.4f}"
             )
         return "\n".join(lines)
 
@@ -116,10 +117,13 @@ def acdc_bench(
     taus: tuple[float, ...] = (0.03,),
     repeats: int = 3,
     rows: int = ROWS,
+    limit: int = 0,
     seed: int = 0,
     progress: bool = True,
 ) -> ACDCBenchReport:
-    """ACDC through the notebook and the plain TransformerLens way on `n` pairs of `task`."""
+    """ACDC through the notebook and the plain TransformerLens way on `n` pairs of `task`; `limit` > 0:
+    each run stops after that many forwards (the same candidates both ways: a sample of a run too
+    long to time whole, such as Gemma's 19,638 edges on 2 cores)."""
     if not taus or min(taus) <= 0:
         raise BadArgument(f"tau must be positive thresholds, got {taus}")
     name, drawn = _pairs(model, task, n, seed)
@@ -144,7 +148,9 @@ def acdc_bench(
         runs = {}
         for r in range(repeats):
             for way, patchers in (("nb", notebooks), ("tl", ways))[:: 1 if r % 2 == 0 else -1]:
-                s, runs[way] = _timed(lambda p=patchers, t=tau: acdc(p, t))
+                s, runs[way] = _timed(
+                    lambda p=patchers, t=tau: acdc(p, t, limit=limit or None, progress=progress)
+                )
                 secs[way].append(s)
                 bar.update()
         nb, tl = runs["nb"], runs["tl"]
@@ -159,6 +165,7 @@ def acdc_bench(
                 kept=nb.size,
                 tl_kept=tl.size,
                 differ=int((nb.kept != tl.kept).sum()),
+                visited=nb.visited,
                 recovery=nb.recovery,
                 tl_recovery=tl.recovery,
             )
@@ -194,6 +201,9 @@ class ACDCBenchConfig(Options):
     )
     repeats: int = option(3, "timed ACDC runs of each way (the median is kept)", least=1)
     tl_rows: int = option(ROWS, "the TransformerLens way's candidates a forward", least=1)
+    limit: int = option(
+        0, "stop each ACDC run after this many forwards, both ways (0: run it whole)", least=0
+    )
 
 
 @analysis(
@@ -209,7 +219,14 @@ class ACDCBenchConfig(Options):
 def _run_acdc_bench(ctx: Context, cfg: ACDCBenchConfig) -> ACDCBenchReport:
     """ACDC through the notebook and through plain TransformerLens hooks: time, ratio, same decisions."""
     return acdc_bench(
-        ctx.model, cfg.task, cfg.n, taus=cfg.taus, repeats=cfg.repeats, rows=cfg.tl_rows, **ctx.common
+        ctx.model,
+        cfg.task,
+        cfg.n,
+        taus=cfg.taus,
+        repeats=cfg.repeats,
+        rows=cfg.tl_rows,
+        limit=cfg.limit,
+        **ctx.common,
     )
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from circuits.edges.graph import EdgeGraph
 from kvnotes.errors import BadArgument
@@ -71,6 +72,7 @@ class ACDCRun:
     kept: np.ndarray  # bool per edge
     recovery: float
     forwards: int
+    visited: int  # edges decided (all of them unless the run was stopped at a forward limit)
 
     @property
     def size(self) -> int:
@@ -83,9 +85,17 @@ def _recovery(patchers: Sequence[Patching], circuits: np.ndarray) -> np.ndarray:
 
 
 def acdc(
-    patchers: Sequence[Patching], tau: float, *, order: np.ndarray | None = None, chunk: int = CHUNK
+    patchers: Sequence[Patching],
+    tau: float,
+    *,
+    order: np.ndarray | None = None,
+    chunk: int = CHUNK,
+    limit: int | None = None,
+    progress: bool = False,
 ) -> ACDCRun:
-    """ACDC at threshold `tau` over `patchers` (one pair each, the same model): the circuit it keeps."""
+    """ACDC at threshold `tau` over `patchers` (one pair each, the same model): the circuit it keeps.
+    `limit`: stop after that many forwards, the edges not yet visited kept (a bench's sample of a
+    long run); `progress`: a bar over the edges visited (a large model's run takes minutes)."""
     if not patchers:
         raise BadArgument("ACDC needs at least one pair's EdgePatcher")
     if not tau >= 0:
@@ -95,7 +105,10 @@ def acdc(
     keep = np.ones(len(graph), dtype=bool)
     now = float(_recovery(patchers, keep[None])[0])
     forwards, i = 1, 0
-    while i < len(order):
+    bar = tqdm(
+        total=len(order), desc=f"ACDC tau {tau:g}", unit="edge", disable=not progress or None, leave=False
+    )
+    while i < len(order) and (limit is None or forwards < limit):
         cand, first = order[i : i + chunk], i
         rows = np.repeat(keep[None], len(cand), axis=0)
         for j, e in enumerate(cand):
@@ -109,7 +122,9 @@ def acdc(
             else:  # it stays; the rows after j assumed it gone
                 break
         chunk = min(MAX_CHUNK, max(8, 2 * (i - first)))  # long runs of removals: longer chunks
-    return ACDCRun(tau=float(tau), kept=keep, recovery=now, forwards=forwards)
+        bar.update(i - first)
+    bar.close()
+    return ACDCRun(tau=float(tau), kept=keep, recovery=now, forwards=forwards, visited=i)
 
 
 def acdc_scores(

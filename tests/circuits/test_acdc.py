@@ -82,6 +82,17 @@ def test_acdc_keeps_exactly_the_designed_circuit(mixed):
     assert run.forwards < len(labels) / 4  # chunks: far fewer forwards than edges
 
 
+def test_a_run_stopped_at_a_forward_limit_is_the_whole_run_s_first_decisions(mixed):
+    """`limit` (the bench's sample of a long run): the edges it visited are decided as the whole run
+    decides them, in its order; the rest are kept."""
+    _, sites = mixed
+    whole, part = acdc(sites, 0.03), acdc(sites, 0.03, limit=3)
+    order = visiting_order(sites[0].graph)
+    assert part.forwards == 3 and 0 < part.visited < whole.visited == len(order)
+    seen = order[: part.visited]
+    assert np.array_equal(part.kept[seen], whole.kept[seen]) and part.kept[order[part.visited :]].all()
+
+
 # thresholds away from every designed weight (0.075, 0.1, 0.225, 0.25, 0.3, 0.75), so no decision
 # rests on float rounding
 GRID = (0.01, 0.05, 0.09, 0.15, 0.24, 0.28, 0.5)
