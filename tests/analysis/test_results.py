@@ -28,6 +28,8 @@ SMALL = {
     "answers": (" yes", " no"),
     "top": 2,
     "steps": 1,
+    "repeats": 1,  # a bench's timings: one each (the round trip reads a median of one as well)
+    "limit": 8,  # bench acdc: ACDC's first 8 forwards both ways (a whole run on tiny-llama: 69)
 }
 # analyses that need a server, not a model (`bench serve`), round-trip in their own tests against it
 # (tests/test_vllm.py); so does the slot sweep, one nnsight session (tests/serving/test_remote.py)
