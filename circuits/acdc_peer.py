@@ -88,7 +88,6 @@ class TLEdgePatch:
         vocab, cols = answer_columns(patcher.metric, patcher.pair.answers)
         self.answers = list(vocab) if vocab is not None else None
         self.cols = cols
-        self.ids_new = torch.tensor(list(patcher.pair.new.ids))[None]
         with torch.no_grad(), _split_inputs(tl):
             self.old = self._cache(list(patcher.pair.old.ids))
             self.new = self._cache(list(patcher.pair.new.ids))
