@@ -455,13 +455,14 @@ def check_methods(methods: Sequence[str]) -> None:
 
 def check_programs(names: list[str]) -> None:
     """Refuse a name that is neither a shipped program (`reverse`, `tracr-reverse`) nor a user's
-    `FILE.py:NAME` whose file exists, before anything compiles."""
-    from kvnotes.zoo.names import check_program_spec, is_program_spec
-    from kvnotes.zoo.tracr import TRACR_PROGRAMS
+    `FILE.py:NAME` that defines a RASP program and what tracr needs beside it, before anything
+    compiles or is scored (a wrong last name costs no scoring of the first ones)."""
+    from kvnotes.zoo.names import is_program_spec
+    from kvnotes.zoo.tracr import TRACR_PROGRAMS, read_program
 
     for name in names:
         if is_program_spec(name):
-            check_program_spec(name)
+            read_program(name)
         elif name.removeprefix("tracr-") not in TRACR_PROGRAMS:
             raise UnknownModelError(
                 f"no tracr program {name!r}; shipped: {', '.join(TRACR_PROGRAMS)}, or your own "
@@ -559,8 +560,6 @@ def _run_ground_truth(ctx: Context, cfg: GroundTruthConfig) -> GroundTruthReport
     if not cfg.n:
         return None
     names = [p.strip() for p in cfg.programs.split(",") if p.strip()] or None
-    check_methods(cfg.method_list)
-    check_programs(names or [])
     return ground_truth_bench(
         names, n=cfg.n, steps=cfg.ig_steps, seed=ctx.seed, methods=cfg.method_list, progress=ctx.progress
     )

@@ -702,6 +702,57 @@ def load_tracr(name: str, *, device=None, dtype=None) -> TracrModel:
     return placed(_LOADED[name], device, dtype)
 
 
+@dataclass(frozen=True)
+class ProgramSource:
+    """A user's RASP program as `read_program` found it in its file, checked and not yet compiled."""
+
+    program: Any  # a rasp.SOp
+    vocab: Collection[Any]
+    max_seq_len: int
+    name: str  # the program's name in its file
+    source: str  # FILE.py:NAME as given
+    mlp_exactness: int = 100
+
+
+def read_program(
+    spec: str, vocab: Collection[Any] | None = None, max_seq_len: int | None = None
+) -> ProgramSource:
+    """Import `FILE.py` of `spec` (`FILE.py:NAME`) and check what tracr needs of it, compiling
+    nothing: NAME is a RASP SOp or a function of no arguments that returns one, and `vocab` and
+    `max_seq_len` are given or defined in the file (`VOCAB`, `MAX_SEQ_LEN`). Each wrong part is a
+    clear error that says what to define. Importing FILE.py runs it, as `python FILE.py` would."""
+    import importlib.util
+
+    rasp = tracr_rasp()
+    check_program_spec(spec)
+    m = PROGRAM_SPEC.match(spec)
+    assert m is not None
+    path, attr = Path(m["file"]).expanduser().resolve(), m["name"]
+    where = importlib.util.spec_from_file_location(f"kvnotes_program_{path.stem}", path)
+    assert where is not None and where.loader is not None
+    module = importlib.util.module_from_spec(where)
+    where.loader.exec_module(module)
+    if not hasattr(module, attr):
+        raise UnknownModelError(f"{m['file']} defines no {attr!r}; name one of its RASP programs")
+    program = getattr(module, attr)
+    if callable(program) and not isinstance(program, rasp.RASPExpr):
+        program = program()
+    if not isinstance(program, rasp.SOp):
+        raise BadArgument(
+            f"{spec} is a {type(program).__name__}, not a RASP SOp; define {attr} as a program "
+            "(e.g. rasp.Map(...)) or a function of no arguments that returns one"
+        )
+    vocab = getattr(module, "VOCAB", None) if vocab is None else vocab
+    max_seq_len = getattr(module, "MAX_SEQ_LEN", None) if max_seq_len is None else max_seq_len
+    if vocab is None or max_seq_len is None:
+        raise BadArgument(
+            f"{spec}: tracr needs the input values and the longest input; define VOCAB = "
+            f"{{...}} and MAX_SEQ_LEN = N in {m['file']}"
+        )
+    exactness = int(getattr(module, "MLP_EXACTNESS", 100))
+    return ProgramSource(program, vocab, int(max_seq_len), attr, f"{m['file']}:{attr}", exactness)
+
+
 def load_program(
     spec: str,
     vocab: Collection[Any] | None = None,
@@ -715,46 +766,19 @@ def load_program(
     `max_seq_len` default to FILE.py's `VOCAB` and `MAX_SEQ_LEN`, and tracr's `mlp_exactness` to
     its `MLP_EXACTNESS` where it sets one (else 100). Importing FILE.py runs it, as
     `python FILE.py` would: load only programs you trust."""
-    import importlib.util
-
     from kvnotes.engine.transformer_lens.model import placed
     from kvnotes.models.placement import placement
 
-    rasp = tracr_rasp()
     device, dtype = placement(device, dtype)
-    check_program_spec(spec)
-    m = PROGRAM_SPEC.match(spec)
-    assert m is not None
-    path, attr = Path(m["file"]).expanduser().resolve(), m["name"]
     if spec not in _LOADED:
-        where = importlib.util.spec_from_file_location(f"kvnotes_program_{path.stem}", path)
-        assert where is not None and where.loader is not None
-        module = importlib.util.module_from_spec(where)
-        where.loader.exec_module(module)
-        if not hasattr(module, attr):
-            raise UnknownModelError(f"{m['file']} defines no {attr!r}; name one of its RASP programs")
-        program = getattr(module, attr)
-        if callable(program) and not isinstance(program, rasp.RASPExpr):
-            program = program()
-        if not isinstance(program, rasp.SOp):
-            raise BadArgument(
-                f"{spec} is a {type(program).__name__}, not a RASP SOp; define {attr} as a program "
-                "(e.g. rasp.Map(...)) or a function of no arguments that returns one"
-            )
-        vocab = getattr(module, "VOCAB", None) if vocab is None else vocab
-        max_seq_len = getattr(module, "MAX_SEQ_LEN", None) if max_seq_len is None else max_seq_len
-        if vocab is None or max_seq_len is None:
-            raise BadArgument(
-                f"{spec}: tracr needs the input values and the longest input; define VOCAB = "
-                f"{{...}} and MAX_SEQ_LEN = N in {m['file']}"
-            )
+        read = read_program(spec, vocab, max_seq_len)
         _LOADED[spec] = compile_program(
-            program,
-            vocab,
-            int(max_seq_len),
-            name=f"{PREFIX}{attr}",
-            source=f"{m['file']}:{attr}",
-            mlp_exactness=int(getattr(module, "MLP_EXACTNESS", 100)),
+            read.program,
+            read.vocab,
+            read.max_seq_len,
+            name=f"{PREFIX}{read.name}",
+            source=read.source,
+            mlp_exactness=read.mlp_exactness,
         )
     return placed(_LOADED[spec], device, dtype)
 
@@ -984,6 +1008,8 @@ __all__ = [
     "input_pairs",
     "library_names",
     "load_program",
+    "read_program",
+    "ProgramSource",
     "load_tracr",
     "make_evaluator",
     "pair_set",

@@ -212,5 +212,12 @@ def test_a_bad_program_name_is_refused_with_its_fix(name, says, tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     (tmp_path / "same.py").write_text(SAME_ENDS)
     (tmp_path / "novocab.py").write_text(SAME_ENDS.replace('VOCAB = {"x", "y", "z"}', ""))
+
+    def compiled(*args, **kwargs):
+        raise AssertionError(f"{name}: a program was compiled before the bad name was refused")
+
+    # refused before anything compiles or is scored: `reverse`, named first, is never run
+    monkeypatch.setattr("kvnotes.zoo.tracr.compile_program", compiled)
+    monkeypatch.setattr("circuits.ground_truth.score_program", compiled)
     assert main(["bench", "ground-truth", "--programs", f"reverse,{name}", "--n", "2"]) == 2
     assert says in capsys.readouterr().err
