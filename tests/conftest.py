@@ -7,7 +7,19 @@ import os
 import pytest
 import torch
 
-from tests.helpers import LEARNED_NAMES, MODEL_NAMES, ROTARY_NAMES, WINDOWED, Case, get_model, make_case
+from tests import typechecks
+
+typechecks.install()  # runtime type checks on kvnotes' packages: before anything imports them
+
+from tests.helpers import (  # noqa: E402
+    LEARNED_NAMES,
+    MODEL_NAMES,
+    ROTARY_NAMES,
+    WINDOWED,
+    Case,
+    get_model,
+    make_case,
+)
 
 
 def pytest_configure(config):

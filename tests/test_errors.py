@@ -201,7 +201,7 @@ def test_answer_token_must_be_one_token(gemma3):
 
 
 def test_runtime_type_checks_are_on():
-    """pyproject's addopts run kvnotes under jaxtyping + beartype: a wrong dtype is caught."""
+    """The suite runs kvnotes under jaxtyping + beartype (tests/typechecks.py): a wrong dtype is caught."""
     from kvnotes.metrics import logit_diff
 
     with pytest.raises(Exception, match=r"(?s)[Tt]ype-check error.*parameter 'logits'"):

@@ -50,6 +50,7 @@ from types import FrameType
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvnotes.engine.profile import wraps_calls
 from kvnotes.models.placement import same_device
 
 EXITS = frozenset({"cpu", "numpy", "tolist", "item", "__float__", "__int__", "__bool__", "__index__"})
@@ -173,11 +174,16 @@ def _package(frame) -> str:
     return str(frame.f_globals.get("__name__", "")).split(".")[0]
 
 
+def _passed_over(frame) -> bool:
+    """This module's frames, torch's and the type checkers' (and any module marked a wrapper)."""
+    return frame.f_globals.get("__name__") == __name__ or _package(frame) in _WRAPPERS or wraps_calls(frame)
+
+
 def _caller() -> str:
     """The top-level package of the Python code that made the call (this module, torch's and the
     type checkers' wrappers passed over)."""
     frame: FrameType | None = sys._getframe(3)
-    while frame is not None and (frame.f_globals.get("__name__") == __name__ or _package(frame) in _WRAPPERS):
+    while frame is not None and _passed_over(frame):
         frame = frame.f_back
     return _package(frame) if frame is not None else ""
 
@@ -190,7 +196,7 @@ def _where() -> str:
     inner = None
     while frame is not None:
         path = frame.f_code.co_filename
-        if frame.f_globals.get("__name__") != __name__ and _package(frame) not in _WRAPPERS:
+        if not _passed_over(frame):
             inner = inner or f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
             if path.startswith(PROJECT):
                 outer = f"{_short(path)}:{frame.f_lineno} in {frame.f_code.co_name}"

@@ -24,6 +24,16 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 _WRAPPERS = {"contextlib", "jaxtyping", "beartype"}  # their frames wrap a call: the caller is above them
+# a module whose globals set this true wraps the calls it passes on (the tests' run-time type checks,
+# tests/typechecks.py): the engine's stack readers pass over its frames, as over jaxtyping's
+WRAPPER_MARK = "__kvnotes_wrapper__"
+
+
+def wraps_calls(frame: FrameType) -> bool:
+    """Whether `frame` belongs to a module that declares itself a wrapper (`WRAPPER_MARK`)."""
+    return frame.f_globals.get(WRAPPER_MARK) is True
+
+
 _active: Profile | None = None
 _label: str = ""
 _depth = 0  # nested run() calls (a chunked prefill) are inside their caller's record
@@ -164,7 +174,7 @@ def _caller() -> str:
     """The first function on the stack outside the engine and the wrappers around calls (context
     managers, run-time type checkers): the operation that called `run`."""
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and _passes_through(frame.f_globals.get("__name__", "")):
+    while frame is not None and (_passes_through(frame.f_globals.get("__name__", "")) or wraps_calls(frame)):
         frame = frame.f_back
     return frame.f_code.co_name if frame is not None else "?"
 
@@ -174,4 +184,14 @@ def _passes_through(module: str) -> bool:
     return engine or module.split(".")[0] in _WRAPPERS
 
 
-__all__ = ["Call", "Profile", "active", "label", "matmul_flops", "profile", "record"]
+__all__ = [
+    "WRAPPER_MARK",
+    "Call",
+    "Profile",
+    "active",
+    "label",
+    "matmul_flops",
+    "profile",
+    "record",
+    "wraps_calls",
+]
