@@ -17,8 +17,8 @@ function, method and dataclass a check:
 What they cost: `python scripts/typecheck_cost.py` runs every analysis once on tiny-llama (the
 fixture of tests/analysis/test_results.py) unchecked, under jaxtyping's own import hook (the
 suite's checks until this one) and under this hook, each in a fresh process, and prints the
-times (on a 2-core x86_64 machine: 31.5 s, 77.4 s and 46-48 s). `KVNOTES_TYPECHECK=jaxtyping`
-runs the suite under jaxtyping's hook instead, to compare.
+times (on a 2-core x86_64 machine, two runs: 31.5 and 32.4 s, 77.4 and 60.5 s, 47 and 41 s).
+`KVNOTES_TYPECHECK=jaxtyping` runs the suite under jaxtyping's hook instead, to compare.
 """
 
 from __future__ import annotations
