@@ -171,7 +171,7 @@ def test_every_method_s_figures_on_a_program_where_they_differ():
     """dyck, where the methods part (docs/circuits.md's table): every method's precision and
     AUROC at edge and node level as measured on 3 pairs (above; edge pruning and the ensemble over
     it are the bench's, not run here: 300 optimiser steps a pair).
-    Held to 0.02 (0.1 at a kink, above): over about 1,100 edges and 6 pairs, a tie broken the other
+    Held to 0.02 (0.1 at a kink, above): over about 1,100 edges and 3 pairs, a tie broken the other
     way by another CPU's rounding moves an AUROC by far less, while AUROC on signed scores, a node
     scored as the sum of its edges' sizes, or a method scoring another method's run moves dyck's
     figures by 0.1-0.2, visible in the methods held to 0.02."""
