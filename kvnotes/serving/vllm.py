@@ -263,13 +263,38 @@ def server_command(
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. A zombie does not count: an orphaned worker
+    that has exited waits for init to reap it (about a second on some machines, never under an
+    init that does not reap), and there is nothing left to stop."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    members = _group_states(pgid)
+    return members is None or any(state != "Z" for state in members)
+
+
+def _group_states(pgid: int) -> list[str] | None:
+    """The states ("R", "S", "Z", ...) of group `pgid`'s processes, read from /proc; None where
+    there is no /proc to read (then every member counts as running)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return None
+    states = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended while we looked
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after its ")"
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            states.append(fields[0])
+    return states
 
 
 def stop(process: subprocess.Popen, *, grace: float = 30) -> None:
@@ -338,13 +363,14 @@ def launch(
     url = f"http://{host}:{port}"
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
     say(f"starting {dist} on {url} (log: {log_path}): {' '.join(cmd[1:])}")
-    # the SIGTERM handler goes in before the server starts: a kill that lands between the two would
-    # otherwise end this process and leave the server running
-    restore = _stop_on_sigterm()
+    # the SIGTERM handler goes in before the server starts, and only records a kill until the
+    # `try` below is entered: one that lands while the server is being spawned would otherwise raise
+    # where nothing stops it, and leave the server running
+    sigterm = _SigtermToExit()
     try:
         process = _spawn(cmd, log_path)
     except BaseException:
-        restore()
+        sigterm.restore()
         raise
     server = Server(
         url=url,
@@ -354,6 +380,7 @@ def launch(
         info={"vllm": dist, "command": cmd[1:], "eager": eager},
     )
     try:
+        sigterm.arm()  # a kill recorded since the handler went in is raised here, inside the `try`
         start = time.monotonic()
         _wait_ready(server, start + ready_timeout, ready_timeout, httpx, say)
         server.check_prefix_caching()
@@ -361,8 +388,9 @@ def launch(
         say(f"vLLM ready in {server.info['ready_s']} s")
         yield server
     finally:
+        sigterm.hold()  # a kill while stopping must not cut the stop short; restore() passes it on
         stop(process)
-        restore()
+        sigterm.restore()
         if _group_alive(process.pid):  # pragma: no cover - SIGKILL failed
             print(f"warning: vLLM's process group {process.pid} survived SIGKILL", file=sys.stderr)
 
@@ -393,20 +421,42 @@ def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
         )
 
 
-def _stop_on_sigterm():
+class _SigtermToExit:
     """While a server runs, SIGTERM (a `kill`, a CI timeout) raises SystemExit in the main thread,
-    so the `finally` that stops the server runs; Python's default would exit without it. Returns
-    the function that restores the previous handler."""
-    import threading
+    so the `finally` that stops the server runs; Python's default would exit without it. Until
+    `arm()`, a SIGTERM is only recorded, and `arm()` raises it: the server is spawned between the two,
+    where an exception would leave it running. `hold()` goes back to recording (the server is being
+    stopped), and `restore()` puts the previous handler back and hands it a kill still recorded."""
 
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+    def __init__(self) -> None:
+        import threading
 
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
+        self.armed = False
+        self.received: int | None = None
+        self.installed = threading.current_thread() is threading.main_thread()
+        # None: a handler set outside Python, which signal.signal cannot put back; the default then
+        self.previous = signal.signal(signal.SIGTERM, self._handle) if self.installed else None
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    def _handle(self, signum, frame) -> None:
+        if self.armed:
+            raise SystemExit(128 + signum)
+        self.received = signum
+
+    def arm(self) -> None:
+        self.armed = True
+        if self.received is not None:
+            raise SystemExit(128 + self.received)
+
+    def hold(self) -> None:
+        self.armed = False
+        self.received = None
+
+    def restore(self) -> None:
+        if self.installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
+            self.installed = False
+            if self.received is not None:
+                os.kill(os.getpid(), self.received)
 
 
 def _wait_ready(server: Server, deadline: float, timeout: float | int, httpx, say) -> None:

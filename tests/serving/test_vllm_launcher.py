@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.serving.vllm import ServerError, connect, launch, parse_metrics
+from kvnotes.serving.vllm import ServerError, _group_alive, connect, launch, parse_metrics
 from tests.waiting import until
 
 pytestmark = pytest.mark.timing  # server processes started, signalled and waited on
@@ -175,6 +175,27 @@ def test_bad_environments_and_model_directories_name_the_way_out(tmp_path):
             pass
 
 
+def sigterm_the_launcher(pids: Path, code: str, *, send: bool = True) -> None:
+    """Run `code` (which launches the stand-in in "hang" mode) in a process of its own, SIGTERM that
+    process once the stand-in has written its pids (with `send`; else `code` signals itself; a second
+    kill would land while the server is being stopped, which passes it on), and check it ended
+    through launch()'s handler (SystemExit(128 + 15), not the default action, which would skip the
+    `finally` that stops the server) and left no server process behind."""
+    env = {**os.environ, "FAKE_VLLM": "hang", "FAKE_VLLM_PIDS": str(pids)}
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+    until(
+        pids.exists,
+        timeout=START_S,
+        what="the stand-in server started by launch()",
+        stop=lambda: p.poll() is not None and f"the launching process exited with code {p.returncode}",
+    )
+    if send:
+        p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, f"exit code {p.returncode}; its stderr:\n{err}"
+    assert_all_stopped(pids)
+
+
 def test_sigterm_to_the_benchmark_still_stops_the_server(fake, tmp_path):
     """A `kill` of the process that launched the server (a CI timeout) must not orphan it."""
     python, pids = fake
@@ -184,18 +205,56 @@ def test_sigterm_to_the_benchmark_still_stops_the_server(fake, tmp_path):
         f"with launch({model!r}, python={str(python)!r}, ready_timeout=300, progress=False):\n"
         "    pass\n"
     )
-    env = {**os.environ, "FAKE_VLLM": "hang", "FAKE_VLLM_PIDS": str(pids)}
-    p = subprocess.Popen([sys.executable, "-c", code], env=env)
-    # the stand-in writes its pids once started, and launch() stops it on SIGTERM from before it starts
-    until(
-        pids.exists,
-        timeout=START_S,
-        what="the stand-in server started by launch()",
-        stop=lambda: p.poll() is not None and f"the launching process exited with code {p.returncode}",
+    sigterm_the_launcher(pids, code)
+
+
+def test_a_sigterm_while_the_server_is_being_spawned_still_stops_it(fake, tmp_path):
+    """The kill lands after the server process exists but before launch() holds it in its `try`
+    (here: as its spawn returns, once the stand-in has started). Raising there would leave the server
+    running; launch() records the kill and raises it inside the `try` instead."""
+    python, pids = fake
+    code = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from pathlib import Path
+        import kvnotes.serving.vllm as v
+        spawn = v._spawn
+        def spawn_then_kill(cmd, log):
+            process = spawn(cmd, log)
+            while not Path({str(pids)!r}).exists():
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # bytecodes, at which Python runs the handler
+                pass
+            return process
+        v._spawn = spawn_then_kill
+        with v.launch({str(tmp_path / "model")!r}, python={str(python)!r}, ready_timeout=300, progress=False):
+            pass
+        """
     )
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=60) != 0
-    assert_all_stopped(pids)
+    sigterm_the_launcher(pids, code, send=False)
+
+
+def test_a_group_of_zombies_is_stopped():
+    """An exited process that nobody has reaped yet still answers killpg(pgid, 0); stop() must not
+    wait for init to reap it (on a machine whose init never does, it would wait forever)."""
+    exited = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    running = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        until(
+            lambda: Path(f"/proc/{exited.pid}/stat").read_text().rsplit(")", 1)[1].split()[0],
+            lambda state: state == "Z",
+            timeout=START_S,
+            what="the exited process a zombie",
+        )
+        os.killpg(exited.pid, 0)  # the kernel still counts the zombie in its group
+        assert not _group_alive(exited.pid)
+        assert _group_alive(running.pid)
+    finally:
+        running.kill()
+        running.wait()
+        exited.wait()
+    assert not _group_alive(running.pid)
 
 
 def test_missing_counters_are_named():
