@@ -7,7 +7,7 @@ hypothesis preserves, how fast gradients rank it, and which SAE features carry i
     model = load_model("gemma-3-270m")
     trials = make_trials(model, "order-cancel", n=8)
     read_heads(trials).tables["ranking"][:5]           # the heads that read the conclusion
-    run_circuits(model, "order-cancel", n=8)          # every analysis, as one CircuitReport
+    run_circuits(model, "order-cancel", n=8)          # every analysis, as one SectionReport
 
 Each analysis is declared in the registry (`kvnotes.analysis.registry`) beside its code.
 """
@@ -28,9 +28,6 @@ from kvnotes.analysis.results import SectionReport
 from kvnotes.analysis.runner import run_section
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
-
-CircuitReport = SectionReport  # the circuits section's report: one class for every section
-
 
 register_section(
     Section(
@@ -85,7 +82,7 @@ def run_circuits(
     sae=None,
     min_effect: float = MIN_EFFECT,
     progress: bool = True,
-) -> CircuitReport:
+) -> SectionReport:
     """Run the named circuit analyses on `n` pairs of `task`, sharing prefills among them.
 
     Scrubbing's hypothesis uses the top `k_max` read heads (so it runs the read side first); the
@@ -95,7 +92,7 @@ def run_circuits(
     >>> from kvnotes import load_model
     >>> r = run_circuits(load_model("tiny-llama"), "order-cancel", ["read_heads"], n=2, min_effect=0.0,
     ...                  progress=False)
-    >>> round(r.analyses["read_heads"].parts["all_heads"].mean, 2)  # every head patched: the new decision
+    >>> round(r.results["read_heads"].parts["all_heads"].mean, 2)  # every head patched: the new decision
     1.0
     """
     from kvnotes.analysis.registry import get
@@ -109,7 +106,7 @@ def run_circuits(
 
 __all__ = [
     "ANALYSES",
-    "CircuitReport",
+    "SectionReport",
     "run_circuits",
     "read_heads",
     "write_heads",

@@ -20,7 +20,7 @@ import torch
 
 from circuits.heads import all_heads, read_sweep
 from kvnotes.analysis.registry import Context, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument
 from kvnotes.hooks import hook_name
@@ -30,7 +30,7 @@ from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, PromptLike, query_tokens
 from kvnotes.types import Float, Tensor
 from probes.causal import effect_estimate, split_by_effect
-from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials, with_progress
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,7 +171,7 @@ def attribute(
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttributionPatching(ProbeResult):
+class AttributionPatching(TaskResult):
     """Gradient attribution against activation patching: rank agreement (heads, slots), overlap of
     the top heads, and speed; table `heads` with both scores per head."""
 
@@ -190,7 +190,7 @@ class AttributionPatching(ProbeResult):
     timing: str
 
 
-def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MIN_EFFECT) -> ProbeResult:
+def attribution(trials: Sequence[Trial], *, top: int = 5, min_effect: float = MIN_EFFECT) -> TaskResult:
     """Attribution patching against activation patching, for slots (the field's and the note
     slots, all layers at once) and heads (output at the decision).
 
@@ -282,7 +282,7 @@ class SlotScores:
 
 
 @dataclass(frozen=True)
-class AttributionConfig(Pairs):
+class AttributionConfig(PairOptions):
     top: int = option(5, "top heads compared between the two rankings", least=1, heads=True)
 
 

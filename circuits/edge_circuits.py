@@ -23,8 +23,8 @@ import numpy as np
 
 from circuits.edges import (
     ATTENTION,
+    ATTRIBUTION_METHODS,
     GROUPS,
-    METHODS,
     EdgeGraph,
     EdgePatcher,
     edge_graph,
@@ -35,16 +35,17 @@ from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, 
 from circuits.edges.faithfulness import area, cross_fit, dataset_areas
 from circuits.edges.methods import PRUNING, method_scores
 from kvnotes.analysis.registry import Context, analysis, option
-from kvnotes.analysis.results import Curve, Estimate, ProbeResult
+from kvnotes.analysis.results import Curve, Estimate, TaskResult
 from kvnotes.errors import BadOption
 from kvnotes.metrics import spearman
 from probes.causal import effect_estimate, split_by_effect
-from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials
+from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials
 
 EXHAUSTIVE = 4096  # graphs up to this many edges are patched edge by edge in full
 STEP_CHOICES = (2, 4, 8, 16, 32)
 CONVERGED = 0.01  # IG steps are enough when doubling them moves no edge's score by more than this
-_KEY = {"eap": "eap", "eap-ig": "eap_ig", "atp*": "atp"}  # every run: METHODS, each with its parts' key
+# every run: ATTRIBUTION_METHODS, each with its parts' key
+_KEY = {"eap": "eap", "eap-ig": "eap_ig", "atp*": "atp"}
 # asked for by name (`--methods`): EAP-IG on the activations, ACDC's sweep, edge pruning, the ensemble
 EXTRA = {
     "eap-ig-act": "eap_ig_act",
@@ -59,12 +60,12 @@ GROUP_TOKENS = 48  # tokens of each position group the result keeps for reading 
 CURVES = ("faithfulness", "random", "greedy")
 
 
-def converged_steps(site: EdgePatcher, *, tol: float = CONVERGED) -> tuple[int, list[dict]]:
+def converged_steps(patcher: EdgePatcher, *, tol: float = CONVERGED) -> tuple[int, list[dict]]:
     """The fewest EAP-IG steps of `STEP_CHOICES` whose scores move by less than `tol` (recovery units,
     the largest over edges) when the steps are doubled, and the table of every comparison."""
     prev, rows, chosen = None, [], None
     for s in STEP_CHOICES:
-        sc = score_edges(site, "eap-ig", steps=s).scores
+        sc = score_edges(patcher, "eap-ig", steps=s).scores
         if prev is not None:
             change = float(np.abs(sc - prev[1]).max())
             rows.append({"steps": prev[0], "doubled": s, "max_change": change})
@@ -75,7 +76,7 @@ def converged_steps(site: EdgePatcher, *, tol: float = CONVERGED) -> tuple[int, 
 
 
 @dataclass(frozen=True, kw_only=True)
-class EdgeCircuits(ProbeResult):
+class EdgeCircuits(TaskResult):
     """Edge scores against exact edge patching, and cross-fitted circuits' faithfulness."""
 
     PARTS = (
@@ -161,23 +162,25 @@ def analyse_edges(
     bad = [m for m in (*extra, method) if m not in KEYS]
     if bad:
         raise BadOption(f"unknown edge method {bad[0]!r}; choose from {', '.join(KEYS)}")
-    methods = tuple(dict.fromkeys((*METHODS, *extra, method)))
+    methods = tuple(dict.fromkeys((*ATTRIBUTION_METHODS, *extra, method)))
     used, excluded = split_by_effect(trials, min_effect)
     rng = np.random.default_rng(seed)
-    sites = [edge_patcher(t.model, t.pair, metric=t.metric) for t in used]
-    graph = sites[0].graph if sites else None
+    patchers = [edge_patcher(t.model, t.pair, metric=t.metric) for t in used]
+    graph = patchers[0].graph if patchers else None
     convergence: list[dict] = []
-    if sites and steps == 0:
-        steps, convergence = converged_steps(sites[0])
+    if patchers and steps == 0:
+        steps, convergence = converged_steps(patchers[0])
     steps = steps or STEP_CHOICES[-1]
     parts: dict[str, list] = {k: [] for k in EdgeCircuits.PARTS if k not in ("effect",)}
-    for m in methods[len(METHODS) :]:
+    for m in methods[len(ATTRIBUTION_METHODS) :]:
         parts |= {f"rho_{KEYS[m]}": [], f"recall_{KEYS[m]}": [], f"{KEYS[m]}_seconds": []}
     patch_all = bool(graph is not None and len(graph) <= exhaustive)
-    checked = _against_exact(sites, used, methods, steps, exact if not patch_all else None, top, rng, parts)
+    checked = _against_exact(
+        patchers, used, methods, steps, exact if not patch_all else None, top, rng, parts
+    )
     scores, exact_rows, cost = checked
     clusters = clusters_of(used)
-    curves, note = _circuit_curves(sites, used, scores[method], draws, rng, parts, seed=seed)
+    curves, note = _circuit_curves(patchers, used, scores[method], draws, rng, parts, seed=seed)
     est = {
         k: Estimate.of(v, seed=seed, clusters=clusters if len(v) == len(clusters) else None)
         for k, v in parts.items()
@@ -211,43 +214,43 @@ def analyse_edges(
         else f"a random {exact} per pair and each method's top {2 * top}",
         cost=cost,
         groups=GROUPS,
-        group_tokens=_group_tokens(sites[0]) if sites else {},
+        group_tokens=_group_tokens(patchers[0]) if patchers else {},
         circuits_note=note,
         description="edge-level circuits over the notebook: EAP, EAP-IG and AtP* against exact edge "
         "patching; cross-fitted circuits' faithfulness against matched random circuits",
     )
 
 
-def _against_exact(sites, used, methods, steps: int, exact: int | None, top: int, rng, parts: dict):
+def _against_exact(patchers, used, methods, steps: int, exact: int | None, top: int, rng, parts: dict):
     """Each pair's edges scored by every method of `methods` (timed) and patched exactly (every edge,
     or with `exact` a random sample plus each method's top 2 `top`): rho, recall@top and the times
     into `parts`. Returns the scores per method, the exact rows (indices, effects) and the passes."""
     scores: dict[str, list[np.ndarray]] = {m: [] for m in methods}
     exact_rows: list[tuple[np.ndarray, np.ndarray]] = []
     cost: dict[str, dict] = {}
-    for site in _progress(sites, used, "edges"):
+    for patcher in _progress(patchers, used, "edges"):
         made: dict[str, np.ndarray] = {}
         for m in methods:
-            t0, f0, b0 = time.perf_counter(), site.forwards, site.backwards
-            made[m] = method_scores(site, m, steps=steps, made=made)
+            t0, f0, b0 = time.perf_counter(), patcher.forwards, patcher.backwards
+            made[m] = method_scores(patcher, m, steps=steps, made=made)
             parts[f"{KEYS[m]}_seconds"].append(time.perf_counter() - t0)
             scores[m].append(made[m])
             cost[m] = {
-                "forwards": site.forwards - f0,
-                "backwards": site.backwards - b0,
+                "forwards": patcher.forwards - f0,
+                "backwards": patcher.backwards - b0,
                 "steps": _steps(m, steps),
             }
-        E = len(site.graph)
+        E = len(patcher.graph)
         if exact is None:
             idx = sample = np.arange(E)
         else:
             sample = rng.choice(E, size=min(exact, E), replace=False)
             tops = [np.argsort(-np.abs(scores[m][-1]))[: 2 * top] for m in methods]
             idx = np.unique(np.concatenate([sample, *tops]))
-        f0, t0 = site.forwards, time.perf_counter()
-        ex = site.exact(idx)
+        f0, t0 = patcher.forwards, time.perf_counter()
+        ex = patcher.exact(idx)
         t_exact = time.perf_counter() - t0
-        cost["exact"] = {"forwards": site.forwards - f0, "edges": int(len(idx))}
+        cost["exact"] = {"forwards": patcher.forwards - f0, "edges": int(len(idx))}
         parts["exact_seconds"].append(t_exact)
         parts["exhaustive_seconds"].append(t_exact / len(idx) * E)
         parts["speedup"].append(parts["exhaustive_seconds"][-1] / parts["eap_ig_seconds"][-1])
@@ -271,23 +274,23 @@ def _steps(method: str, ig_steps: int) -> int:
     return PRUNING.steps if method == "pruning" else 1
 
 
-def _circuit_curves(sites, used, chosen: list[np.ndarray], draws: int, rng, parts: dict, *, seed: int):
+def _circuit_curves(patchers, used, chosen: list[np.ndarray], draws: int, rng, parts: dict, *, seed: int):
     """Cross-fitted faithfulness curves (top, greedy and matched random circuits at every size),
     each pair's CPR and CMD into `parts`, and the dataset-mean (MIB) figures beside them. Returns
     the curves (per curve, per size, a value per pair) and the note on how they were fitted."""
-    folds = cross_fit(len(sites))
+    folds = cross_fit(len(patchers))
     if not folds:
-        n = len(sites)
+        n = len(patchers)
         return {}, (
             f"no circuits scored: {n} usable pair{'s' if n != 1 else ''}; out-of-sample circuits need "
             "at least 2 (one to choose on, one to score); raise --n or lower --min-effect"
         )
-    graph = sites[0].graph
+    graph = patchers[0].graph
     sizes = sizes_for(len(graph))
     scores = np.array(chosen)
-    rec = {name: np.zeros((len(sites), len(sizes))) for name in CURVES}
-    for i, site in enumerate(_progress(sites, used, "edge circuits")):
-        rec_i, random_draws = _pair_curves(site, scores[folds[i]].mean(0), sizes, draws, rng)
+    rec = {name: np.zeros((len(patchers), len(sizes))) for name in CURVES}
+    for i, patcher in enumerate(_progress(patchers, used, "edge circuits")):
+        rec_i, random_draws = _pair_curves(patcher, scores[folds[i]].mean(0), sizes, draws, rng)
         for name in CURVES:
             rec[name][i] = rec_i[name]
         for name, part in (("faithfulness", "faithfulness"), ("greedy", "greedy")):
@@ -298,7 +301,7 @@ def _circuit_curves(sites, used, chosen: list[np.ndarray], draws: int, rng, part
         each = [area(sizes, d, len(graph)) for d in random_draws]  # every draw's own curve
         parts["random_auc"].append(float(np.mean([a for a, _ in each])))
         parts["random_cmd"].append(float(np.mean([c for _, c in each])))
-    effects = np.array([s.effect for s in sites])
+    effects = np.array([s.effect for s in patchers])
     for name in ("faithfulness", "random"):
         cpr, cmd = dataset_areas(sizes, rec[name], effects, len(graph), seed=seed)
         parts[f"{name}_auc_mib"], parts[f"{name}_cmd_mib"] = cpr, cmd
@@ -306,11 +309,11 @@ def _circuit_curves(sites, used, chosen: list[np.ndarray], draws: int, rng, part
     return curves, "each pair's circuits chosen on the other half of the pairs"
 
 
-def _pair_curves(site, mean: np.ndarray, sizes: list[int], draws: int, rng):
+def _pair_curves(patcher, mean: np.ndarray, sizes: list[int], draws: int, rng):
     """One pair's recovery at every size for the top and greedy circuits of `mean` (scores chosen
     on other pairs) and the mean of `draws` matched random circuits, in one batch of patches; and
     each random draw's own curve [draws, sizes]."""
-    graph = site.graph
+    graph = patcher.graph
     grown = greedy_order(graph, mean)
     rows, tags = [], []
     for j, k in enumerate(sizes):
@@ -320,7 +323,7 @@ def _pair_curves(site, mean: np.ndarray, sizes: list[int], draws: int, rng):
         for d in range(draws):
             rows.append(matched_random(graph, c, rng))
             tags.append(("random", j, d))
-    got = site.patch(np.stack(rows))
+    got = patcher.patch(np.stack(rows))
     out = {name: np.zeros(len(sizes)) for name in CURVES}
     random_draws = np.zeros((draws, len(sizes)))
     for (name, j, d), r in zip(tags, got):
@@ -332,11 +335,11 @@ def _pair_curves(site, mean: np.ndarray, sizes: list[int], draws: int, rng):
     return out, random_draws
 
 
-def _progress(sites: list, trials: Sequence[Trial], desc: str):
-    """`sites` with a progress bar unless the trials were made quiet."""
+def _progress(patchers: list, trials: Sequence[Trial], desc: str):
+    """`patchers` with a progress bar unless the trials were made quiet."""
     from tqdm.auto import tqdm
 
-    return tqdm(sites, desc=desc, unit="pair", disable=not (trials and trials[0].progress))
+    return tqdm(patchers, desc=desc, unit="pair", disable=not (trials and trials[0].progress))
 
 
 def _tables(graph: EdgeGraph, scores: list[np.ndarray], exact_rows) -> tuple[list, list]:
@@ -408,11 +411,11 @@ def _node_table(graph: EdgeGraph, scores: list[np.ndarray], graph_rows: list[dic
     return sorted(rows, key=lambda r: -abs(r["score"]))
 
 
-def _group_tokens(site: EdgePatcher) -> dict[str, list[str]]:
-    """The new prompt's tokens in each position group of `site` (the first `GROUP_TOKENS`)."""
-    strings = site.model.token_strings(site.ids_new)
+def _group_tokens(patcher: EdgePatcher) -> dict[str, list[str]]:
+    """The new prompt's tokens in each position group of `patcher` (the first `GROUP_TOKENS`)."""
+    strings = patcher.model.token_strings(patcher.ids_new)
     out: dict[str, list[str]] = {}
-    for t, g in zip(strings, site.groups.tolist()):
+    for t, g in zip(strings, patcher.groups.tolist()):
         got = out.setdefault(GROUPS[g], [])
         if len(got) < GROUP_TOKENS:
             got.append(t)
@@ -420,7 +423,7 @@ def _group_tokens(site: EdgePatcher) -> dict[str, list[str]]:
 
 
 @dataclass(frozen=True)
-class EdgesConfig(Pairs):
+class EdgesConfig(PairOptions):
     ig_steps: int = option(
         0, "EAP-IG steps (0: the fewest of 2-32 whose scores doubling moves < 0.01)", least=0
     )

@@ -67,13 +67,13 @@ from circuits.sae import (
     train_sae,
 )
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, ProbeResult
+from kvnotes.analysis.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, TaskResult
 from kvnotes.engine.guard import allow
 from kvnotes.errors import BadArgument
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
 from probes.causal import split_by_effect
-from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials
+from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials
 
 Labels = Int[np.ndarray, " n"] | Bool[np.ndarray, " n"]  # the answer index (conclusion) of each prompt
 TOP = 32  # features ranked by AUC whose single-feature recovery is measured
@@ -102,7 +102,7 @@ class Located:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SAEFeatures(ProbeResult):
+class SAEFeatures(TaskResult):
     """SAE features that decode the conclusion (AUC) against those that carry it (patched)."""
 
     PARTS = (
@@ -199,7 +199,7 @@ def sae_analysis(
     sae=None,
     min_effect: float = MIN_EFFECT,
     progress: bool = True,
-) -> ProbeResult:
+) -> TaskResult:
     """Which SAE features at the site decode the conclusion, and which carry it (module docstring).
 
     Trains an SAE (`train_sae`) unless `sae` is given (its layer then comes from its hook name).
@@ -539,7 +539,7 @@ def _causal(patchers: Sequence[FeaturePatcher], top: Sequence[int], cfg: SAEConf
 
 
 @dataclass(frozen=True)
-class SAEOptions(Pairs):
+class SAEOptions(PairOptions):
     sae_site: str = option(
         "auto",
         "where the SAE reads and features are patched: the note slots, the decision "

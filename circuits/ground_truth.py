@@ -10,7 +10,7 @@ whose output someone downstream reads gives the known circuit in the notebook's 
 (`circuits.edges`): residual edges writer -> reader at each position group, and attention edges
 from the KV slots a head's queries select. Node level: the heads and MLPs those edges touch.
 
-Per program and method (`METHODS`: EAP, EAP-IG on the inputs and on the activations, AtP*, exact
+Per program and method (`GROUND_TRUTH_METHODS`: EAP, EAP-IG on the inputs and on the activations, AtP*, exact
 edge patching, ACDC's threshold sweep, edge pruning and the two rank-average ensembles; see
 `circuits.edges.methods`), against the known circuit, as
 InterpBench reports them: precision and recall of the top |known| by |score|, and AUROC of |score|,
@@ -37,7 +37,17 @@ from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, analysis, op
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
 from kvnotes.errors import BadArgument, UnknownModelError
 
-METHODS = ("eap", "eap-ig", "eap-ig-act", "atp*", "exact", "acdc", "pruning", "ensemble", "eap-ig+acdc")
+GROUND_TRUTH_METHODS = (
+    "eap",
+    "eap-ig",
+    "eap-ig-act",
+    "atp*",
+    "exact",
+    "acdc",
+    "pruning",
+    "ensemble",
+    "eap-ig+acdc",
+)
 
 
 # --- the known circuit in the edge graph -----------------------------------------------------------
@@ -389,7 +399,9 @@ def _dropped(p: dict) -> str:
     )
 
 
-def score_program(model, pairs, *, steps: int = 8, methods: Sequence[str] = METHODS, progress: bool = True):
+def score_program(
+    model, pairs, *, steps: int = 8, methods: Sequence[str] = GROUND_TRUTH_METHODS, progress: bool = True
+):
     """Per method (of `methods`) and level, each pair's (precision, recall, AUROC); and the known
     circuits' sizes and faithfulness, for one compiled program's `pairs`."""
     names = components(model)
@@ -445,10 +457,10 @@ def _load(name: str):
 
 def check_methods(methods: Sequence[str]) -> None:
     """Refuse an empty list or a method the bench does not know, before anything compiles."""
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in GROUND_TRUTH_METHODS]
     if bad or not methods:
         raise BadArgument(
-            f"the bench's methods are {', '.join(METHODS)} (comma-separated); got "
+            f"the bench's methods are {', '.join(GROUND_TRUTH_METHODS)} (comma-separated); got "
             + (f"{bad[0]!r}" if bad else "none")
         )
 
@@ -476,7 +488,7 @@ def ground_truth_bench(
     n: int = 8,
     steps: int = 8,
     seed: int = 0,
-    methods: Sequence[str] = METHODS,
+    methods: Sequence[str] = GROUND_TRUTH_METHODS,
     progress: bool = True,
 ) -> GroundTruthReport:
     """Every shipped tracr program (or `programs`): `n` pairs each, scored by every method (or
@@ -537,11 +549,13 @@ class GroundTruthConfig(Options):
     )
     n: int = option(8, "pairs a program", least=0, skips=True)
     ig_steps: int = option(8, "EAP-IG steps", least=1)
-    methods: str = option("", f"comma-separated methods, of {', '.join(METHODS)}; default: every one")
+    methods: str = option(
+        "", f"comma-separated methods, of {', '.join(GROUND_TRUTH_METHODS)}; default: every one"
+    )
 
     @property
     def method_list(self) -> tuple[str, ...]:
-        return tuple(m.strip() for m in self.methods.split(",") if m.strip()) or METHODS
+        return tuple(m.strip() for m in self.methods.split(",") if m.strip()) or GROUND_TRUTH_METHODS
 
 
 @analysis(
@@ -566,7 +580,7 @@ def _run_ground_truth(ctx: Context, cfg: GroundTruthConfig) -> GroundTruthReport
 
 
 __all__ = [
-    "METHODS",
+    "GROUND_TRUTH_METHODS",
     "GroundTruthPoint",
     "GroundTruthReport",
     "auroc",

@@ -18,9 +18,9 @@ import numpy as np
 
 from circuits.heads import Head, Sweep, all_heads, grouping, kv_head, read_sweep, write_sweep
 from kvnotes.analysis.registry import Context, analysis, option, replace_default
-from kvnotes.analysis.results import Curve, Estimate, ProbeResult
+from kvnotes.analysis.results import Curve, Estimate, TaskResult
 from probes.causal import effect_estimate, split_by_effect
-from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials, with_progress
 
 K_MAX = 12
 PATHS = ("prefix", "field", "notes", "query", "self")
@@ -131,7 +131,7 @@ def _head_analysis(
 
 
 @dataclass(frozen=True, kw_only=True)
-class HeadCircuit(ProbeResult):
+class HeadCircuit(TaskResult):
     """Heads ranked by their causal share, and the top-k heads (cross-fitted) against k random."""
 
     PARTS = ("top_k", "random_k", "top_head", "all_heads", "effect")
@@ -160,7 +160,7 @@ def read_heads(
     draws: int = 32,
     seed: int = 0,
     min_effect: float = MIN_EFFECT,
-) -> ProbeResult:
+) -> TaskResult:
     """Each head's share in carrying the conclusion into the decision (its output at the
     decision patched from the new-value run), and the top-k heads together against k random.
 
@@ -219,7 +219,7 @@ def write_heads(
     draws: int = 16,
     seed: int = 0,
     min_effect: float = MIN_EFFECT,
-) -> ProbeResult:
+) -> TaskResult:
     """Which heads write the conclusion onto the note slots: their outputs at the note slots
     come from the new-value run while the old notebook's note slots are recomputed.
 
@@ -284,7 +284,7 @@ class Grouping:
 
 
 @dataclass(frozen=True)
-class HeadsConfig(Pairs):
+class HeadsConfig(PairOptions):
     k_max: int = option(
         K_MAX,
         "largest k of the top-k vs random-k head curves (and heads in scrubbing's hypothesis)",

@@ -42,14 +42,14 @@ import torch
 
 from circuits.heads import Head, all_heads, cross_fitted_heads, masks_for
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
 from kvnotes.ops import Patch, decide, patch_batch, prefill, query_tokens
 from kvnotes.tasks import Task, load_task, sample
 from probes.causal import effect_estimate, split_by_effect, top_notes
 from probes.controls import cross_fitted_notes, matched_slots, paired, random_slots
-from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, PairOptions, Trial, shared_trials, with_progress
 
 VARIANTS = ("hypothesis", "random_circuit", "notes_only", "heads_only", "with_field")
 OUT_OF_SAMPLE = ("hypothesis_xfit", "matched_circuit")
@@ -132,7 +132,7 @@ def _scrub_rows(
 
 
 @dataclass(frozen=True, kw_only=True)
-class Scrubbing(ProbeResult):
+class Scrubbing(TaskResult):
     """The effect preserved when only the hypothesis (top notes and read heads) keeps the new run's
     values, against a random circuit of the same size and the hypothesis's halves; out of sample,
     the cross-fitted hypothesis (`hypothesis_xfit`) against a circuit matched to it
@@ -173,7 +173,7 @@ def scrubbing(
     draws: int = 8,
     seed: int = 0,
     min_effect: float = MIN_EFFECT,
-) -> ProbeResult:
+) -> TaskResult:
     """Scrub everything but `heads` (the read heads) and each trial's top `n_notes` note slots.
 
     Parts (fraction of the effect preserved, over `n_resamples` resampled prompts per trial):
@@ -323,7 +323,7 @@ def _normalised(
 
 
 @dataclass(frozen=True)
-class ScrubbingConfig(Pairs):
+class ScrubbingConfig(PairOptions):
     k_max: int = option(
         12, "read heads in the hypothesis (the top of read_heads' ranking)", least=1, heads=True
     )

@@ -25,11 +25,11 @@ from dashboards.figures import (
     style,
 )
 from dashboards.registry import panel
-from kvnotes.analysis.results import ProbeResult
+from kvnotes.analysis.results import TaskResult
 
 # --- edit and compose ---------------------------------------------------------------------------
 
-METHODS = ("refresh", "suffix", "erratum", "hoist", "full")
+EDIT_METHODS = ("refresh", "suffix", "erratum", "hoist", "full")
 METHOD_NAMES = {
     "refresh": "field refresh",
     "suffix": "suffix recompute",
@@ -40,11 +40,11 @@ METHOD_NAMES = {
 
 
 @panel("edit_methods")
-def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
+def edit_panels(r: TaskResult, key: str) -> list[Panel]:
     ks = list(r.ks)
     sel = [f"selective_causal@{k}" for k in ks if f"selective_causal@{k}" in r.parts]
     best_sel = max(sel, key=lambda m: (r.parts[m].mean or -1e9, -int(m.split("@")[1])), default=None)
-    names = [m for m in METHODS if m in r.parts] + ([best_sel] if best_sel else [])
+    names = [m for m in EDIT_METHODS if m in r.parts] + ([best_sel] if best_sel else [])
     label = lambda m: METHOD_NAMES.get(m, m.replace("_", " "))  # noqa: E731
     items = [est(r.parts[m], label(m), group="recovery") for m in names]
     items += [est(r.part(f"{m}.agree"), label(m), group="same answer as full recompute") for m in names]
@@ -94,7 +94,7 @@ def edit_panels(r: ProbeResult, key: str) -> list[Panel]:
 
 
 @panel("seam_repair")
-def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
+def seam_panels(r: TaskResult, key: str) -> list[Panel]:
     seams = list(r.seams)
     curves = [
         series(f"logit cosine, {name}", seams, [r.part(f"{prefix}@{b}") for b in seams], dash=dash)
@@ -136,7 +136,7 @@ def seam_panels(r: ProbeResult, key: str) -> list[Panel]:
 
 
 @panel("keystone")
-def keystone_panels(r: ProbeResult, key: str) -> list[Panel]:
+def keystone_panels(r: TaskResult, key: str) -> list[Panel]:
     """Every editing method's recovery on the composed notebook against the recomputed one, with the
     diagonal, and the same without re-rotation (the ablation that must leave it)."""
     names = list(r.methods)
@@ -204,7 +204,7 @@ def keystone_panels(r: ProbeResult, key: str) -> list[Panel]:
 
 
 @panel("agent_loop")
-def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
+def agent_panels(r: TaskResult, key: str) -> list[Panel]:
     turns = list(range(1, r.turns + 1))
     es = [r.part(f"cosine@{t}") for t in turns]
     ag = [r.part(f"agree@{t}") for t in turns]
@@ -231,7 +231,7 @@ def agent_panels(r: ProbeResult, key: str) -> list[Panel]:
 
 
 @panel("memory_blocks")
-def memory_panels(r: ProbeResult, key: str) -> list[Panel]:
+def memory_panels(r: TaskResult, key: str) -> list[Panel]:
     items = [
         est(r.part(k), name)
         for k, name in (

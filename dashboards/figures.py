@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 
 BLUE, ORANGE, GREY, GREEN, RED = "#1f77b4", "#ff7f0e", "#7f7f7f", "#2ca02c", "#d62728"
 PALETTE = (BLUE, ORANGE, GREEN, RED, "#9467bd", "#8c564b", "#e377c2", GREY)
@@ -327,7 +327,7 @@ def say(e: Estimate | None, digits: int = 2) -> str:
     return fmt_ci(e.mean, e.ci, digits) if e is not None else "n/a"
 
 
-def n_note(r: ProbeResult, what: str = "pairs") -> str:
+def n_note(r: TaskResult, what: str = "pairs") -> str:
     n = r.estimate.n
     excl = len(r.excluded)
     s = f"n = {n} {what}; bars and bands are bootstrap 95% CIs of the mean"

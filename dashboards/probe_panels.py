@@ -23,7 +23,7 @@ from dashboards.figures import (  # est, n_note, say, series: also read from her
     visible,
 )
 from dashboards.registry import in_summary, panel, summary
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 
 
 def _above(a: Estimate | None, b: Estimate | None) -> bool:
@@ -40,7 +40,7 @@ panel("field_refresh", "notes_transplant", "knockout", "dissociation")(in_summar
 
 
 @panel("note_map")
-def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
+def note_map_panels(r: TaskResult, key: str) -> list[Panel]:
     """The note map: the prompt coloured by slot, the slot × layer grid, the per-layer curve."""
     maps = r.maps
     if not maps:
@@ -56,7 +56,7 @@ def note_map_panels(r: ProbeResult, key: str) -> list[Panel]:
     return panels
 
 
-def _note_text_panel(r: ProbeResult, m, key: str) -> Panel:
+def _note_text_panel(r: TaskResult, m, key: str) -> Panel:
     """The prompt's text coloured by each slot's single-slot recovery (pair 1)."""
     maps = r.maps
     tokens = m.prompt_tokens or m.tokens
@@ -132,7 +132,7 @@ def _slot_layer_panel(m, key: str) -> Panel | None:
     return None
 
 
-def _per_layer_panel(r: ProbeResult, key: str) -> Panel | None:
+def _per_layer_panel(r: TaskResult, key: str) -> Panel | None:
     """All note slots transplanted at one layer, layer by layer, over every pair."""
     layers = sorted((int(k.split("_")[1]), e) for k, e in r.parts.items() if re.fullmatch(r"layer_\d+", k))
     if layers:
@@ -167,7 +167,7 @@ def _per_layer_panel(r: ProbeResult, key: str) -> Panel | None:
 
 
 @summary("probes")
-def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> list[Panel]:
+def causal_summary(probes: Mapping[str, TaskResult], key: str) -> list[Panel]:
     def g(name: str, part: str | None = None) -> Estimate | None:
         if name not in probes:
             return None
@@ -218,7 +218,7 @@ def causal_summary(probes: Mapping[str, ProbeResult], key: str) -> list[Panel]:
 
 
 @panel("false_note_injection")
-def false_note_panel(r: ProbeResult, key: str) -> list[Panel]:
+def false_note_panel(r: TaskResult, key: str) -> list[Panel]:
     ks = list(r.ks)
     top = [r.part(f"k{k}") for k in ks]
     rnd = [r.part(f"random_k{k}") for k in ks]
@@ -254,7 +254,7 @@ def false_note_panel(r: ProbeResult, key: str) -> list[Panel]:
 
 
 @panel("regime")
-def regime_panels(r: ProbeResult, key: str) -> list[Panel]:
+def regime_panels(r: TaskResult, key: str) -> list[Panel]:
     d = list(r.filler_tokens)
     dist = list(r.distance)
     fr = [r.part(f"field_refresh@{x}") for x in d]
@@ -321,7 +321,7 @@ PAPER_PLACEMENT = (
 
 
 @panel("memory_placement")
-def placement_panels(r: ProbeResult, key: str) -> list[Panel]:
+def placement_panels(r: TaskResult, key: str) -> list[Panel]:
     """Accuracy by placement against memory size, the edited fact's recovery, and each turn's TTFT."""
     sizes = list(r.sizes)
     part = lambda name: r.parts.get(name)  # noqa: E731

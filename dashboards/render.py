@@ -23,7 +23,7 @@ from markupsafe import Markup
 from dashboards.figures import Panel, ci_bars, esc, est, n_note
 from dashboards.registry import PANELS, SUMMARIES, load_panels
 from kvnotes.analysis.registry import analyses, sections
-from kvnotes.analysis.results import ProbeResult, SectionReport
+from kvnotes.analysis.results import SectionReport, TaskResult
 from kvnotes.models.backends import BackendName
 
 # --- from results to panels ---------------------------------------------------------------------
@@ -34,7 +34,7 @@ def panels(obj, key: str = "") -> list[Panel]:
     results), or one analysis's result, of any level (`verify` and a prompt's attribution too).
 
     One dispatch: a result is drawn by the panel registered for the name of the analysis that made
-    it (`analysis_of`), else by the generic panel (a ProbeResult) or its text table.
+    it (`analysis_of`), else by the generic panel (a TaskResult) or its text table.
     `key` is the part's key ("order-cancel/probes", "model/ttft"); panel keys extend it."""
     load_panels()
     if type(obj).__name__ == "Report":
@@ -42,7 +42,7 @@ def panels(obj, key: str = "") -> list[Panel]:
     if isinstance(obj, SectionReport):
         return _section_panels(obj, key)
     name = analysis_of(obj)
-    if isinstance(obj, ProbeResult):
+    if isinstance(obj, TaskResult):
         return result_panels({name: obj}, key or name)
     if name in PANELS:
         return explained(PANELS[name](obj, key or name))
@@ -83,9 +83,9 @@ def explained(made: list[Panel]) -> list[Panel]:
 
 
 def analysis_of(obj) -> str:
-    """The name of the analysis whose result `obj` is (a ProbeResult carries it; another result is
+    """The name of the analysis whose result `obj` is (a TaskResult carries it; another result is
     known by its class, the one analysis registered with it); a TypeError for anything else."""
-    if isinstance(obj, ProbeResult):
+    if isinstance(obj, TaskResult):
         return obj.name
     made = [name for name, a in analyses().items() if type(obj) is a.result]
     if not made:
@@ -119,7 +119,7 @@ def table_panel(obj, title: str, key: str) -> Panel:
     )
 
 
-def result_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
+def result_panels(results: Mapping[str, TaskResult], key: str) -> list[Panel]:
     """The panels of some analyses' results, section by section: each section's summary first,
     then each result's own panels (the generic panel where it registered none).
 
@@ -128,14 +128,14 @@ def result_panels(results: Mapping[str, ProbeResult], key: str) -> list[Panel]:
     return [p for _, made in labelled_panels(results, key) for p in made]
 
 
-def labelled_panels(results: Mapping[str, ProbeResult], key: str) -> list[tuple[str, list[Panel]]]:
+def labelled_panels(results: Mapping[str, TaskResult], key: str) -> list[tuple[str, list[Panel]]]:
     """`result_panels`, grouped: (a section's name, its summary's panels) or (an analysis's name,
     its own panels), in page order (the CLI's readings take each group's first reading)."""
     load_panels()
     known = analyses()
     task, _, last = key.rpartition("/")
     task = task if last in sections() else key
-    groups: dict[str, dict[str, ProbeResult]] = {}
+    groups: dict[str, dict[str, TaskResult]] = {}
     for name, r in results.items():
         groups.setdefault(known[name].section if name in known else "other", {})[name] = r
     out: list[tuple[str, list[Panel]]] = []
@@ -161,8 +161,8 @@ def _noting_dropped(made: list[Panel], dropped: int) -> list[Panel]:
     return [replace(p, note=f"{p.note}; {say}" if p.note else say) for p in made]
 
 
-def generic_panel(r: ProbeResult, key: str) -> Panel:
-    """Any other ProbeResult: its parts as bars with CIs (seconds and token counts left out)."""
+def generic_panel(r: TaskResult, key: str) -> Panel:
+    """Any other TaskResult: its parts as bars with CIs (seconds and token counts left out)."""
     items = [est(e, name) for name, e in r.parts.items() if not name.endswith((".seconds", ".tokens"))]
     fig = ci_bars(items[:24], title=r.description or r.name, y_title="value")
     return Panel(

@@ -23,4 +23,4 @@ HOSTS = (
     "Good morning, team. Today's order policy is below.\n",
     "Every reply must follow the store policy written below.\n",
 )
-HOST = HOSTS[0]  # the one host where a bench or probe needs only one
+HOST_LINE = HOSTS[0]  # the one host where a bench or probe needs only one

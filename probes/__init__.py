@@ -5,7 +5,7 @@
     model = load_model("gemma-3-270m")
     trials = make_trials(model, "order-cancel", n=8)
     field_refresh(trials).estimate          # recovery: mean, 95% CI, per-prompt values
-    run_probes(model, "order-cancel", n=8)   # all six, as one ProbeReport
+    run_probes(model, "order-cancel", n=8)   # all six, as one SectionReport
 
 Each probe is declared in the analysis registry (`kvnotes.analysis.registry`) beside its code; the
 `probe`, `edit` and `compose` commands and the report run them from there.
@@ -23,7 +23,7 @@ from kvnotes.analysis.registry import (
     for_command,
     register_section,
 )
-from kvnotes.analysis.results import ProbeReport, ProbeResult
+from kvnotes.analysis.results import SectionReport, TaskResult
 from kvnotes.analysis.runner import run_section
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
@@ -72,9 +72,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'probes' has no attribute {name!r}")
 
 
-UnknownProbeError = UnknownAnalysisError
-
-
 def check_names(names: Sequence[str]) -> list[str]:
     """The probes `names` asks for ("all": the six probes and controls; "regime" is its own sweep)."""
     return choose("probe", names)
@@ -89,13 +86,13 @@ def run_probes(
     seed: int = 0,
     min_effect: float = MIN_EFFECT,
     progress: bool = True,
-) -> ProbeReport:
+) -> SectionReport:
     """Run the named probes on `n` pairs of `task`, sharing prefills and note maps among them.
 
     >>> from kvnotes import load_model
     >>> report = run_probes(load_model("tiny-llama"), "order-cancel", ["field_refresh"], n=2,
     ...                     progress=False)
-    >>> report.probes["field_refresh"].parts["deviation_before_field"].values  # exact: invariant 4
+    >>> report.results["field_refresh"].parts["deviation_before_field"].values  # exact: invariant 4
     (0.0, 0.0)
     """
     return run_section("probe", model, task, names, n=n, seed=seed, min_effect=min_effect, progress=progress)
@@ -106,8 +103,8 @@ __all__ = [
     "run_probes",
     "make_trials",
     "Trial",
-    "ProbeReport",
-    "ProbeResult",
+    "SectionReport",
+    "TaskResult",
     "Estimate",
     "field_refresh",
     "notes_transplant",
@@ -116,7 +113,7 @@ __all__ = [
     "dissociation",
     "false_note_injection",
     "regime",
-    "UnknownProbeError",
+    "UnknownAnalysisError",
     "MIN_EFFECT",
     "edit_methods",
     "keystone",

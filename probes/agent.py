@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
-from kvnotes.hosts import HOST
+from kvnotes.hosts import HOST_LINE
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.ops import append, decide, precompile, prefiller, splice
@@ -27,7 +27,7 @@ from probes.edit import ERRATUM
 
 
 @dataclass(frozen=True, kw_only=True)
-class AgentLoop(ProbeResult):
+class AgentLoop(TaskResult):
     """Per turn t: logit `cosine@t` and answer `agree@t` against recomputing every turn."""
 
     PARTS = ("cosine_last", "cosine_min", "follows")
@@ -47,7 +47,7 @@ def agent_loop(
     erratum: str = ERRATUM,
     seed: int = 0,
     progress: bool = True,
-) -> ProbeResult:
+) -> TaskResult:
     """Per turn: `cosine@t` (logit cosine to recompute-every-turn) and `agree@t` (same answer).
 
     Headline `cosine_last` (the last turn); `cosine_min` is the worst turn of each prompt;
@@ -62,7 +62,7 @@ def agent_loop(
         acc.setdefault(name, []).append(value)
         labels.setdefault(name, []).append(pair.template)
 
-    host = model.encode(HOST)  # the policy is composed into a context it was not compiled in
+    host = model.encode(HOST_LINE)  # the policy is composed into a context it was not compiled in
     pairs = sample(task, model, n, seed=seed)
     most = most_turns(model, task, pairs, erratum)
     if turns > most:
@@ -118,7 +118,7 @@ def most_turns(model: KVModel, task: Task, pairs, erratum: str = ERRATUM) -> int
     longest = max(
         len(model.encode(erratum.format(field=task.gate.field, value=v), bos=False)) for v in task.gate.values
     )
-    fixed = len(model.encode(HOST)) + max(len(p.old) for p in pairs)
+    fixed = len(model.encode(HOST_LINE)) + max(len(p.old) for p in pairs)
     return max(0, (model.n_ctx - fixed) // longest)
 
 

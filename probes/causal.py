@@ -1,6 +1,6 @@
 """The causal probes: field-only refresh, notes transplant, and the note map.
 
-Each takes prefilled `Trial`s (see `make_trials`) and returns a `ProbeResult`. Recovery is
+Each takes prefilled `Trial`s (see `make_trials`) and returns a `TaskResult`. Recovery is
 computed only on pairs whose decision actually moves (|ld_new - ld_old| >= `min_effect`);
 the others are listed under `details["excluded"]` with their effect, never silently dropped.
 """
@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.batches import sharing_enabled
 from kvnotes.metrics import kv_deviation, spearman
 from kvnotes.ops import Patch, decide_recomputed, refresh
 from kvnotes.prompt import is_delimiter
-from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials, with_progress
 
 
 def split_by_effect(trials: Sequence[Trial], min_effect: float) -> tuple[list[Trial], list[dict]]:
@@ -36,7 +36,7 @@ def effect_estimate(trials: Sequence[Trial]) -> Estimate:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FieldRefresh(ProbeResult):
+class FieldRefresh(TaskResult):
     """`recovery` (headline), `deviation_before_field` (KV deviation of the slots before the field:
     0 by causality) and `effect` (the field's move of the decision, logits)."""
 
@@ -44,7 +44,7 @@ class FieldRefresh(ProbeResult):
     deviation_exactly_zero: bool
 
 
-def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
+def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> TaskResult:
     """Recompute only the changed field's K/V with the new value, every other slot stale.
 
     Parts: `recovery` (headline); `deviation_before_field`, the largest KV deviation between the
@@ -81,14 +81,14 @@ def field_refresh(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) ->
 
 
 @dataclass(frozen=True, kw_only=True)
-class NotesTransplant(ProbeResult):
+class NotesTransplant(TaskResult):
     """Every downstream slot from the new run: both K and V (`kv`, headline), or one of them."""
 
     PARTS = ("kv", "k_only", "v_only")
     n_slots: tuple[int, ...]  # downstream slots per pair
 
 
-def notes_transplant(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
+def notes_transplant(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> TaskResult:
     """Transplant the downstream slots (after the field, before the decision) from the new
     notebook into the old: K and V (headline `kv`), K only, V only."""
     used, excluded = split_by_effect(trials, min_effect)
@@ -199,7 +199,7 @@ def top_notes(t: Trial, k: int, layer_window: int = 1) -> list[int]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class NoteMap(ProbeResult):
+class NoteMap(TaskResult):
     """Single-slot, single-layer and slot × layer transplants (see `note_map`)."""
 
     PARTS = ("top_slot", "field_slots", "delimiter_share", "deviation_effect_spearman")
@@ -208,9 +208,7 @@ class NoteMap(ProbeResult):
     layer_window: int
 
 
-def note_map(
-    trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_window: int = 3
-) -> ProbeResult:
+def note_map(trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT, layer_window: int = 3) -> TaskResult:
     """Per-slot transplant sweep over the field and downstream slots (all layers), per layer,
     per window of `layer_window` consecutive layers, and per slot × layer.
 
@@ -297,24 +295,24 @@ class SlotMap:
 
 
 @dataclass(frozen=True)
-class NoteMapConfig(Pairs):
+class NoteMapConfig(PairOptions):
     layer_window: int = option(
         3, "consecutive layers per window of the per-window transplant", least=1, layers=True
     )
 
 
-def _trials(ctx: Context, cfg: Pairs) -> list[Trial]:
+def _trials(ctx: Context, cfg: PairOptions) -> list[Trial]:
     return shared_trials(ctx, cfg.n, template=cfg.template)
 
 
-@analysis("field_refresh", "probes", Pairs, FieldRefresh, quick={"n": 6}, order=1)
-def _run_field_refresh(ctx: Context, cfg: Pairs) -> FieldRefresh:
+@analysis("field_refresh", "probes", PairOptions, FieldRefresh, quick={"n": 6}, order=1)
+def _run_field_refresh(ctx: Context, cfg: PairOptions) -> FieldRefresh:
     """Recompute only the field's slots: how much of the new decision comes back."""
     return field_refresh(_trials(ctx, cfg), min_effect=ctx.min_effect)
 
 
-@analysis("notes_transplant", "probes", Pairs, NotesTransplant, quick={"n": 6}, order=2)
-def _run_notes_transplant(ctx: Context, cfg: Pairs) -> NotesTransplant:
+@analysis("notes_transplant", "probes", PairOptions, NotesTransplant, quick={"n": 6}, order=2)
+def _run_notes_transplant(ctx: Context, cfg: PairOptions) -> NotesTransplant:
     """Transplant every note slot from the new run (K+V, K only, V only)."""
     return notes_transplant(_trials(ctx, cfg), min_effect=ctx.min_effect)
 

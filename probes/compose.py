@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, Section, analysis, option, register_section
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.engine import run
 from kvnotes.errors import TaskError
 from kvnotes.metrics import logit_cosine
@@ -51,7 +51,7 @@ def chunk_end(p, field: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SeamRepair(ProbeResult):
+class SeamRepair(TaskResult):
     """Per seam b (chunk tokens recomputed): logit `cosine@b`, answer `agree@b` and `top1@b` against
     prefilling in context, and the same without RoPE re-rotation (`norot_*`)."""
 
@@ -70,7 +70,7 @@ def seam_repair(
     offsets: Sequence[int] = OFFSETS,
     seed: int = 0,
     progress: bool = True,
-) -> ProbeResult:
+) -> TaskResult:
     """Spliced chunk vs full recompute for every seam length `b` in `seams`, at each host offset.
 
     Parts, per b: `cosine@b` (logit cosine over the vocabulary), `agree@b` (same answer among the

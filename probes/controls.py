@@ -10,14 +10,14 @@ from typing import ClassVar
 import torch
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.batches import sharing_enabled
 from kvnotes.errors import BadArgument
 from kvnotes.ops import Patch
 from kvnotes.prompt import is_delimiter
 from kvnotes.tasks import RULE
 from probes.causal import effect_estimate, note_scores, split_by_effect, top_notes
-from probes.trials import MIN_EFFECT, Pairs, Trial, clusters_of, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials, with_progress
 
 INJECT_K = (1, 2, 4, 8)
 
@@ -185,7 +185,7 @@ def _blocked_lost(t: Trial, rows: Sequence[Sequence[int]], per_forward: int | No
 
 
 @dataclass(frozen=True, kw_only=True)
-class Knockout(ProbeResult):
+class Knockout(TaskResult):
     """Fraction of the decision lost with the top-k note slots blocked (`top`) vs k random ones;
     out of sample, the cross-fitted top slots (`top_xfit`) vs slots matched to them (`matched`)."""
 
@@ -207,7 +207,7 @@ class Knockout(ProbeResult):
 
 def knockout(
     trials: Sequence[Trial], *, k: int = 4, draws: int = 8, seed: int = 0, min_effect: float = MIN_EFFECT
-) -> ProbeResult:
+) -> TaskResult:
     """Block the decision's attention (all layers, all heads) to the top-`k` note slots of each
     pair in the new-value run, and as control to `k` random slots (`draws` draws, averaged).
 
@@ -275,13 +275,13 @@ def knockout(
 
 
 @dataclass(frozen=True, kw_only=True)
-class Dissociation(ProbeResult):
+class Dissociation(TaskResult):
     """Rule flipped, field fixed: the notes (`notes`) vs the rule token's own slot (`rule_slot`)."""
 
     PARTS = ("notes", "rule_slot", "effect")
 
 
-def dissociation(rule_trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> ProbeResult:
+def dissociation(rule_trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT) -> TaskResult:
     """Field held fixed, rule token flipped (trials of kind "rule"): transplanting the notes
     (slots after both rule and field, before the decision) should carry the flipped conclusion,
     patching the rule token's own slots alone should carry little.
@@ -310,7 +310,7 @@ def dissociation(rule_trials: Sequence[Trial], *, min_effect: float = MIN_EFFECT
 
 
 @dataclass(frozen=True, kw_only=True)
-class FalseNoteInjection(ProbeResult):
+class FalseNoteInjection(TaskResult):
     """Per k: recovery toward the injected conclusion (`k{k}`), whether the answer follows it
     (`follows_k{k}`), and the same injection into random slots (`random_k{k}`); out of sample, the
     cross-fitted top slots (`xfit_k{k}`) and slots matched to them (`matched_k{k}`)."""
@@ -341,7 +341,7 @@ class FalseNoteInjection(ProbeResult):
 
 def false_note_injection(
     trials: Sequence[Trial], *, ks: Sequence[int] = INJECT_K, seed: int = 0, min_effect: float = MIN_EFFECT
-) -> ProbeResult:
+) -> TaskResult:
     """Into the old notebook (consistent with its live field) write the new run's K/V at the
     top-k note slots, k in `ks`: does the decision follow the injected note against the field?
 
@@ -464,18 +464,18 @@ def _control_notes(r, off: Mapping | None) -> list[tuple[str, str]]:
 
 
 @dataclass(frozen=True)
-class KnockoutConfig(Pairs):
+class KnockoutConfig(PairOptions):
     k: int = option(4, "note slots blocked", least=1)
     draws: int = option(8, "random slot sets blocked, as control", least=1)
 
 
 @dataclass(frozen=True)
-class InjectConfig(Pairs):
+class InjectConfig(PairOptions):
     ks: tuple[int, ...] = option(INJECT_K, "numbers of note slots injected", least=1)
 
 
-@analysis("dissociation", "probes", Pairs, Dissociation, quick={"n": 6}, order=5, requires=(Need.RULE,))
-def _run_dissociation(ctx: Context, cfg: Pairs) -> Dissociation:
+@analysis("dissociation", "probes", PairOptions, Dissociation, quick={"n": 6}, order=5, requires=(Need.RULE,))
+def _run_dissociation(ctx: Context, cfg: PairOptions) -> Dissociation:
     """Flip the rule, keep the field: do the notes carry the flipped conclusion?"""
     if ctx.task.rule is None:
         return Dissociation.of(

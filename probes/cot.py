@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.engine import run
 from kvnotes.metrics import recovery
 from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, prefill, refresh
-from probes.trials import MIN_EFFECT, Pairs, Trial, shared_trials, with_progress
+from probes.trials import MIN_EFFECT, PairOptions, Trial, shared_trials, with_progress
 
 CUE = "reasoning:"
 
@@ -49,7 +49,7 @@ def _decision_ld(t: Trial, nb: Notebook) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CotRefresh(ProbeResult):
+class CotRefresh(TaskResult):
     """A greedy reasoning chain after an in-place refresh, against a clean prefill's chain."""
 
     PARTS = ("recovery", "no_cot_recovery", "edited_tokens", "clean_tokens", "same_chain", "chain_effect")
@@ -60,7 +60,7 @@ class CotRefresh(ProbeResult):
 
 def cot_refresh(
     trials: Sequence[Trial], *, cue: str = CUE, max_tokens: int = 48, min_effect: float = MIN_EFFECT
-) -> ProbeResult:
+) -> TaskResult:
     """Parts: `recovery` (refreshed chain, between the stale and clean chains; headline),
     `no_cot_recovery` (the same refresh read directly), `edited_tokens` / `clean_tokens` (chain
     lengths), `same_chain` (the refreshed chain's text equals the clean one's), `chain_effect`
@@ -103,7 +103,7 @@ def cot_refresh(
 
 
 @dataclass(frozen=True)
-class CotConfig(Pairs):
+class CotConfig(PairOptions):
     cot_tokens: int = option(48, "longest reasoning chain (tokens)", least=1, tokens=True)
 
 

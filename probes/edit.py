@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, Section, analysis, option, register_section
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, refresh
 from kvnotes.serving.manager import ERRATUM  # the one erratum line, shared with the serving prompt manager
 from probes.causal import single_slot_map
-from probes.trials import Pairs, Trial, shared_trials, with_progress
+from probes.trials import PairOptions, Trial, shared_trials, with_progress
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -102,7 +102,7 @@ def methods(t: Trial, ks: Sequence[int], erratum: str) -> dict[str, tuple[float,
 
 
 @dataclass(frozen=True, kw_only=True)
-class EditMethods(ProbeResult):
+class EditMethods(TaskResult):
     """Per method m: recovery (`m`), same answer as full recompute (`m.agree`), tokens recomputed
     (`m.tokens`) and wall time (`m.seconds`)."""
 
@@ -116,7 +116,7 @@ class EditMethods(ProbeResult):
         return (method, what or "recovery")
 
 
-def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM) -> ProbeResult:
+def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: str = ERRATUM) -> TaskResult:
     """Every editing method on every pair: parts `{method}` (recovery), `{method}.agree` (same
     answer as full recompute), `{method}.tokens` and `{method}.seconds`. Headline: erratum."""
     acc: dict[str, list[float]] = {}
@@ -145,7 +145,7 @@ def edit_methods(trials: Sequence[Trial], *, ks: Sequence[int] = KS, erratum: st
 
 
 @dataclass(frozen=True)
-class EditConfig(Pairs):
+class EditConfig(PairOptions):
     erratum: str = option(ERRATUM, "correction line; {field} and {value} are filled in")
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.errors import BadOption, TaskError
 from kvnotes.models.model import KVModel
 from kvnotes.ops import precompile, prefill
@@ -50,7 +50,7 @@ BUDGETS = (1, 2, 4)  # the selective methods' K (order-cancel on Gemma has fewer
 
 
 @dataclass(frozen=True, kw_only=True)
-class Keystone(ProbeResult):
+class Keystone(TaskResult):
     """Per editing method m: `composed.m`, `recomputed.m` and `norot.m` (its recovery on each old
     notebook), `gap.m` (composed minus recomputed, per pair) and `norot_gap.m` (the ablation minus
     recomputed). `diagonal` and `norot_diagonal`: the method farthest from the diagonal, its gap

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, precompile, prefiller, splice
 
 NAMES = ("Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi")
-HOST = "Customer memory, written by the support system.\n"
+MEMORY_HEADER = "Customer memory, written by the support system.\n"
 QUESTION = "\nOnly pending orders can be cancelled.\nQuestion: can {name}'s order be cancelled?\nAnswer:"
 
 
@@ -31,7 +31,7 @@ def _block(model: KVModel, text: str) -> Notebook:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryBlocks(ProbeResult):
+class MemoryBlocks(TaskResult):
     """Answer agreement and logit cosine with the facts in separate blocks (`split_*`) or in one
     (`colocated_*`), against prefilling them in context; `reference_correct`: that prefill's accuracy."""
 
@@ -42,13 +42,13 @@ class MemoryBlocks(ProbeResult):
 
 def memory_blocks(
     model: KVModel, *, n: int = 8, people: int = 4, seam: int = 2, seed: int = 0, progress: bool = True
-) -> ProbeResult:
+) -> TaskResult:
     """Parts: `split_agree` (headline), `colocated_agree`, `split_cosine`, `colocated_cosine`, and
     `reference_correct` (whether full recompute itself answers the two-hop question right: if the
     model cannot do the task, agreement only says the splice kept its guess)."""
     answers = [model.answer_token(" cancel"), model.answer_token(" deny")]
     acc: dict[str, list[float]] = {}
-    host = model.encode(HOST)
+    host = model.encode(MEMORY_HEADER)
     pf = prefiller(model)  # the host (and a transcript's earlier turns) computed once
     for i in tqdm(range(n), desc="memory blocks", disable=not progress, unit="prompt"):
         rng = random.Random(f"memory/{seed}/{i}")

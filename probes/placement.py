@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from kvnotes.analysis.equivalence import Equivalence, tost
 from kvnotes.analysis.registry import Context, Need, Options, Section, analysis, option, register_section
-from kvnotes.analysis.results import Estimate, ProbeResult, machine
+from kvnotes.analysis.results import Estimate, TaskResult, machine
 from kvnotes.errors import OutOfRange, TaskError
 from kvnotes.metrics import recovery
 from kvnotes.models.model import KVModel
@@ -53,14 +53,14 @@ from kvnotes.ops import decide, precompile, prefill, recompute, splice
 from kvnotes.tasks.memory import ATTRIBUTES, MemoryEpisode, Question, memory_episode, overhead
 
 SIDES = ("early", "late", "full")
-METHODS = ("erratum", "refresh")
+PLACEMENT_EDITS = ("erratum", "refresh")
 SIZES = (1000, 2000, 4000, 8000)
 QUICK_SIZES = (1000,)
 MARGIN = 0.03  # the paper's LoCoMo margin: an accuracy difference of 3 points counts as none
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryPlacement(ProbeResult):
+class MemoryPlacement(TaskResult):
     """Per memory size S (tokens): `accuracy@S.{early,late,full}` (per question, clustered by
     episode; `updated@S.*` only the questions about the fact the user updated in a later session),
     `cost@S` (early minus late accuracy, per question), `late_minus_full@S`,
@@ -185,7 +185,7 @@ def _room(model: KVModel) -> int:
     return model.n_ctx - overhead(lambda s: model.encode(s, bos=False))
 
 
-def check_fits(model: KVModel, sizes: Sequence[int]) -> None:
+def check_context(model: KVModel, sizes: Sequence[int]) -> None:
     """Refuse a memory size whose episode (BOS, memory, conversation, erratum, question) would not
     fit the model's context, naming the largest that does; before any forward."""
     room = _room(model)
@@ -235,7 +235,7 @@ def memory_placement(
 ) -> MemoryPlacement:
     """Early, late and fully recomputed memory at each size over `n` episodes, and one fact edited
     under each placement (module docstring). Every size is checked against the context first."""
-    check_fits(model, sizes)
+    check_context(model, sizes)
     encode = lambda s: model.encode(s, bos=False)  # noqa: E731
     episodes = {
         s: [memory_episode(encode, size=s, seed=seed, index=i, facts=facts) for i in range(n)] for s in sizes

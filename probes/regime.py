@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.ops import Prefixes
 from kvnotes.tasks import Task, TaskError, load_task
 from kvnotes.tasks.sampler import fit_notes
 from probes.causal import field_refresh, notes_transplant
-from probes.trials import MIN_EFFECT, Pairs, clusters_of, make_trials
+from probes.trials import MIN_EFFECT, PairOptions, clusters_of, make_trials
 
 DISTANCES = (0, 16, 32, 64, 128, 256, 512, 768)
 
@@ -32,7 +32,7 @@ def filler_text(model: KVModel, n_tokens: int) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Regime(ProbeResult):
+class Regime(TaskResult):
     """Per filler length d: `field_refresh@d`, `notes_transplant@d` and the field's `effect@d`."""
 
     PART_PATTERNS = (r"(field_refresh|notes_transplant|effect)@\d+",)
@@ -65,7 +65,7 @@ def regime(
     min_effect: float = MIN_EFFECT,
     template: int | None = None,
     progress: bool = True,
-) -> ProbeResult:
+) -> TaskResult:
     """Field-only refresh vs notes transplant recovery at each filler length in `distances`, on
     pairs drawn across the task's templates (or from `template` alone).
 
@@ -115,7 +115,7 @@ def regime(
 
 
 @dataclass(frozen=True)
-class RegimeConfig(Pairs):
+class RegimeConfig(PairOptions):
     n: int = option(4, "prompt pairs at each distance", least=1)
     distances: tuple[int, ...] = option(
         DISTANCES, "filler lengths in tokens between the field and the query", least=0, tokens=True

@@ -26,7 +26,7 @@ from kvnotes.zoo import default_task
 
 
 @dataclass(frozen=True)
-class Pairs(Options):
+class PairOptions(Options):
     """The options of an analysis that takes only its prompt pairs: how many, and from which of
     the task's templates."""
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.engine import Readout
 from kvnotes.errors import KVNotesError
 from kvnotes.hooks import hook_name
@@ -52,7 +52,7 @@ from probes.rank_one import match_residual as match_residual
 from probes.rank_one import pre_norm_value as pre_norm_value
 from probes.trials import (
     MIN_EFFECT,
-    Pairs,
+    PairOptions,
     Trial,
     make_trials,
     shared_trials,
@@ -91,7 +91,7 @@ def concurrent(trials: Sequence[Trial], i: int) -> tuple[int, Prompt, float, flo
 
 
 @dataclass(frozen=True, kw_only=True)
-class WeightEdit(ProbeResult):
+class WeightEdit(TaskResult):
     """A rank-one MLP edit per pair: its `target` recovery, `contamination` of a concurrent request,
     `drift` of other decisions and its cost (`seconds`, ...) beside the `erratum` (see `weight_edit`)."""
 
@@ -131,7 +131,7 @@ def weight_edit(
     erratum: str = ERRATUM,
     min_effect: float = MIN_EFFECT,
     covariance: KeyCovariance | None = None,
-) -> ProbeResult:
+) -> TaskResult:
     """Edit the weights for each pair (one rank-one MLP edit at `layer`, default the middle one,
     aimed by `target`: `match_decision` or `match_residual`, keyed at the decision token with
     identity covariance, or `rome`, keyed at the changed field's last token and whitened by
@@ -354,7 +354,7 @@ def drift_trials(model: KVModel, task: Task | str, n: int, *, seed: int = 0) -> 
 
 
 @dataclass(frozen=True)
-class WeightConfig(Pairs):
+class WeightConfig(PairOptions):
     n: int = option(8, "prompt pairs (contamination is read on another pair's prompt)", least=2)
     layer: int | None = option(None, "the MLP layer edited (default: the middle one)", least=0, layer=True)
     erratum: str = option(ERRATUM, "correction line; {field} and {value} are filled in")

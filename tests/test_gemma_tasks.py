@@ -14,8 +14,8 @@ def test_probes_run_on_every_general_task(gemma):
 
     for task in ["order-cancel", "account-access", "refund-window"]:
         report = run_probes(gemma, task, n=2, progress=False)
-        assert list(report.probes) == list(PROBES), task
-        fr = report.probes["field_refresh"]
+        assert list(report.results) == list(PROBES), task
+        fr = report.results["field_refresh"]
         # exact: invariant 4, slots before the field are the same computation
         assert fr["deviation_before_field"].values == (0.0, 0.0), task
         d = report.to_dict()

@@ -71,7 +71,14 @@ from circuits.edges.graph import (
 )
 from circuits.edges.patcher import EdgePatcher, edge_patcher, groups_of
 from circuits.edges.qk import EXACT_KEYS
-from circuits.edges.scores import GRADDROP, IG_ACTIVATIONS, METHODS, EdgeScores, score_edges, writer_deltas
+from circuits.edges.scores import (
+    ATTRIBUTION_METHODS,
+    GRADDROP,
+    IG_ACTIVATIONS,
+    EdgeScores,
+    score_edges,
+    writer_deltas,
+)
 
 __all__ = [
     "ATTENTION",
@@ -81,7 +88,7 @@ __all__ = [
     "GRADDROP",
     "GROUPS",
     "IG_ACTIVATIONS",
-    "METHODS",
+    "ATTRIBUTION_METHODS",
     "NOTES",
     "OTHER",
     "RESIDUAL",

@@ -21,12 +21,12 @@ from scipy.stats import rankdata
 from circuits.edges.acdc import acdc_scores
 from circuits.edges.patcher import EdgePatcher
 from circuits.edges.pruning import PruneSettings, prune_edges
-from circuits.edges.scores import BY_NAME, METHODS, score_edges
+from circuits.edges.scores import ATTRIBUTION_METHODS, BY_NAME, score_edges
 from kvnotes.errors import BadArgument
 
 # beside the gradient methods: what `method_scores` adds (each one pair at a time)
 SEARCHES = ("exact", "acdc", "pruning", "ensemble", "eap-ig+acdc")
-ALL = (*METHODS, *BY_NAME, *SEARCHES)
+ALL = (*ATTRIBUTION_METHODS, *BY_NAME, *SEARCHES)
 # each ensemble: its members, whose ranks by |score| it averages
 ENSEMBLES = {"ensemble": ("eap-ig", "pruning"), "eap-ig+acdc": ("eap-ig", "acdc")}
 # edge pruning's schedule for one pair: the paper's optimiser (`PruneSettings`), 300 steps with the

@@ -560,7 +560,7 @@ def edge_patcher(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> 
     differ = [p for p, (a, b) in enumerate(zip(pair.old.ids, pair.new.ids)) if a != b]
     if differ and differ[0] < start:
         raise BadArgument(f"the prompts differ at position {differ[0]}, before the changed field at {start}")
-    check_fits(model, start, len(pair.new.ids) - start)
+    check_patch_memory(model, start, len(pair.new.ids) - start)
     with torch.no_grad():
         prefix = prefill(model, list(pair.new.ids), upto=start) if start > 0 else Notebook.empty(model)
     patcher = EdgePatcher(
@@ -596,7 +596,7 @@ def edge_patcher(model: KVModel, pair: Pair, *, metric: Metric = logit_diff) -> 
 PATCH_ROWS = 16  # circuits per forward (`EdgePatcher.patch`'s batch)
 
 
-def check_fits(model: KVModel, n_prefix: int, n_tokens: int) -> None:
+def check_patch_memory(model: KVModel, n_prefix: int, n_tokens: int) -> None:
     """Refuse, before any forward, a pair the device cannot patch: both runs captured at every
     layer and a forward of `PATCH_ROWS` circuits whose every layer autograd keeps (EAP-IG), each
     a layer's `kvnotes.engine.memory.row_bytes` over the `n_tokens` from the field on and the

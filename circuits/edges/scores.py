@@ -17,7 +17,7 @@ from kvnotes.engine.guard import allow
 from kvnotes.errors import BadArgument
 from kvnotes.types import Tensor
 
-METHODS = ("eap", "eap-ig", "atp*")  # what the `edges` analysis runs on every pair
+ATTRIBUTION_METHODS = ("eap", "eap-ig", "atp*")  # what the `edges` analysis runs on every pair
 GRADDROP = "atp*-gd"  # AtP* with GradDrop: one backward per layer, so asked for by name (the bench)
 # EAP-IG on the activations (MIB's variant): `steps` runs per writer (1 + 3 per layer), by name
 IG_ACTIVATIONS = "eap-ig-act"
@@ -47,9 +47,10 @@ def score_edges(
     times beside it). The same scores up to float64 rounding."""
     if keys not in EXACT_KEYS:
         raise BadArgument(f"keys must be one of {', '.join(EXACT_KEYS)}, got {keys!r}")
-    if method not in (*METHODS, *BY_NAME):
+    if method not in (*ATTRIBUTION_METHODS, *BY_NAME):
         raise BadArgument(
-            f"unknown edge-scoring method {method!r}; choose one of {', '.join((*METHODS, *BY_NAME))}"
+            f"unknown edge-scoring method {method!r}; choose one of "
+            f"{', '.join((*ATTRIBUTION_METHODS, *BY_NAME))}"
         )
     if steps < 1:
         raise BadArgument(f"steps must be at least 1, got {steps}")

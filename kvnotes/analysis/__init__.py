@@ -5,8 +5,8 @@ results every analysis returns, the runner, and the report that runs them and sa
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
 - `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`.
-- `results`: the result protocol `Result`; `Estimate`, `Curve`, `ProbeResult`, `SectionReport`
-  (alias `ProbeReport`), `BenchReport`, the bootstrap.
+- `results`: the result protocol `Result`; `Estimate`, `Curve`, `TaskResult`, `SectionReport`,
+  `BenchReport`, the bootstrap.
 - `runner`: `run_analysis` (analyses over one context), `run_one` (one, at any level),
   `collect` and `run_section` (a section's report).
 - `report`: `ReportConfig`, `Report`, `run_report` (`report.json`, resumable).
@@ -37,8 +37,7 @@ _LAZY = {
     "unregister": "kvnotes.analysis.registry",
     "Estimate": "kvnotes.analysis.results",
     "Curve": "kvnotes.analysis.results",
-    "ProbeResult": "kvnotes.analysis.results",
-    "ProbeReport": "kvnotes.analysis.results",
+    "TaskResult": "kvnotes.analysis.results",
     "SectionReport": "kvnotes.analysis.results",
     "bootstrap_ci": "kvnotes.analysis.results",
     "run_analysis": "kvnotes.analysis.runner",
@@ -58,8 +57,7 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "MIN_EFFECT",
     "Need",
     "Options",
-    "ProbeReport",
-    "ProbeResult",
+    "TaskResult",
     "Report",
     "ReportConfig",
     "Section",

@@ -1,7 +1,7 @@
 """Typed, JSON-serialisable analysis results: per-prompt values, their mean, a bootstrap 95% CI,
 and `SectionReport`, the one container of a report section's results.
 
-A `ProbeResult` holds one or more named `Estimate`s ("parts") and says which one is its
+A `TaskResult` holds one or more named `Estimate`s ("parts") and says which one is its
 headline; `to_dict()` puts the headline's `mean`/`ci`/`values` at the top level and every part
 under its own name in the same shape, so `{"mean", "ci", "values"}` reads the same everywhere.
 """
@@ -349,7 +349,7 @@ def _decode_fields(cls: type, data: Mapping, where: str) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ProbeResult(Displayable):
+class TaskResult(Displayable):
     """One analysis's figures. The statistics are named `parts` (each an Estimate over prompt
     pairs; `headline` names the one whose mean is the result's `mean`), `curves` and `tables` of
     rows. Everything else an analysis reports is a typed field of its own subclass, declared next
@@ -384,7 +384,7 @@ class ProbeResult(Displayable):
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        cls.__repr__ = ProbeResult.__repr__  # a subclass's dataclass keeps the one-line repr
+        cls.__repr__ = TaskResult.__repr__  # a subclass's dataclass keeps the one-line repr
 
     def __post_init__(self):
         if self.headline not in self.parts:
@@ -422,7 +422,7 @@ class ProbeResult(Displayable):
                 raise TypeError(f"{cls} needs the {kind}(s) {missing}, which the producer did not write")
 
     @classmethod
-    def of(cls, **fields_) -> ProbeResult:
+    def of(cls, **fields_) -> TaskResult:
         """Construct from plain values (lists, dicts, numpy numbers), each turned into its field's
         declared type first: what producers call."""
         hints = _hints(cls)
@@ -544,14 +544,14 @@ class ProbeResult(Displayable):
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> ProbeResult:
+    def from_dict(cls, d: Mapping) -> TaskResult:
         """Read back what `to_dict` wrote: as the result class of its analysis (`d["name"]`) when
-        called on ProbeResult itself, else as this class. A result saved before results carried
+        called on TaskResult itself, else as this class. A result saved before results carried
         their name (report schema /3 and older) is read by `SectionReport.from_dict`, which knows it."""
         named = isinstance(d, Mapping) and isinstance(d.get("name"), str)
         _expect(named, "result", "a result with a name", d)
         name = d["name"]
-        if cls is ProbeResult:
+        if cls is TaskResult:
             from kvnotes.analysis.registry import UnknownAnalysisError, result_type
 
             try:
@@ -628,7 +628,7 @@ def _aligned(table: list[list[str]], note: str) -> list[str]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenericResult(ProbeResult):
+class GenericResult(TaskResult):
     """A result with any part, curve and table names and no typed fields (quick experiments)."""
 
     OPEN: ClassVar[bool] = True
@@ -642,11 +642,10 @@ _TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts 
 _LEGACY_META = ("model", "task", "n", "seed", "meta")
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class SectionReport(Displayable):
     """Every analysis of one report section (probes, circuits, edit, ...) run on one model and
-    task, with the run's sizes and seed. `results` maps each analysis's name to its result;
-    `.analyses` and `.probes` are the same mapping under the names older code reads.
+    task, with the run's sizes and seed. `results` maps each analysis's name to its result.
 
     One JSON layout for every section: `{"model", "task", "n", "seed", "results": {name: result},
     "meta"}`; `from_dict` also reads the older layouts: `"probes"` for the results (report schema
@@ -656,36 +655,8 @@ class SectionReport(Displayable):
     task: str
     n: int
     seed: int
-    results: Mapping[str, ProbeResult]
+    results: Mapping[str, TaskResult] = field(default_factory=dict)
     meta: Mapping = field(default_factory=dict)  # versions, machine, timings, min_effect, ...
-
-    def __init__(
-        self,
-        model: str,
-        task: str,
-        n: int,
-        seed: int,
-        results: Mapping[str, ProbeResult] | None = None,
-        meta: Mapping | None = None,
-        *,
-        probes: Mapping[str, ProbeResult] | None = None,
-        analyses: Mapping[str, ProbeResult] | None = None,
-    ):
-        given = [r for r in (results, probes, analyses) if r is not None]
-        if len(given) > 1:
-            raise TypeError("give a section's results once: results= (or its old names probes=, analyses=)")
-        for name, value in (("model", model), ("task", task), ("n", n), ("seed", seed)):
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "results", given[0] if given else {})
-        object.__setattr__(self, "meta", {} if meta is None else meta)
-
-    @property
-    def analyses(self) -> Mapping[str, ProbeResult]:
-        return self.results
-
-    @property
-    def probes(self) -> Mapping[str, ProbeResult]:
-        return self.results
 
     def to_dict(self) -> dict:
         return {
@@ -715,7 +686,7 @@ class SectionReport(Displayable):
             task=d["task"],
             n=d["n"],
             seed=d["seed"],
-            results={k: ProbeResult.from_dict(v) for k, v in named.items()},
+            results={k: TaskResult.from_dict(v) for k, v in named.items()},
             meta=d.get("meta", {}),
         )
 
@@ -724,7 +695,7 @@ class SectionReport(Displayable):
 
     def table(self) -> str:
         """A readable table: one row per figure (its own n), each analysis's methods crossed with
-        its figures as a small table (`ProbeResult.grid`) and its curves as small tables, the
+        its figures as a small table (`TaskResult.grid`) and its curves as small tables, the
         headline of each analysis starred, and the pairs each analysis left out, with why. The
         header names the task only where an analysis read it."""
         rows = [r for p in self.results.values() for r in p.rows()]
@@ -744,7 +715,7 @@ class SectionReport(Displayable):
         return "\n".join(lines)
 
 
-def _dropped(r: ProbeResult) -> list[str]:
+def _dropped(r: TaskResult) -> list[str]:
     """One line naming the pairs `r` left out and why, or none."""
     if not r.excluded:
         return []
@@ -756,9 +727,6 @@ def _dropped(r: ProbeResult) -> list[str]:
         for e in r.excluded
     ]
     return [f"{r.name}: {len(each)} pair{'s' if len(each) != 1 else ''} left out ({'; '.join(each)})"]
-
-
-ProbeReport = SectionReport  # the probes' and every task section's report, under its older name
 
 
 # --- reports of timed points: every bench's (kvnotes.bench, circuits' edge benches) and the placement

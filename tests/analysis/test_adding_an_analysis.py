@@ -12,15 +12,15 @@ import pytest
 from dashboards.figures import Panel, ci_bars, est, n_note
 from dashboards.registry import PANELS, panel
 from kvnotes.analysis.registry import Analysis, Context, option, register, report_analyses, unregister
-from kvnotes.analysis.results import Estimate, ProbeResult
+from kvnotes.analysis.results import Estimate, TaskResult
 from kvnotes.cli import main
-from probes.trials import Pairs, shared_trials
+from probes.trials import PairOptions, shared_trials
 
 # --- the whole of the new analysis -------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecisionFlips(ProbeResult):
+class DecisionFlips(TaskResult):
     """How often the changed field flips the decision, and by how many logits it moves it."""
 
     PARTS = ("flips", "margin")
@@ -28,7 +28,7 @@ class DecisionFlips(ProbeResult):
 
 
 @dataclass(frozen=True)
-class FlipsConfig(Pairs):
+class FlipsConfig(PairOptions):
     threshold: float = option(0.0, "logit difference above which the first answer is chosen")
 
 

@@ -22,18 +22,18 @@ ANALYSIS = '''
 from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, analysis, option
-from kvnotes.analysis.results import Estimate, ProbeResult
-from probes.trials import Pairs, shared_trials
+from kvnotes.analysis.results import Estimate, TaskResult
+from probes.trials import PairOptions, shared_trials
 
 
 @dataclass(frozen=True, kw_only=True)
-class DroppedFlips(ProbeResult):
+class DroppedFlips(TaskResult):
     PARTS = ("flips",)
     threshold: float
 
 
 @dataclass(frozen=True)
-class DroppedFlipsConfig(Pairs):
+class DroppedFlipsConfig(PairOptions):
     threshold: float = option(0.0, "logit difference above which the first answer is chosen")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvnotes.analysis.report import SCHEMA, Part, Report
-from kvnotes.analysis.results import ProbeResult, SectionReport
+from kvnotes.analysis.results import SectionReport, TaskResult
 from kvnotes.bench.edit_cost import EditCostReport
 from kvnotes.bench.ttft import TTFTReport
 from kvnotes.errors import ReportFileError
@@ -38,7 +38,7 @@ def test_an_old_report_loads_as_todays_and_saves_in_the_new_format(tmp_path):
     ]
     probes = r.part("order-cancel", "probes")
     assert isinstance(probes, SectionReport) and list(probes.results)[0] == "field_refresh"
-    assert all(isinstance(v, ProbeResult) and v.name == k for k, v in probes.results.items())
+    assert all(isinstance(v, TaskResult) and v.name == k for k, v in probes.results.items())
     assert isinstance(r.part("model", "ttft"), TTFTReport)
     assert isinstance(r.part("model", "edit_cost"), EditCostReport)
     new = r.to_dict()

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvnotes.analysis.registry import MODEL, Context, analyses, get, sections
-from kvnotes.analysis.results import Estimate, GenericResult, ProbeResult, ResultSchemaError
+from kvnotes.analysis.results import Estimate, GenericResult, ResultSchemaError, TaskResult
 from kvnotes.analysis.runner import collect
 from tests.dashboards.sample_reports import SIZES
 from tests.helpers import get_model
@@ -52,7 +52,7 @@ def results() -> dict:
             report = collect(
                 model, "order-cancel", [name], configs={name: cfg}, min_effect=0.0, progress=False
             )
-            out[name] = report.probes[name]
+            out[name] = report.results[name]
     return out
 
 
@@ -76,14 +76,14 @@ def test_a_renamed_field_fails_the_page_not_silently(results):
     assert panels(real)  # the page draws with the field as the panel reads it
     fields_ = [("sizes", tuple[int, ...])]
     drifted_cls = dataclasses.make_dataclass(
-        "FalseNoteInjection", fields_, bases=(ProbeResult,), frozen=True, kw_only=True
+        "FalseNoteInjection", fields_, bases=(TaskResult,), frozen=True, kw_only=True
     )
     drifted_cls.PART_PATTERNS = type(real).PART_PATTERNS
     drifted = drifted_cls.of(name=real.name, headline=real.headline, parts=dict(real.parts), sizes=real.ks)
     with pytest.raises(AttributeError, match="ks"):
         panels(drifted)
     with pytest.raises(ResultSchemaError, match=r"unknown key\(s\) \['sizes'\]"):
-        ProbeResult.from_dict(drifted.to_dict())
+        TaskResult.from_dict(drifted.to_dict())
 
 
 def test_a_renamed_or_undeclared_part_fails_where_it_is_made(results):
@@ -99,16 +99,16 @@ def test_saved_json_missing_a_typed_field_is_refused(results):
     d = results["note_map"].to_dict()
     del d["details"]["layer_window"]
     with pytest.raises(ResultSchemaError, match=r"needs key\(s\) \['layer_window'\]"):
-        ProbeResult.from_dict(d)
+        TaskResult.from_dict(d)
     d = results["note_map"].to_dict()
     d["details"]["maps"][0]["recovery"] = "high"
     with pytest.raises(ResultSchemaError, match=r"maps\[0\]\.recovery should be a list"):
-        ProbeResult.from_dict(d)
+        TaskResult.from_dict(d)
 
 
 def test_an_unknown_analysis_name_is_refused():
     with pytest.raises(ResultSchemaError, match="unknown analysis 'nope'"):
-        ProbeResult.from_dict({"name": "nope", "headline": "x", "x": Estimate.of([1.0]).to_dict()})
+        TaskResult.from_dict({"name": "nope", "headline": "x", "x": Estimate.of([1.0]).to_dict()})
 
 
 def test_generic_results_take_any_names():

@@ -11,7 +11,7 @@ import torch
 import kvnotes.batches as batches
 import kvnotes.ops as ops
 from kvnotes.bench import memory as bm
-from kvnotes.bench.sweep import check_fits, patch_sweep
+from kvnotes.bench.sweep import check_sweep_memory, patch_sweep
 from kvnotes.engine.memory import (
     FRACTION,
     free_bytes,
@@ -140,7 +140,7 @@ def test_a_sweep_that_would_not_fit_is_refused_before_it_starts(model, monkeypat
             patch_sweep(model, n, n_slots=2, repeats=1, batch_sizes=(4, 8), progress=False)
         assert prefills == []
         with pytest.raises(BadOption, match="shorter --tokens"):
-            check_fits(model, 4 * n, (1,), full=True)
+            check_sweep_memory(model, 4 * n, (1,), full=True)
         r = patch_sweep(model, n, n_slots=2, repeats=1, batch_sizes=(2, 3), progress=False)
     assert prefills and r.n_patches == 2
 

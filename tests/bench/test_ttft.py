@@ -25,7 +25,7 @@ from kvnotes.bench.multihost import (
 from kvnotes.bench.ttft import TTFTReport, ttft
 from kvnotes.cli import main
 from kvnotes.errors import BadArgument, OutOfRange
-from kvnotes.hosts import HOST
+from kvnotes.hosts import HOST_LINE
 from kvnotes.ops import decide, precompile, prefill
 from kvnotes.zoo import default_task
 from tests.helpers import assert_close, assert_notebooks_close, get_model
@@ -36,7 +36,7 @@ def test_composed_context_with_a_full_seam_equals_full_prefill(rotary_model):
     model = rotary_model
     chunk = text_ids(model, 40)
     suffix, query = model.encode(SUFFIX, bos=False), model.encode(QUERY, bos=False)
-    host = model.encode(HOST)
+    host = model.encode(HOST_LINE)
     full = decide(model, prefill(model, [*host, *chunk, *suffix]), query).last[0]
     composed = compose_and_decide(model, host, precompile(model, chunk), suffix, query, seam=len(chunk))
     assert_close(composed, full, what="seam over the whole chunk = full recompute")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from circuits import CircuitReport
+from circuits import SectionReport
 from kvnotes.cli import main
 from tests.helpers import readings
 
@@ -21,7 +21,7 @@ def test_circuits_command_writes_every_analysis(tmp_path, notes_organism, capsys
     assert {"rank_correlation", "speedup"} <= set(a["attribution"])
     assert {"best_auc", "single_feature_recovery", "topk_curve", "reconstruction"} <= set(a["sae"])
     assert a["read_heads"]["details"]["grouping"]["n_kv_heads"] == notes_organism.n_kv_heads
-    assert CircuitReport.from_dict(d).to_dict() == d
+    assert SectionReport.from_dict(d).to_dict() == d
     printed = capsys.readouterr().out
     assert "read_heads.top_k" in printed
     said = readings(printed)  # one line of conclusion per analysis, as its page reads it

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits import CircuitReport, all_heads, attribute, read_heads, read_sweep, scrubbing, write_heads
+from circuits import SectionReport, all_heads, attribute, read_heads, read_sweep, scrubbing, write_heads
 from circuits.heads import read_capture, write_sweep
 from circuits.scrubbing import _scrub_rows, resamples
 from kvnotes.engine import run
@@ -222,7 +222,7 @@ def test_circuit_report_round_trips_through_json(notes_organism):
     assert {"read_heads", "scrubbing", "attribution"} <= set(d["results"])
     assert {"ranking", "topk_curve", "random_curve"} <= set(d["results"]["read_heads"])
     assert {"rank_correlation", "speedup"} <= set(d["results"]["attribution"])
-    back = CircuitReport.from_dict(d)
+    back = SectionReport.from_dict(d)
     assert back.to_dict() == d
 
 

@@ -20,7 +20,7 @@ from circuits.sae import (
     load_sae,
     train_sae,
 )
-from kvnotes.analysis.results import ProbeResult
+from kvnotes.analysis.results import TaskResult
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
 from kvnotes.ops import decide
@@ -294,7 +294,7 @@ def test_sae_analysis_result_round_trips(organism_trials, organism_sae):
         "details",
     ):
         assert key in d, key
-    again = ProbeResult.from_dict(json.loads(json.dumps(d)))
+    again = TaskResult.from_dict(json.loads(json.dumps(d)))
     assert again.to_dict() == d
     assert d["headline"] == "single_feature_recovery"
     assert len(d["topk_curve"]["x"]) == SMALL["max_k"] and d["random_curve"]["x"] == [1, 2, 4]

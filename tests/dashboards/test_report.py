@@ -10,12 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from circuits import CircuitReport
 from dashboards.figures import esc
 from dashboards.render import figure, html, panels, report_html, write_report
 from kvnotes.analysis.registry import get
 from kvnotes.analysis.report import Part, Report, ReportConfig, ReportFileError, run_report
-from kvnotes.analysis.results import Estimate, ProbeReport, ProbeResult
+from kvnotes.analysis.results import Estimate, SectionReport, TaskResult
 from kvnotes.bench.ttft import EditCostReport, TTFTReport
 from kvnotes.cli import main
 from probes.causal import NoteMap
@@ -50,12 +49,12 @@ def test_every_part_is_there_with_its_type(report_dir):
     _, report = report_dir
     kinds = {k: type(p.result) for k, p in report.parts.items()}
     assert kinds == {
-        "order-cancel/probes": ProbeReport,
-        "order-cancel/regime": ProbeReport,
-        "order-cancel/circuits": CircuitReport,
-        "order-cancel/edit": ProbeReport,
-        "order-cancel/compose": ProbeReport,
-        "order-cancel/memory": ProbeReport,
+        "order-cancel/probes": SectionReport,
+        "order-cancel/regime": SectionReport,
+        "order-cancel/circuits": SectionReport,
+        "order-cancel/edit": SectionReport,
+        "order-cancel/compose": SectionReport,
+        "order-cancel/memory": SectionReport,
         "model/ttft": TTFTReport,
         "model/edit_cost": EditCostReport,
     }
@@ -73,8 +72,8 @@ def test_report_json_round_trips_into_the_same_objects(report_dir):
         assert type(back.parts[key].result) is type(part.result), key
         assert back.parts[key].result.to_dict() == json.loads(json.dumps(part.result.to_dict())), key
     circuits = back.part("order-cancel", "circuits")
-    read = circuits.analyses["read_heads"]
-    orig = report.part("order-cancel", "circuits").analyses["read_heads"]
+    read = circuits.results["read_heads"]
+    orig = report.part("order-cancel", "circuits").results["read_heads"]
     assert read.parts["top_k"] == orig.parts["top_k"] and read.curves == orig.curves
     assert read.tables["ranking"] == json.loads(json.dumps(orig.tables["ranking"]))
     assert back.to_dict() == json.loads(json.dumps(report.to_dict()))
@@ -93,13 +92,13 @@ def test_every_section_writes_one_layout(report_dir):
         else:
             assert part["kind"] == "analysis", key
     circuits = report.part("order-cancel", "circuits")
-    assert isinstance(circuits, CircuitReport) and isinstance(circuits, ProbeReport)
-    assert circuits.results is circuits.analyses is circuits.probes
+    assert isinstance(circuits, SectionReport) and "read_heads" in circuits.results
 
 
 def _as_v2(d: dict) -> dict:
-    """A report's JSON as `kvnotes.report/2` wrote it: ProbeReport parts keyed "probes", results
-    without their names, and the circuits part a CircuitReport with each analysis a top-level key."""
+    """A report's JSON as `kvnotes.report/2` wrote it: section parts of kind "ProbeReport" with their
+    results keyed "probes" and without their names, and the circuits part of kind "CircuitReport"
+    with each analysis a top-level key."""
     old = json.loads(json.dumps(d))
     old["schema"] = "kvnotes.report/2"
     for key, part in old["parts"].items():
@@ -133,7 +132,7 @@ def test_report_files_of_schema_1_and_2_still_load(report_dir, tmp_path):
         (tmp_path / "report.json").write_text(json.dumps(old))
         back = Report.load(tmp_path)
         assert {k: p.to_dict() for k, p in back.parts.items()} == want, old["schema"]
-        read = back.part("order-cancel", "circuits").analyses["read_heads"]
+        read = back.part("order-cancel", "circuits").results["read_heads"]
         assert read.to_dict() == want["order-cancel/circuits"]["result"]["results"]["read_heads"]
 
 
@@ -199,7 +198,7 @@ PAYLOAD = [
 ]
 
 
-def _hostile_note_map() -> ProbeResult:
+def _hostile_note_map() -> TaskResult:
     toks = ["<bos>", "status", ":", " shipped", *PAYLOAD, "\n", "decision", ":"]
     n = len(toks)
     pos = list(range(3, n - 1))
@@ -249,8 +248,8 @@ def test_every_result_type_displays_itself(report_dir):
     objs = [
         report,
         *[p.result for p in report.parts.values()],
-        report.part("order-cancel", "probes").probes["note_map"],
-        report.part("order-cancel", "circuits").analyses["sae"],
+        report.part("order-cancel", "probes").results["note_map"],
+        report.part("order-cancel", "circuits").results["sae"],
     ]
     for obj in objs:
         fig = obj.figure()

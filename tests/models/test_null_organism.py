@@ -28,14 +28,14 @@ def test_it_is_untrained_and_always_the_same(notes_organism):
 
 
 def test_its_decision_barely_follows_the_field(null_report):
-    effect = null_report.probes["field_refresh"].parts["effect"]
+    effect = null_report.results["field_refresh"].parts["effect"]
     assert abs(effect.mean) < 1.0  # the trained organism moves it by >= 17 logits (test_organisms.py)
 
 
 def test_the_architecture_alone_gives_the_notes_answers(null_report):
     """Field refresh 0 and notes transplant 1 hold on untrained weights too: these two figures check
     the engine and the window, not a learned mechanism."""
-    p = null_report.probes
+    p = null_report.results
     # 0 up to float32 rounding: the refreshed field and the decision are computed in one forward,
     # the old decision in the prefill's, so the same sums come in other shapes (measured: <= 4e-6
     # of a ~0.26-logit effect); the field itself is outside every window, so nothing else moves it
@@ -47,5 +47,5 @@ def test_the_architecture_alone_gives_the_notes_answers(null_report):
 def test_an_in_sample_top_slot_beats_random_without_any_mechanism(null_report):
     """Injection's k1 transplants the best slot of the same pair's note map, so it beats a random slot
     on untrained weights as well: the contrast alone is no evidence of learned notes."""
-    inj = null_report.probes["false_note_injection"]
+    inj = null_report.results["false_note_injection"]
     assert inj.parts["k1"].ci[0] > inj.parts["random_k1"].ci[1]

@@ -16,7 +16,7 @@ if importlib.util.find_spec("tracr") is None and not os.environ.get("KVNOTES_REQ
 
 from circuits.edges import edge_patcher  # noqa: E402
 from circuits.ground_truth import (  # noqa: E402
-    METHODS,
+    GROUND_TRUTH_METHODS,
     auroc,
     ground_truth_bench,
     known_edges,
@@ -133,7 +133,7 @@ def test_the_ground_truth_bench_runs_and_reports_every_method(capsys):
     r = ground_truth_bench(["reverse", "count"], n=1, steps=2, progress=False)
     got = {(p.program, p.method, p.level) for p in r.results}
     for prog in ("reverse", "count"):
-        for m in METHODS:
+        for m in GROUND_TRUTH_METHODS:
             assert (prog, m, "edge") in got and (prog, m, "node") in got
     assert r.programs["reverse"]["faithfulness"] == pytest.approx(1.0, abs=1e-3)
     exact = next(p for p in r.results if (p.program, p.method, p.level) == ("reverse", "exact", "edge"))

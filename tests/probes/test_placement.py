@@ -167,7 +167,7 @@ def test_a_preset_fits_itself_to_a_small_context():
     m = load_model("notes-organism")
     sizes, facts, skipped = P.fit_preset(m, P.SIZES, 6)
     assert len(sizes) == 1 and 2 <= facts < 6 and len(skipped) == 4
-    P.check_fits(m, sizes)
+    P.check_context(m, sizes)
     ep = memory_episode(lambda s: m.encode(s, bos=False), size=sizes[0], seed=0, index=7, facts=facts)
     assert len(ep.memory_old) + ep.overhead <= m.n_ctx
 

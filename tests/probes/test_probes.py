@@ -14,8 +14,8 @@ from kvnotes.ops import Patch, decide, patch, refresh
 from kvnotes.tasks import RULE
 from probes import (
     PROBES,
-    ProbeReport,
-    UnknownProbeError,
+    SectionReport,
+    UnknownAnalysisError,
     dissociation,
     field_refresh,
     knockout,
@@ -141,9 +141,9 @@ def test_pairs_below_min_effect_are_listed_not_hidden(trials):
 
 def test_report_round_trips_through_json():
     report = run_probes(get_model("tiny-gemma3"), TASK, n=3, min_effect=0.0, progress=False)
-    assert list(report.probes) == list(PROBES)
+    assert list(report.results) == list(PROBES)
     d = json.loads(json.dumps(report.to_dict()))
-    assert ProbeReport.from_dict(d).to_dict() == d
+    assert SectionReport.from_dict(d).to_dict() == d
     for name, p in d["results"].items():
         assert {"mean", "ci", "values", "headline"} <= set(p), name
         assert p["mean"] == p[p["headline"]]["mean"]
@@ -257,7 +257,7 @@ def test_cli_bad_task_file(tmp_path, capsys):
 
 
 def test_unknown_probe_error_type():
-    with pytest.raises(UnknownProbeError):
+    with pytest.raises(UnknownAnalysisError):
         run_probes(get_model("tiny-llama"), TASK, ["nope"], n=1, progress=False)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvnotes.analysis.results import Curve, Estimate, bootstrap_ci, cluster_bootstrap_ci
 from kvnotes.errors import BadOption
-from probes.trials import Pairs
+from probes.trials import PairOptions
 
 
 def test_clustered_ci_is_wider_when_values_agree_within_templates():
@@ -67,9 +67,9 @@ def test_clusters_round_trip_through_json_and_old_json_loads():
 
 
 def test_template_option_is_checked():
-    assert Pairs().template is None and Pairs(template=2).template == 2
+    assert PairOptions().template is None and PairOptions(template=2).template == 2
     with pytest.raises(BadOption, match="template"):
-        Pairs(template=-1)
+        PairOptions(template=-1)
 
 
 def test_report_config_sets_the_template():

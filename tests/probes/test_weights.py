@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from kvnotes.analysis.results import ProbeReport, ProbeResult
+from kvnotes.analysis.results import SectionReport, TaskResult
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.ops import decide
 from probes import make_trials
@@ -156,7 +156,7 @@ def test_drift_and_seconds_are_measured(result):
 
 def test_result_round_trips_json(result):
     _, r = result
-    back = ProbeResult.from_dict(json.loads(json.dumps(r.to_dict())))
+    back = TaskResult.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back.headline == r.headline and back.parts == r.parts
     assert back.pairs == r.pairs
 
@@ -174,9 +174,9 @@ def test_cli_weights_flag(tmp_path, capsys):
 
     out = tmp_path / "w.json"
     assert main(["edit", "--model", "notes-organism", "--n", "3", "--weights", "--json", str(out)]) == 0
-    report = ProbeReport.from_dict(json.loads(out.read_text()))
-    assert set(report.probes) == {"edit_methods", "weight_edit"}
-    w = report.probes["weight_edit"]
+    report = SectionReport.from_dict(json.loads(out.read_text()))
+    assert set(report.results) == {"edit_methods", "weight_edit"}
+    w = report.results["weight_edit"]
     assert w.drift_task == "lookup-organism" and w["target"].n == 3
     printed = capsys.readouterr().out
     assert "weight_edit.contamination *" in printed
@@ -270,12 +270,12 @@ def test_rome_has_no_path_above_layer_0_on_the_organism(notes_organism, trials):
 
 def test_rome_result_round_trips_and_old_json_reads_as_decision_keyed(result, rome_results):
     _, _, r, _ = rome_results
-    back = ProbeResult.from_dict(json.loads(json.dumps(r.to_dict())))
+    back = TaskResult.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back == r and back.name == "weight_edit_rome"
     old = result[1].to_dict()
     for key in ("method", "key_position", "covariance_seconds"):
         old["details"].pop(key)  # as saved before ROME was added
-    back = ProbeResult.from_dict(old)
+    back = TaskResult.from_dict(old)
     assert back.method == "decision" and back.key_position == "decision" and back.covariance_seconds is None
 
 
@@ -285,9 +285,9 @@ def test_cli_rome_flag(tmp_path):
     out = tmp_path / "r.json"
     argv = ["edit", "weight_edit", "--model", "notes-organism", "--n", "3", "--layer", "0", "--rome"]
     assert main([*argv, "--cov-prompts", "4", "--json", str(out)]) == 0
-    report = ProbeReport.from_dict(json.loads(out.read_text()))
-    assert set(report.probes) == {"weight_edit", "weight_edit_rome"}
-    w, r = report.probes["weight_edit"], report.probes["weight_edit_rome"]
+    report = SectionReport.from_dict(json.loads(out.read_text()))
+    assert set(report.results) == {"weight_edit", "weight_edit_rome"}
+    w, r = report.results["weight_edit"], report.results["weight_edit_rome"]
     assert (w.method, r.method) == ("decision", "rome") and w.layer == r.layer == 0
     assert r.covariance.startswith("second moment of") and "(4 notes-organism prompts)" in r.covariance
     assert r["target"].n == w["target"].n == 3
