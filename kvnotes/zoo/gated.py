@@ -118,15 +118,13 @@ The measured errors per method are in docs/organisms.md and tests/models/test_ga
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
-from kvnotes.engine.transformer_lens.model import from_hooked
 from kvnotes.errors import TaskError, UnknownModelError
 from kvnotes.models.model import KVModel
 from kvnotes.zoo.mixed import TASK, token_ids
-from kvnotes.zoo.tiny import tiny_tokenizer
+from kvnotes.zoo.tiny import compiled_organism, tiny_tokenizer
 
 NAME = "gated-organism"
 GATED_ORGANISMS = (NAME,)
@@ -220,7 +218,7 @@ def designed_ld() -> float:
 def compile_weights(tl) -> None:
     """Set `tl`'s weights (in place) to the construction in the module docstring."""
     d, M = DIMS, BALLAST
-    ids = token_ids(_tokenizer())
+    ids = token_ids(tiny_tokenizer())
     r_emb = _rms(M * M + 2)  # every position, layer 0's input
     r_mlp = _rms(M * M + 4)  # the notes, MLP 0's input
     r_note = _rms(M * M + 5)  # the notes, layer 1's input
@@ -245,7 +243,7 @@ def compile_weights(tl) -> None:
         for tok in ids["writers"]:
             W_E[tok, d["pad"]] = 1.0
             W_E[tok, d["writer"]] = 1.0
-        for tok in decision_ids(_tokenizer()):
+        for tok in decision_ids(tiny_tokenizer()):
             W_E[tok, d["pad"]] = 1.0
             W_E[tok, d["dec"]] = 1.0
         s = SCORE * float(tl.blocks[0].attn.attn_scale)  # a query entry giving SCORE against a key of 1
@@ -319,23 +317,9 @@ def load_gated_organism(name: str = NAME, *, device=None, dtype=None) -> KVModel
     >>> m.n_layers, m.n_heads, m.n_kv_heads
     (2, 4, 2)
     """
-    from transformer_lens import HookedTransformer
-
-    from kvnotes.models.placement import placement
-
-    device, dtype = placement(device, dtype)  # compiled in float32, then cast and moved once
     if name not in GATED_ORGANISMS:
         raise UnknownModelError(f"unknown gated organism {name!r}; it is {NAME!r}")
-    tokenizer = _tokenizer()
-    with torch.random.fork_rng(devices=[]):  # the initial draw is overwritten; keep the caller's RNG
-        tl = HookedTransformer(hooked_config(name, len(tokenizer)), move_to_device=False)
-    compile_weights(tl)
-    return from_hooked(name, tl, tokenizer, device=device, dtype=dtype)
-
-
-@lru_cache(maxsize=1)
-def _tokenizer():
-    return tiny_tokenizer()
+    return compiled_organism(name, hooked_config, compile_weights, device=device, dtype=dtype)
 
 
 __all__ = ["NAME", "TASK", "designed_edges", "designed_ld", "load_gated_organism"]

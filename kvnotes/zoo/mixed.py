@@ -78,14 +78,13 @@ the last layer fails those checks.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import partial
 
 import torch
 
-from kvnotes.engine.transformer_lens.model import from_hooked
 from kvnotes.errors import TaskError, UnknownModelError
 from kvnotes.models.model import KVModel
-from kvnotes.zoo.tiny import tiny_tokenizer
+from kvnotes.zoo.tiny import compiled_organism, tiny_tokenizer
 
 MIXED_ORGANISMS: dict[str, float] = {"mixed-organism-25": 0.25, "mixed-organism-75": 0.75}
 TASK = "mixed-organism"
@@ -184,7 +183,7 @@ def compile_weights(share: float, tl) -> None:
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"share must be in [0, 1], got {share}")
     d = DIMS
-    ids = token_ids(_tokenizer())
+    ids = token_ids(tiny_tokenizer())
     with torch.no_grad():
         for p in tl.parameters():
             p.zero_()
@@ -239,7 +238,7 @@ def designed_notes(prompt) -> list[int]:
 
     task = load_task(TASK)
     field, decision = prompt.span(task.gate.field), prompt.span("decision")
-    writers = set(token_ids(_tokenizer())["writers"])
+    writers = set(token_ids(tiny_tokenizer())["writers"])
     return [p for p in range(field.stop, decision.start) if prompt.ids[p] in writers]
 
 
@@ -250,23 +249,10 @@ def load_mixed_organism(name: str, *, device=None, dtype=None) -> KVModel:
     >>> m.n_layers, m.window(0)
     (3, None)
     """
-    from transformer_lens import HookedTransformer
-
-    from kvnotes.models.placement import placement
-
-    device, dtype = placement(device, dtype)  # compiled in float32, then cast and moved once
     if name not in MIXED_ORGANISMS:
         raise UnknownModelError(f"unknown mixed organism {name!r}; they are {sorted(MIXED_ORGANISMS)}")
-    tokenizer = _tokenizer()
-    with torch.random.fork_rng(devices=[]):  # the initial draw is overwritten; keep the caller's RNG
-        tl = HookedTransformer(hooked_config(name, len(tokenizer)), move_to_device=False)
-    compile_weights(MIXED_ORGANISMS[name], tl)
-    return from_hooked(name, tl, tokenizer, device=device, dtype=dtype)
-
-
-@lru_cache(maxsize=1)
-def _tokenizer():
-    return tiny_tokenizer()
+    write = partial(compile_weights, MIXED_ORGANISMS[name])
+    return compiled_organism(name, hooked_config, write, device=device, dtype=dtype)
 
 
 def designed_edges(share: float) -> dict[str, float]:

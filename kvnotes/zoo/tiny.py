@@ -162,6 +162,24 @@ def build_tiny(name: str, seed: int = 0, *, device=None, dtype=None, **changes):
     return from_hooked(name, tl, tokenizer, device=device, dtype=dtype)
 
 
+def compiled_organism(name: str, config, write, *, device=None, dtype=None):
+    """An organism whose weights are written, not trained (the gated and mixed organisms): a
+    HookedTransformer of `config(name, d_vocab)` on the tiny tokenizer, its initial draw overwritten
+    by `write(tl)` in float32, then cast to `dtype` and moved to `device` once. The caller's RNG is
+    left as it was."""
+    from transformer_lens import HookedTransformer
+
+    from kvnotes.engine.transformer_lens.model import from_hooked
+    from kvnotes.models.placement import placement
+
+    device, dtype = placement(device, dtype)
+    tokenizer = tiny_tokenizer()
+    with torch.random.fork_rng(devices=[]):  # the initial draw is overwritten; keep the caller's RNG
+        tl = HookedTransformer(config(name, len(tokenizer)), move_to_device=False)
+    write(tl)
+    return from_hooked(name, tl, tokenizer, device=device, dtype=dtype)
+
+
 def tiny_gpt2_hf(seed: int = 0):
     """tiny-gpt2 as transformers builds it: a `GPT2LMHeadModel` (3 layers, 4 heads, d_model 64,
     512 positions, the tiny tokenizer's vocabulary), eager attention, weights drawn from `seed`."""
