@@ -725,7 +725,12 @@ def _add_sweep(sub) -> None:
         "the caches stay where the model runs, only the numbers come back (docs/backends.md)",
     )
     add_model(sw)
-    sw.add_argument("--task", type=TASK, help="a built-in task or a task.toml (default: order-cancel)")
+    sw.add_argument(
+        "--task",
+        type=TASK,
+        help="a built-in task or a task.toml (default: the model's own task for an organism, "
+        "else order-cancel)",
+    )
     sw.add_argument("--slots", type=COUNT, help="sweep only the last N slots before the decision")
     sw.add_argument("--batch-size", type=COUNT, default=8, help="patches per decision trace (default 8)")
     sw.add_argument("--seed", type=SEED, default=0)

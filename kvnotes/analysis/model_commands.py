@@ -47,7 +47,10 @@ def _run_verify(ctx: Context, cfg: VerifyConfig) -> VerifyReport:
 
 @dataclass(frozen=True)
 class SlotSweepConfig(Options):
-    task: str | None = option(None, "a built-in task or a task.toml (default: the model's own)")
+    task: str | None = option(
+        None,
+        "a built-in task or a task.toml (default: the model's own task for an organism, else order-cancel)",
+    )
     slots: int | None = option(None, "sweep only the last N slots before the decision", least=1)
     batch_size: int = option(8, "patches per decision trace", least=1)
     remote: str = option("", "'' here, 'local' for a dry run of the remote path, 'ndif', or a host")
