@@ -32,6 +32,7 @@ from torch import Tensor
 
 from circuits.edges.graph import ATTENTION, GROUPS, RESIDUAL, EdgeGraph
 from circuits.edges.patcher import EdgePatcher
+from kvnotes.engine import hooked
 from kvnotes.errors import BadArgument, UnsupportedArchitecture
 from kvnotes.metrics import answer_columns
 
@@ -67,7 +68,7 @@ class TLEdgePatch:
     `EdgePatcher`'s, so `circuits.edges.acdc.acdc` runs on it unchanged."""
 
     def __init__(self, patcher: EdgePatcher, *, rows: int = ROWS):
-        tl = patcher.model.tl
+        tl = hooked(patcher.model)
         cfg = tl.cfg
         if cfg.parallel_attn_mlp:
             raise UnsupportedArchitecture("the TransformerLens way handles sequential blocks only")
@@ -75,7 +76,7 @@ class TLEdgePatch:
             raise UnsupportedArchitecture(
                 f"the TransformerLens way: no {cfg.positional_embedding_type} positions"
             )
-        self.patcher, self.tl, self.graph = patcher, tl, patcher.graph
+        self.patcher, self.net, self.graph = patcher, tl, patcher.graph
         self.rows = rows
         self.forwards = 0
         g: EdgeGraph = patcher.graph
@@ -99,12 +100,12 @@ class TLEdgePatch:
             n.endswith(("hook_resid_pre", "hook_z", "hook_mlp_out", "hook_rot_k", "hook_k", "attn.hook_v"))
             or n == f"blocks.{self.L - 1}.hook_resid_post"
         )
-        _, cache = self.tl.run_with_cache(torch.tensor(ids)[None], names_filter=names, stop_at_layer=self.L)
+        _, cache = self.net.run_with_cache(torch.tensor(ids)[None], names_filter=names, stop_at_layer=self.L)
         self.forwards += 1
-        rot = "hook_rot_k" if self.tl.cfg.positional_embedding_type == "rotary" else "hook_k"
+        rot = "hook_rot_k" if self.net.cfg.positional_embedding_type == "rotary" else "hook_k"
         out = _Cached([], [], [], [], [], cache[f"blocks.{self.L - 1}.hook_resid_post"][0])
         for l in range(self.L):
-            attn = self.tl.blocks[l].attn
+            attn = self.net.blocks[l].attn
             out.resid.append(cache[f"blocks.{l}.hook_resid_pre"][0])
             out.heads.append(torch.einsum("phe,hed->phd", cache[f"blocks.{l}.attn.hook_z"][0], attn.W_O))
             out.mlp.append(cache[f"blocks.{l}.hook_mlp_out"][0])
@@ -118,7 +119,7 @@ class TLEdgePatch:
 
     def _metric(self, final: Tensor) -> Tensor:
         """The decision's metric from the residual after the last block [b, P, d]: float64 [b]."""
-        tl = self.tl
+        tl = self.net
         x = final[:, -1]
         if tl.cfg.normalization_type is not None:
             x = tl.ln_final(x)
@@ -141,7 +142,7 @@ class TLEdgePatch:
                 f"circuits must be [rows, {len(self.graph)}] booleans, got {keep.dtype} {keep.shape}"
             )
         out = []
-        with torch.no_grad(), _split_inputs(self.tl):
+        with torch.no_grad(), _split_inputs(self.net):
             for a in range(0, len(keep), min(batch, self.rows)):
                 out.append(self._forward(keep[a : a + min(batch, self.rows)]))
         lds = torch.cat(out).numpy() if out else np.zeros(0)
@@ -150,7 +151,7 @@ class TLEdgePatch:
     def _masks(self, keep: np.ndarray) -> tuple[Tensor, Tensor]:
         """Which edges are removed: residual [b, readers, writers, G], attention [b, L, H, Gk, Gq]."""
         g, b = self.graph, len(keep)
-        off = torch.as_tensor(~keep, dtype=self.tl.cfg.dtype)
+        off = torch.as_tensor(~keep, dtype=self.net.cfg.dtype)
         res = torch.zeros(b, g.n_readers, g.n_writers, len(GROUPS), dtype=off.dtype)
         att = torch.zeros(b, self.L, self.H, len(GROUPS), len(GROUPS), dtype=off.dtype)
         r, t = np.flatnonzero(g.kind == RESIDUAL), np.flatnonzero(g.kind == ATTENTION)
@@ -172,7 +173,7 @@ class TLEdgePatch:
         start = min(self._start(res, att), self.L - 1)
         live = _Live(self, res, att, b, start)
         x = self.new.resid[start][None].expand(b, -1, -1).clone()
-        final = self.tl.run_with_hooks(x, start_at_layer=start, stop_at_layer=self.L, fwd_hooks=live.hooks())
+        final = self.net.run_with_hooks(x, start_at_layer=start, stop_at_layer=self.L, fwd_hooks=live.hooks())
         self.forwards += 1
         final = final + live.delta(self.L * self.graph.block, self.L, final)[:, 0]
         return self._metric(final)
@@ -210,7 +211,7 @@ class _Live:
             if self.att[:, l].any():
                 rot = (
                     "attn.hook_rot_q"
-                    if self.w.tl.cfg.positional_embedding_type == "rotary"
+                    if self.w.net.cfg.positional_embedding_type == "rotary"
                     else "attn.hook_q"
                 )
                 out += [
@@ -263,9 +264,9 @@ class _Live:
     def _heads_change(self, l: int, mh: Tensor) -> Tensor:
         """Layer l's attention output change [b, P, d] when its heads swap in the old outputs where
         `mh` [b, H, P] says; mixed before the norm after attention, where the model has one."""
-        blk, live = self.w.tl.blocks[l], self.heads[l]
+        blk, live = self.w.net.blocks[l], self.heads[l]
         mix = live + mh.transpose(1, 2)[..., None] * (self.w.old.heads[l] - live)  # [b, P, H, d]
-        if not self.w.tl.cfg.use_normalization_before_and_after:
+        if not self.w.net.cfg.use_normalization_before_and_after:
             return (mix - live).sum(2)
         bo = blk.attn.b_O
         return blk.ln1_post(mix.sum(2) + bo) - blk.ln1_post(live.sum(2) + bo)
@@ -274,10 +275,10 @@ class _Live:
         """Scores with the removed attention edges' keys the old run's: [b, H, q, k]."""
         w = self.w
         M = self._attention_mask(l)
-        attn = w.tl.blocks[l].attn
+        attn = w.net.blocks[l].attn
         q = self.q[l]
         old = torch.einsum("bqhe,khe->bhqk", q, w.old.rot_k[l]) / attn.attn_scale
-        cap = w.tl.cfg.attn_scores_soft_cap
+        cap = w.net.cfg.attn_scores_soft_cap
         if cap and cap > 0:
             old = cap * torch.tanh(old / cap)
         masked = torch.isneginf(s) | (s <= torch.finfo(s.dtype).min / 2)
@@ -294,5 +295,5 @@ class _Live:
             M = self._attention_mask(l).to(z.dtype)
             v_live = w._per_head(self.v[l])
             z = z + torch.einsum("bhqk,bkhe->bqhe", self.pattern[l] * M, w.old.v[l][None] - v_live)
-        self.heads[l] = torch.einsum("bphe,hed->bphd", z, w.tl.blocks[l].attn.W_O)
+        self.heads[l] = torch.einsum("bphe,hed->bphd", z, w.net.blocks[l].attn.W_O)
         return z

@@ -46,7 +46,7 @@ import torch
 
 from circuits.edges import RESIDUAL, EdgeGraph, EdgePatcher, edge_patcher, score_edges
 from circuits.edges.positions import position_edges, position_scores
-from kvnotes.engine import Capability, require
+from kvnotes.engine import Capability, hooked, require
 from kvnotes.errors import BadArgument, MissingDependency
 from kvnotes.metrics import spearman
 from kvnotes.models.model import KVModel
@@ -99,7 +99,7 @@ def check_peer(model: KVModel, python: str | Path) -> Path:
     builds (multi-head attention, none of Gemma's norms), and the python exists and imports
     auto-circuit."""
     require(model, Capability.TRANSFORMER_LENS, "the auto-circuit comparison (it exports TransformerLens)")
-    cfg = model.cfg
+    cfg = hooked(model, "the auto-circuit comparison").cfg
     unsupported = [
         what
         for what, on in (
@@ -229,7 +229,9 @@ def export(model: KVModel, pairs: list[Pair], folder: Path, *, samples: int, rep
     from circuits.edges import groups_of
 
     cfg = {
-        k: v for k, v in model.cfg.to_dict().items() if isinstance(v, int | float | str | bool | list | None)
+        k: v
+        for k, v in hooked(model).cfg.to_dict().items()
+        if isinstance(v, int | float | str | bool | list | None)
     }
     pad = model.tokenizer.pad_token_id
     conf = {
@@ -240,7 +242,7 @@ def export(model: KVModel, pairs: list[Pair], folder: Path, *, samples: int, rep
         "repeats": repeats,
     }
     (folder / "config.json").write_text(json.dumps(conf))
-    state = {k: v.detach().contiguous().clone() for k, v in model.tl.named_parameters()}
+    state = {k: v.detach().contiguous().clone() for k, v in hooked(model).named_parameters()}
     save_file(state, folder / "weights.safetensors")
     rows, ref = [], {}
     with torch.no_grad():
@@ -256,7 +258,7 @@ def export(model: KVModel, pairs: list[Pair], folder: Path, *, samples: int, rep
                     "start": start,
                 }
             )
-            ref[f"pair{i}"] = model.tl(torch.tensor([list(p.new.ids)]))[0, -1].contiguous()
+            ref[f"pair{i}"] = hooked(model)(torch.tensor([list(p.new.ids)]))[0, -1].contiguous()
     (folder / "pairs.json").write_text(json.dumps(rows))
     save_file(ref, folder / "reference.safetensors")
 

@@ -115,13 +115,13 @@ def _loader(p: dict, cache=None, seq_len: int | None = None):
     return PromptDataLoader(ds, seq_len=seq_len, diverge_idx=start, kv_cache=cache, batch_size=1)
 
 
-def _prefix_cache(model, p: dict):
+def _prefix_cache(net, p: dict):
     import torch
     from transformer_lens.past_key_value_caching import HookedTransformerKeyValueCache
 
-    cache = HookedTransformerKeyValueCache.init_cache(model.cfg, model.cfg.device, 1)
+    cache = HookedTransformerKeyValueCache.init_cache(net.cfg, net.cfg.device, 1)
     with torch.no_grad():
-        model(torch.tensor([p["clean"][: p["start"]]]), past_kv_cache=cache)
+        net(torch.tensor([p["clean"][: p["start"]]]), past_kv_cache=cache)
     cache.freeze()
     return cache
 

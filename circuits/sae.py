@@ -218,7 +218,7 @@ def train_sae(
     >>> model = load_model("tiny-llama")
     >>> sae = train_sae(model, "order-cancel", SAEConfig(n_train_pairs=4, training_samples=512),
     ...                 progress=False)
-    >>> sae.cfg.metadata.hook_name, sae.cfg.d_sae == 4 * model.cfg.d_model
+    >>> sae.cfg.metadata.hook_name, sae.cfg.d_sae == 4 * model.facts.d_model
     ('blocks.1.hook_resid_post', True)
     """
     task = load_task(task)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.engine import Capability, require, run
+from kvnotes.engine import Capability, hooked, require, run
 from kvnotes.engine.guard import allow
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.hooks import hook_name
@@ -81,7 +81,7 @@ class RankOneEdit:
     def delta(self, model: KVModel) -> Float[Tensor, "d_mlp d_model"]:
         """ΔW = c (v* − k·W_out − b_out)ᵀ / (kᵀc), c = C⁻¹k (or k), against the model's current
         weights (float64 math); k still maps to v* exactly."""
-        mlp = model.tl.blocks[self.layer].mlp
+        mlp = hooked(model).blocks[self.layer].mlp
         k = self.key.double()
         current = k @ mlp.W_out.double() + mlp.b_out.double()
         if self.direction is None:
@@ -189,15 +189,16 @@ def applied(model: KVModel, edit: RankOneEdit) -> Iterator[KVModel]:
 
     >>> from kvnotes import load_model
     >>> m = load_model("tiny-llama")
-    >>> w = m.tl.blocks[1].mlp.W_out.clone()
-    >>> e = RankOneEdit(layer=1, key=torch.ones(m.cfg.d_mlp), value=torch.zeros(m.cfg.d_model),
-    ...                 target=torch.zeros(m.cfg.d_model), old=torch.zeros(m.cfg.d_model))
+    >>> w = hooked(m).blocks[1].mlp.W_out.clone()
+    >>> d_mlp, d_model = m.facts.d_mlp, m.facts.d_model
+    >>> e = RankOneEdit(layer=1, key=torch.ones(d_mlp), value=torch.zeros(d_model),
+    ...                 target=torch.zeros(d_model), old=torch.zeros(d_model))
     >>> with applied(m, e):
-    ...     changed = not torch.equal(m.tl.blocks[1].mlp.W_out, w)
-    >>> changed, torch.equal(m.tl.blocks[1].mlp.W_out, w)
+    ...     changed = not torch.equal(hooked(m).blocks[1].mlp.W_out, w)
+    >>> changed, torch.equal(hooked(m).blocks[1].mlp.W_out, w)
     (True, True)
     """
-    w = model.tl.blocks[edit.layer].mlp.W_out
+    w = hooked(model).blocks[edit.layer].mlp.W_out
     saved = w.detach().clone()
     try:
         with torch.no_grad():
@@ -383,13 +384,13 @@ def edit_hooks(model: KVModel, layer: int, key: Tensor, u: Tensor) -> list:
 
 def _mlp_out(model: KVModel, layer: int, h: Tensor) -> Tensor:
     """The MLP's output for hidden activations h (its hook_post), before any post-MLP norm."""
-    mlp = model.tl.blocks[layer].mlp
+    mlp = hooked(model).blocks[layer].mlp
     return h @ mlp.W_out + mlp.b_out
 
 
 def _contribution(model: KVModel, layer: int, x: Tensor) -> Tensor:
     """What an MLP output x adds to the residual stream: x, or ln2_post(x) where the model has one."""
-    return model.tl.blocks[layer].ln2_post(x) if model.cfg.use_normalization_before_and_after else x
+    return hooked(model).blocks[layer].ln2_post(x) if model.facts.norm_after_sublayers else x
 
 
 def pre_norm_value(model: KVModel, layer: int, x_old: Tensor, target: Tensor) -> Tensor:
@@ -401,9 +402,9 @@ def pre_norm_value(model: KVModel, layer: int, x_old: Tensor, target: Tensor) ->
     of x is kept at the unedited one, so the norm's eps acts as before) and the edit is exact
     only where the target lies on it.
     """
-    if not model.cfg.use_normalization_before_and_after:
+    if not model.facts.norm_after_sublayers:
         return target
-    ln = model.tl.blocks[layer].ln2_post
+    ln = hooked(model).blocks[layer].ln2_post
     rho2 = x_old.pow(2).mean()
     a = ln.w.double() * torch.sqrt(rho2 / (rho2 + ln.eps))  # y = a ⊙ s for x = rms(x_old)·s, mean(s²) = 1
     d = target.numel()

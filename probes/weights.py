@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
-from kvnotes.engine import Readout
+from kvnotes.engine import Readout, hooked
 from kvnotes.errors import KVNotesError
 from kvnotes.hooks import hook_name
 from kvnotes.metrics import recovery
@@ -328,7 +328,7 @@ def _edit_pair(
         "ld_concurrent_edited": r.ld_concurrent,
         "ld_concurrent_new_value": ld_alt,
         "wanted_norm": wanted,
-        "update_norm": float(edit.delta(m).norm() / m.tl.blocks[layer].mlp.W_out.norm()),
+        "update_norm": float(edit.delta(m).norm() / hooked(m).blocks[layer].mlp.W_out.norm()),
     }
     return values, row
 

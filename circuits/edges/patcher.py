@@ -25,7 +25,7 @@ from circuits.edges.graph import (
     edge_graph,
 )
 from kvnotes.capture import CaptureRun, RunCapture, capture_pair
-from kvnotes.engine import Capability, has, require, run
+from kvnotes.engine import Capability, has, hooked, require, run
 from kvnotes.engine.memory import FRACTION, budget, mib, row_bytes
 from kvnotes.engine.plan import Resume, softcap
 from kvnotes.engine.transformer_lens import kv_weights
@@ -222,7 +222,7 @@ class EdgePatcher:
 @contextlib.contextmanager
 def _mlp_in_hook(model: KVModel):
     """TransformerLens fires `hook_mlp_in` only when asked; the MLP reader needs it."""
-    cfg = model.tl.cfg
+    cfg = hooked(model).cfg
     before = cfg.use_hook_mlp_in
     cfg.use_hook_mlp_in = True
     try:
@@ -333,9 +333,9 @@ def _head_changes(model: KVModel, l: int, s: Tensor, off: Tensor, dh: Tensor) ->
 def _post_delta(model: KVModel, l: int, s: Tensor, D: Tensor) -> Tensor:
     """post(s + D) - post(s), with post the attention output's norm where the model has one (else D):
     zero where D is zero. `s` [b, T, d], `D` [b, R, T, d]."""
-    if not model.cfg.use_normalization_before_and_after:
+    if not model.facts.norm_after_sublayers:
         return D
-    post = model.tl.blocks[l].ln1_post
+    post = hooked(model).blocks[l].ln1_post
     return post(s[:, None] + D) - post(s)[:, None]
 
 
@@ -359,8 +359,8 @@ class _Hooks:
         out = [("hook_embed", self.embed)]
         for l in range(self.L):
             p = f"blocks.{l}"
-            attn = self.model.tl.blocks[l].attn
-            W_K, W_V, _, _ = kv_weights(attn, self.model.cfg)
+            attn = hooked(self.model).blocks[l].attn
+            W_K, W_V, _, _ = kv_weights(attn, hooked(self.model).cfg)
             out += [
                 (f"{p}.hook_resid_pre", partial(self.resid_pre, l=l)),
                 (f"{p}.attn.hook_q", partial(self.q, l=l)),
@@ -419,7 +419,7 @@ class _Hooks:
         if corr is None:
             self.pend[l] = None
         else:
-            ln1, xin = self.model.tl.blocks[l].ln1, x[:, None]
+            ln1, xin = hooked(self.model).blocks[l].ln1, x[:, None]
             self.pend[l] = ln1(xin + corr) - ln1(xin.expand_as(corr))
         return self.pend[l]
 
@@ -428,7 +428,7 @@ class _Hooks:
         n = self.readers(l)
         if n is None:
             return q
-        return q + torch.einsum("bhtd,hde->bthe", n[:, : self.H], self.model.tl.blocks[l].attn.W_Q)
+        return q + torch.einsum("bhtd,hde->bthe", n[:, : self.H], hooked(self.model).blocks[l].attn.W_Q)
 
     def kv(self, x, hook, l: int, store: dict, W: Tensor):
         """Keys or values with the KV readers' input changes added, kept in `store[l]`."""
@@ -452,7 +452,7 @@ class _Hooks:
         off = self.mode.attention(self.patcher, l)  # [b, H, query, key]
         if not bool((off != 0).any()):
             return s
-        attn, cap = self.model.tl.blocks[l].attn, self.model.cfg.attn_scores_soft_cap
+        attn, cap = hooked(self.model).blocks[l].attn, self.model.facts.attn_scores_soft_cap
         q = self.st.q_rot[l]
         k_old = self.patcher.old.k_rot[l][0].repeat_interleave(self.g, dim=1)  # [T, H, d]
         raw = torch.einsum("bqhe,phe->bhqp", q, k_old) / attn.attn_scale
@@ -470,7 +470,7 @@ class _Hooks:
             z = _old_values(self.patcher, self.mode, self.st, l, z)
         if self.grad:
             z = z + _leaf(self.mode, ("z", l), z)
-        attn = self.model.tl.blocks[l].attn
+        attn = hooked(self.model).blocks[l].attn
         self.st.z[l] = self.kept(z)
         heads = torch.einsum("bthe,hed->bthd", z, attn.W_O)
         self.st.heads[l] = self.kept(heads)
@@ -642,7 +642,7 @@ def _run_of(model: KVModel, cap: RunCapture) -> _Run:
     for l in range(model.n_layers):
         for f, h in _CAPTURED.items():
             getattr(st, f)[l] = cap[f"blocks.{l}.{h}"]
-        attn = model.tl.blocks[l].attn
+        attn = hooked(model).blocks[l].attn
         heads = torch.einsum("bthe,hed->bthd", st.z[l], attn.W_O)
         st.heads[l] = heads
         st.attn_sum[l] = heads.sum(2) + attn.b_O

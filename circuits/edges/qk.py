@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from circuits.edges.graph import GROUPS
+from kvnotes.engine import hooked
 from kvnotes.engine.plan import softcap
 from kvnotes.engine.transformer_lens import kv_weights, qk_normed, rotated
 from kvnotes.types import Tensor
@@ -46,11 +47,11 @@ class _Layer:
     def __init__(self, patcher, l: int, grads: dict):
         model = patcher.model
         self.patcher, self.l, self.model = patcher, l, model
-        self.attn = model.tl.blocks[l].attn
+        self.attn = hooked(model).blocks[l].attn
         self.g = gr_g = model.n_heads // model.n_kv_heads
         self.ns = patcher.prefix.n_slots
-        self.cap = model.cfg.attn_scores_soft_cap
-        self.W_K, self.W_V, _, _ = kv_weights(self.attn, model.cfg)
+        self.cap = model.facts.attn_scores_soft_cap
+        self.W_K, self.W_V, _, _ = kv_weights(self.attn, hooked(model).cfg)
         self.s_all = patcher.new.scores[l][0].double()  # [H, T, K]
         keys = torch.cat([patcher.prefix.keys[l][0].transpose(0, 1), patcher.new.k_rot[l][0]], dim=0)
         self.k_all = keys.double().repeat_interleave(gr_g, 1)  # [K, H, d]
@@ -70,7 +71,7 @@ class _Layer:
     def normed_change(self, D: Tensor) -> Tensor:
         """Each writer's change `D` [n, T, d] as the layer's readers see it, after the input norm."""
         x = self.patcher.new.x[self.l][0]  # [T, d]
-        ln1 = self.model.tl.blocks[self.l].ln1
+        ln1 = hooked(self.model).blocks[self.l].ln1
         return ln1(x[None] + D) - ln1(x[None].expand_as(D))
 
     def key_change(self, keys: str, s_new: Tensor, v_new: Tensor, at: Tensor) -> Tensor:
@@ -85,7 +86,7 @@ def _kv_edges(acc, layer: _Layer, writers: list[int], n_in: Tensor) -> None:
     H, g, B = gr.n_heads, layer.g, gr.block
     dk = torch.einsum("ntd,jde->ntje", n_in, layer.W_K)
     dv = torch.einsum("ntd,jde->ntje", n_in, layer.W_V)
-    k2 = qk_normed(layer.attn, layer.model.cfg, patcher.new.k_raw[l][0][None] + dk, "k")
+    k2 = qk_normed(layer.attn, hooked(layer.model).cfg, patcher.new.k_raw[l][0][None] + dk, "k")
     k2 = rotated(layer.attn, k2, patcher.pos).double().repeat_interleave(g, 2)  # [n, T, H, d]
     s2 = layer.scores(torch.einsum("qhe,nphe->nhqp", layer.q, k2))
     v2 = patcher.new.v[l][0].double()[None] + dv.double()
@@ -106,7 +107,7 @@ def _query_edges(acc, layer: _Layer, writers: list[int], n_in: Tensor) -> None:
     dq = torch.einsum("ntd,hde->nthe", n_in, layer.attn.W_Q)
     q_raw = patcher.new.q_raw[l][0]  # [T, H, d] before the QK norm and rotation
     q2 = torch.cat([q_raw[None], q_raw[None] + dq])  # row 0: no change, the baseline
-    q2 = rotated(layer.attn, qk_normed(layer.attn, layer.model.cfg, q2, "q"), patcher.pos).double()
+    q2 = rotated(layer.attn, qk_normed(layer.attn, hooked(layer.model).cfg, q2, "q"), patcher.pos).double()
     s2 = layer.scores(torch.einsum("nqhe,khe->nhqk", q2, layer.k_all))
     p2 = torch.softmax(torch.where(torch.isfinite(layer.s_all)[None], s2, -torch.inf), dim=-1)
     z2 = torch.einsum(

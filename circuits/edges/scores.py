@@ -13,6 +13,7 @@ import torch
 from circuits.edges.graph import ATTENTION, GROUPS, RESIDUAL, EdgeGraph
 from circuits.edges.patcher import EdgePatcher, _Grad, _Mode, _PatchGrad, _post_delta, _Run
 from circuits.edges.qk import EXACT_KEYS, qk_fix
+from kvnotes.engine import hooked
 from kvnotes.engine.guard import allow
 from kvnotes.errors import BadArgument
 from kvnotes.types import Tensor
@@ -200,14 +201,14 @@ class _Accumulator:
         outputs' (the values' change). Head h reads KV head h // g (`repeat_interleave`)."""
         patcher, gr = self.patcher, self.patcher.graph
         g, ns = gr.n_heads // gr.n_kv_heads, patcher.prefix.n_slots
-        cap = patcher.model.cfg.attn_scores_soft_cap
+        cap = patcher.model.facts.attn_scores_soft_cap
         for l in range(gr.n_layers):
             if ("z", l) not in grads:  # a run resumed above layer l
                 continue
             q = st.q_rot[l].detach().double()  # [b, T, H, d]
             k_new = patcher.new.k_rot[l][0].double().repeat_interleave(g, 1)  # [T, H, d]
             k_old = patcher.old.k_rot[l][0].double().repeat_interleave(g, 1)
-            scale = float(patcher.model.tl.blocks[l].attn.attn_scale)
+            scale = float(hooked(patcher.model).blocks[l].attn.attn_scale)
             ds = torch.einsum("bqhe,phe->bhqp", q, k_old - k_new) / scale
             if cap and cap > 0:  # through the softcap: d/dx cap tanh(x / cap) = 1 - tanh^2
                 s = st.scores[l].detach().double()[..., ns:]

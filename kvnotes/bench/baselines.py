@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from kvnotes.engine import hooked
 from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadArgument
 from kvnotes.hooks import hook_name
@@ -110,7 +111,7 @@ def tl_full_batched(pair: PatchPair) -> PatchFn:
     names = lambda n: n.endswith(("attn.hook_rot_k", "attn.hook_v"))  # noqa: E731
     kv = {}
     for which, ids in (("src", pair.src_ids), ("dst", pair.dst_ids)):
-        _, cache = model.tl.run_with_cache(torch.tensor([ids]), names_filter=names, return_type=None)
+        _, cache = hooked(model).run_with_cache(torch.tensor([ids]), names_filter=names, return_type=None)
         kv[which] = {name: act[0, :stop] for name, act in cache.items()}  # [slot, kv_head, d_head]
     tokens = torch.tensor([pair.dst_ids])
     slots_now: list[int] = []  # the batch being run, read by the hook
@@ -127,7 +128,7 @@ def tl_full_batched(pair: PatchPair) -> PatchFn:
 
     def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
         slots_now[:] = slots
-        model.tl.run_with_hooks(tokens.expand(len(slots), -1), return_type=None, fwd_hooks=hooks)
+        hooked(model).run_with_hooks(tokens.expand(len(slots), -1), return_type=None, fwd_hooks=hooks)
         return final_logits(model, saved["x"], vocab)
 
     return run
@@ -156,7 +157,7 @@ def tl_kv_cache(pair: PatchPair) -> PatchFn:
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache as KVCache
     from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry as Entry
 
-    model, stop, tl = pair.model, pair.stop, pair.model.tl
+    model, stop, tl = pair.model, pair.stop, hooked(pair.model)
 
     def prefill(ids: Sequence[int]) -> KVCache:
         cache = KVCache.init_cache(tl.cfg, tl.cfg.device, 1)

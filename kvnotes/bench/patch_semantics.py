@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from kvnotes import ops
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, header, machine
-from kvnotes.engine import Capability, require
+from kvnotes.engine import Capability, hooked, require
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.fixtures import FILLER
 from kvnotes.models.model import KVModel
@@ -79,7 +79,7 @@ class SemanticsReport(BenchReport):
 def _hooks_way(model: KVModel, old_ids: list[int], new_ids: list[int], slots: list[int], batch: int):
     """TransformerLens's own sweep: the new run cached once, the old prompt batched with each row's
     slot replaced at every layer's hook_k and hook_v; the last position's logits per slot."""
-    tl = model.tl
+    tl = hooked(model)
     names = [f"blocks.{l}.attn.hook_{s}" for l in range(tl.cfg.n_layers) for s in "kv"]
 
     def sweep() -> torch.Tensor:

@@ -11,7 +11,7 @@ only), `model(chunk, cache=cache, use_cache=True, logits_to_keep=1)` under
 `torch.inference_mode()`: the strongest plain-transformers prefill, and the one kvnotes's speed is
 read against (`PrefillPoint.speedup`). *transformers*: the same twin over the whole context in one
 forward (only the last position is unembedded), reported beside it.
-*transformer_lens*: `model.tl.run_with_cache(ids)`, what a TransformerLens user runs: it keeps every
+*transformer_lens*: `hooked(model).run_with_cache(ids)`, what a TransformerLens user runs: it keeps every
 activation and the logits at every position, so it is slow and memory-hungry by design; a length
 whose estimated cache would not fit in free memory is skipped with the estimate as the reason.
 
@@ -48,6 +48,7 @@ from kvnotes.bench.prefill_ways import (
     diffs,
     load_hf_twin,
 )
+from kvnotes.engine import hooked
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 
@@ -176,7 +177,7 @@ def tl_cache_polynomial(model: KVModel) -> np.ndarray:
     attention scores and pattern, quadratic; fitted on three short contexts."""
     sizes = []
     for n in CALIBRATION:
-        logits, cache = model.tl.run_with_cache(
+        logits, cache = hooked(model).run_with_cache(
             torch.tensor([context_ids(model, n)], device=device_of(model))
         )
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in cache.values()}

@@ -12,7 +12,7 @@ import torch
 
 from kvnotes import engine, ops
 from kvnotes.bench.common import text_ids
-from kvnotes.engine import run
+from kvnotes.engine import hooked, run
 from kvnotes.models.model import KVModel
 from kvnotes.types import Float, Tensor
 
@@ -118,7 +118,7 @@ def _transformers_readout(r: Runners, out, ids: list[int], layers: list[int]) ->
 
 
 def _transformer_lens(r: Runners, ids: list[int]):
-    return r.model.tl.run_with_cache(torch.tensor([ids], device=device_of(r.model)))
+    return hooked(r.model).run_with_cache(torch.tensor([ids], device=device_of(r.model)))
 
 
 def _transformer_lens_readout(r: Runners, out, ids: list[int], layers: list[int]) -> Outcome:  # noqa: ARG001

@@ -38,7 +38,7 @@ from kvnotes.bench.baselines import (
     unavailable,
 )
 from kvnotes.bench.common import both_backends
-from kvnotes.engine import run
+from kvnotes.engine import hooked, run
 from kvnotes.engine.memory import FRACTION, budget, mib, notebook_bytes, row_bytes
 from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadOption
@@ -173,7 +173,7 @@ def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[in
         (lambda n: n.endswith("attn.hook_v"), set_v),
         (last, grab),
     ]
-    model.tl.run_with_hooks(torch.tensor([list(prompt.ids)]), return_type=None, fwd_hooks=hooks)
+    hooked(model).run_with_hooks(torch.tensor([list(prompt.ids)]), return_type=None, fwd_hooks=hooks)
     return final_logits(model, saved["x"], torch.tensor(vocab))
 
 

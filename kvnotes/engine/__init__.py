@@ -10,7 +10,8 @@ the protocol; `table.py`, which backend runs which model class: `transformer_len
 computes it; `plan.write_back` stores the result. A long append (`prefill`) with no hooks runs in
 chunks of `PREFILL_CHUNK` tokens, so memory grows linearly with the context.
 
-Beside `run`, the engine answers what a model's backend offers (`has`, `require`, by `Capability`)
+Beside `run`, the engine answers what a model's backend offers (`has`, `require`, by `Capability`;
+`hooked`, the TransformerLens module behind a model that has one, the only way past the seam)
 and gives the operations every backend implements: `move_keys` (post-RoPE keys to new positions),
 `full_logits` (one plain forward) and `in_float64` (the model computing in float64, `verify`'s truth).
 """
@@ -40,6 +41,7 @@ from kvnotes.engine.table import (
     backend_of,
     full_logits,
     has,
+    hooked,
     in_float64,
     move_keys,
     require,
@@ -190,6 +192,7 @@ __all__ = [
     "fast_attention_enabled",
     "full_logits",
     "has",
+    "hooked",
     "in_float64",
     "move_keys",
     "require",

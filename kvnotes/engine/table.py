@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from kvnotes.errors import BadArgument, MissingCapability, UnsupportedArchitectu
 from kvnotes.models.backends import BackendName
 from kvnotes.models.model import KVModel
 from kvnotes.types import Float, Int, Tensor
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformer
 
 # model class -> its backend: the one table (a subclass, e.g. tracr's TracrModel, runs on its base's)
 BY_MODEL_CLASS: dict[type[KVModel], Backend[Any]] = {
@@ -87,6 +90,22 @@ def require(model: KVModel, capability: Capability | str, what: str = "this") ->
     raise MissingCapability(
         f"{what} needs {str(cap)!r}, which {model.name} on the {backend.name} backend does not offer; {way}"
     )
+
+
+def hooked(model: KVModel, what: str = "this") -> HookedTransformer:
+    """`model`'s TransformerLens `HookedTransformer`, for code that reads or edits its weight matrices
+    (per-head W_Q/W_K/W_V/W_O, norms, MLPs) or calls TransformerLens itself: the one way past the
+    backend seam, typed, and refused (`Capability.WEIGHTS`, naming a backend that has it, `what`
+    saying what needed it) where the model's backend has no such module.
+
+    >>> from kvnotes import load_model
+    >>> hooked(load_model("tiny-llama")).blocks[0].attn.W_Q.shape  # [head, d_model, d_head]
+    torch.Size([4, 64, 16])
+    """
+    require(model, Capability.WEIGHTS, what)
+    if not isinstance(model, TransformerLensModel):  # pragma: no cover - WEIGHTS is TransformerLens's
+        raise MissingCapability(f"{what} needs TransformerLens weights, which {model.name} does not have")
+    return model.tl
 
 
 def move_keys(

@@ -62,7 +62,7 @@ def test_a_head_mix_after_the_norm_after_attention_fails(monkeypatch):
     instead of the heads mixed before it. tiny-gemma3's patch moves."""
 
     def summed(self, l, mh):
-        blk, live = self.w.tl.blocks[l], self.heads[l]
+        blk, live = self.w.net.blocks[l], self.heads[l]
         per = live + mh.transpose(1, 2)[..., None] * (self.w.old.heads[l] - live)
         return (blk.ln1_post(per) - blk.ln1_post(live)).sum(2)
 
