@@ -199,7 +199,7 @@ def test_a_stale_shipped_spec_is_not_used_and_the_built_one_is_cached(tmp_path):
     from kvnotes.cli_spec import SHIPPED
 
     data = json.loads(SHIPPED.read_text())
-    data["digest"] = "0" * 64  # as if an analysis file had been edited since
+    data["digest"] = data["code_digest"] = "0" * 64  # as if an analysis's code had been edited since
     data["spec"]["commands"]["bench"]["analyses"] = []  # what a stale spec would wrongly say
     stale.write_text(json.dumps(data))
     setup = f"spec.SHIPPED = __import__('pathlib').Path({str(stale)!r})\n"
@@ -218,8 +218,35 @@ def test_the_shipped_spec_is_the_registry_s():
     shipped, built = json.loads(cli_spec.SHIPPED.read_text()), cli_spec.build()
     stale = "stale: run `python -m kvnotes.cli_spec` to rewrite kvnotes/cli_spec.json"
     assert shipped["spec"] == built["spec"], stale
-    assert shipped["files"] == built["files"] and shipped["digest"] == built["digest"], stale
+    assert shipped["files"] == built["files"] and shipped["code_digest"] == built["code_digest"], stale
     assert cli_spec.shipped() == built["spec"]
+
+
+def test_a_comment_or_a_reflowed_line_keeps_the_shipped_spec_but_a_code_change_does_not(
+    tmp_path, monkeypatch
+):
+    """The shipped spec is keyed on the code it was read from: an edited comment or a call split over
+    lines changes the text digest, not the code digest; a changed help string changes both."""
+    from kvnotes import cli_spec
+
+    code = tmp_path / "analysis.py"
+    monkeypatch.setattr(cli_spec, "_place", lambda rel: code)
+
+    def digests(text: str) -> tuple[str, str]:
+        code.write_text(text)
+        return cli_spec.digest(["pkg/analysis.py"]), cli_spec.code_digest(["pkg/analysis.py"])
+
+    base = 'def _run(ctx, cfg):\n    """Count the flips."""\n    return option(8, "prompt pairs", least=1)\n'
+    commented = "# why eight\n" + base.replace("least=1)", "least=1)  # at least one")
+    reflowed = base.replace(
+        'option(8, "prompt pairs", least=1)', 'option(\n        8, "prompt pairs", least=1\n    )'
+    )
+    changed = base.replace("prompt pairs", "pairs of prompts")
+    text, tokens = digests(base)
+    for same in (commented, reflowed):
+        assert digests(same)[0] != text and digests(same)[1] == tokens
+    assert digests(changed)[1] != tokens
+    assert digests(base.replace("Count the flips", "Count flips"))[1] != tokens  # a run docstring is help
 
 
 def test_each_analysis_command_takes_its_help_from_its_section():
