@@ -2,8 +2,7 @@
 hypothesis preserves, how fast gradients rank it, and which SAE features carry it.
 
     from kvnotes import load_model
-    from probes import make_trials
-    from circuits import read_heads, run_circuits
+    from circuits import make_trials, read_heads, run_circuits
     model = load_model("gemma-3-270m")
     trials = make_trials(model, "order-cancel", n=8)
     read_heads(trials).tables["ranking"][:5]           # the heads that read the conclusion
@@ -26,6 +25,7 @@ from kvnotes.analysis.registry import (
 )
 from kvnotes.analysis.results import SectionReport
 from kvnotes.analysis.runner import run_section
+from kvnotes.lazy import lazy_exports
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
 
@@ -45,24 +45,45 @@ register_section(
     )
 )
 
-from circuits.attribution import Attribution, attribute, attribution  # noqa: E402
-from circuits.edge_bench import EdgeBenchReport, edge_bench  # noqa: E402  (`kvnotes bench edges`)
-from circuits.edge_circuits import EdgeCircuits, analyse_edges  # noqa: E402
-from circuits.features import sae_analysis  # noqa: E402
-from circuits.ground_truth import GroundTruthReport, ground_truth_bench  # noqa: E402  (`kvnotes bench ground-truth`)
-from circuits.heads import Head, all_heads, read_sweep, write_sweep  # noqa: E402
-from circuits.prompt_attribution import PromptAttribution, attribute_prompt  # noqa: E402
-from circuits.read_write import read_heads, write_heads  # noqa: E402
-from circuits.scrubbing import scrubbing  # noqa: E402
-from probes.trials import make_trials  # noqa: E402
+# every name is imported from its module on first use: importing `circuits` (or one of its
+# modules, which runs this file first) loads none of the analyses
+_LAZY = {
+    "SectionReport": "kvnotes.analysis.results",
+    "make_trials": "kvnotes.analysis.trials",
+    "Attribution": "circuits.attribution",
+    "attribute": "circuits.attribution",
+    "attribution": "circuits.attribution",
+    "EdgeBenchReport": "circuits.edge_bench",  # `kvnotes bench edges`
+    "edge_bench": "circuits.edge_bench",
+    "EdgeCircuits": "circuits.edge_circuits",
+    "analyse_edges": "circuits.edge_circuits",
+    "sae_analysis": "circuits.features",
+    "GroundTruthReport": "circuits.ground_truth",  # `kvnotes bench ground-truth`
+    "ground_truth_bench": "circuits.ground_truth",
+    "Head": "circuits.heads",
+    "all_heads": "circuits.heads",
+    "read_sweep": "circuits.heads",
+    "write_sweep": "circuits.heads",
+    "PromptAttribution": "circuits.prompt_attribution",
+    "attribute_prompt": "circuits.prompt_attribution",
+    "read_heads": "circuits.read_write",
+    "write_heads": "circuits.read_write",
+    "scrubbing": "circuits.scrubbing",
+}
+_, _lazy_getattr, _ = lazy_exports(__name__, _LAZY)
 
 
 def __getattr__(name: str):
     """`ANALYSES`: the circuits command's analyses, read from the registry on first use (not at
-    import: finding the analyses imports this package's modules in turn)."""
+    import: finding the analyses imports this package's modules in turn); any other exported name
+    from its module (`_LAZY`)."""
     if name == "ANALYSES":
         return tuple(a.name for a in for_command("circuits"))
-    raise AttributeError(f"module 'circuits' has no attribute {name!r}")
+    return _lazy_getattr(name)
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
 
 
 def check_analyses(names: Sequence[str]) -> list[str]:

@@ -25,9 +25,9 @@ from circuits.edges import edge_patcher
 from circuits.edges.acdc import acdc
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, header, machine
+from kvnotes.analysis.trials import MIN_EFFECT
 from kvnotes.errors import BadArgument
 from kvnotes.models.model import KVModel
-from probes.trials import MIN_EFFECT
 
 CHECK_ROWS = 16  # random circuits patched both ways before timing
 

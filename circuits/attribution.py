@@ -21,6 +21,16 @@ import torch
 from circuits.heads import all_heads, read_sweep
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import (
+    MIN_EFFECT,
+    PairOptions,
+    Trial,
+    clusters_of,
+    effect_estimate,
+    shared_trials,
+    split_by_effect,
+    with_progress,
+)
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument
 from kvnotes.hooks import hook_name
@@ -29,8 +39,6 @@ from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import Patch, PromptLike, query_tokens
 from kvnotes.types import Float, Tensor
-from probes.causal import effect_estimate, split_by_effect
-from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials, with_progress
 
 
 @dataclass(frozen=True, eq=False)

@@ -35,10 +35,9 @@ from circuits.edges import edge_graph, edge_patcher, score_edges
 from circuits.edges.faithfulness import block_bound
 from kvnotes.analysis.registry import Context, Options, analysis, option
 from kvnotes.analysis.results import BenchReport, Estimate, header, machine
+from kvnotes.analysis.trials import MIN_EFFECT, make_trials, split_by_effect
 from kvnotes.metrics import spearman
 from kvnotes.models.model import KVModel
-from probes.causal import split_by_effect
-from probes.trials import MIN_EFFECT, make_trials
 
 BENCH_METHODS = ("eap", "eap-ig", "atp*", "atp*-gd")
 WHOLE = "atp* (every key)"  # AtP* with its exact-key step the reference way, timed beside it

@@ -36,10 +36,17 @@ from circuits.edges.faithfulness import area, cross_fit, dataset_areas
 from circuits.edges.methods import PRUNING, method_scores
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Curve, Estimate, TaskResult
+from kvnotes.analysis.trials import (
+    MIN_EFFECT,
+    PairOptions,
+    Trial,
+    clusters_of,
+    effect_estimate,
+    shared_trials,
+    split_by_effect,
+)
 from kvnotes.errors import BadOption
 from kvnotes.metrics import spearman
-from probes.causal import effect_estimate, split_by_effect
-from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials
 
 EXHAUSTIVE = 4096  # graphs up to this many edges are patched edge by edge in full
 STEP_CHOICES = (2, 4, 8, 16, 32)

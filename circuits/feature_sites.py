@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from circuits.heads import read_capture
 from circuits.sae import REGIONS, SAEConfig, check_sae, decoder_rows
 from kvnotes.analysis.results import Curve
+from kvnotes.analysis.trials import Trial, clusters_of
 from kvnotes.capture import CaptureRun, capture_pair, capture_runs
 from kvnotes.engine import run
 from kvnotes.errors import BadArgument
@@ -24,7 +25,6 @@ from kvnotes.hooks import hook_name
 from kvnotes.metrics import undefined_recovery
 from kvnotes.notebook import Notebook
 from kvnotes.types import Float, Tensor
-from probes.trials import Trial, clusters_of
 
 ROWS = 32  # feature sets per batched forward
 

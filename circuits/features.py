@@ -21,7 +21,7 @@ features among those whose activation changes between the two runs. A feature's 
 on held-out prompts, never on the trials it is patched in.
 
     from kvnotes import load_model
-    from probes import make_trials
+    from kvnotes.analysis.trials import make_trials
     from circuits.features import sae_analysis
     from circuits.sae import SAEConfig, train_sae
     model = load_model("gemma-3-270m")
@@ -68,12 +68,18 @@ from circuits.sae import (
 )
 from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, TaskResult
+from kvnotes.analysis.trials import (
+    MIN_EFFECT,
+    PairOptions,
+    Trial,
+    clusters_of,
+    shared_trials,
+    split_by_effect,
+)
 from kvnotes.engine.guard import allow
 from kvnotes.errors import BadArgument
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
-from probes.causal import split_by_effect
-from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials
 
 Labels = Int[np.ndarray, " n"] | Bool[np.ndarray, " n"]  # the answer index (conclusion) of each prompt
 TOP = 32  # features ranked by AUC whose single-feature recovery is measured

@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 
+from kvnotes.analysis.trials import Trial
 from kvnotes.batches import fixed_batches, run_rows
 from kvnotes.capture import CaptureRun, capture_pair, capture_runs
 from kvnotes.hooks import hook_name
@@ -34,7 +35,6 @@ from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
 from kvnotes.ops import query_tokens
 from kvnotes.types import Bool, Float, Tensor
-from probes.trials import Trial
 
 Head = tuple[int, int]
 

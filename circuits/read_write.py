@@ -19,8 +19,16 @@ import numpy as np
 from circuits.heads import Head, Sweep, all_heads, grouping, kv_head, read_sweep, write_sweep
 from kvnotes.analysis.registry import Context, analysis, option, replace_default
 from kvnotes.analysis.results import Curve, Estimate, TaskResult
-from probes.causal import effect_estimate, split_by_effect
-from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials, with_progress
+from kvnotes.analysis.trials import (
+    MIN_EFFECT,
+    PairOptions,
+    Trial,
+    clusters_of,
+    effect_estimate,
+    shared_trials,
+    split_by_effect,
+    with_progress,
+)
 
 K_MAX = 12
 PATHS = ("prefix", "field", "notes", "query", "self")

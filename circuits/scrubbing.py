@@ -43,13 +43,21 @@ import torch
 from circuits.heads import Head, all_heads, cross_fitted_heads, masks_for
 from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import (
+    MIN_EFFECT,
+    PairOptions,
+    Trial,
+    effect_estimate,
+    shared_trials,
+    split_by_effect,
+    with_progress,
+)
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
 from kvnotes.ops import Patch, decide, patch_batch, prefill, query_tokens
 from kvnotes.tasks import Task, load_task, sample
-from probes.causal import effect_estimate, split_by_effect, top_notes
+from probes.causal import top_notes
 from probes.controls import cross_fitted_notes, matched_slots, paired, random_slots
-from probes.trials import MIN_EFFECT, PairOptions, Trial, shared_trials, with_progress
 
 VARIANTS = ("hypothesis", "random_circuit", "notes_only", "heads_only", "with_field")
 OUT_OF_SAMPLE = ("hypothesis_xfit", "matched_circuit")

@@ -23,8 +23,9 @@ from kvnotes.analysis.registry import (
     for_command,
     register_section,
 )
-from kvnotes.analysis.results import SectionReport, TaskResult
+from kvnotes.analysis.results import SectionReport
 from kvnotes.analysis.runner import run_section
+from kvnotes.lazy import lazy_exports
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
 
@@ -49,27 +50,44 @@ register_section(
     )
 )
 
-from kvnotes.analysis.results import Estimate  # noqa: E402
-from probes.agent import agent_loop  # noqa: E402
-from probes.causal import field_refresh, note_map, notes_transplant  # noqa: E402
-from probes.compose import seam_repair  # noqa: E402
-from probes.controls import dissociation, false_note_injection, knockout  # noqa: E402
-from probes.cot import cot_refresh  # noqa: E402
-from probes.edit import edit_methods  # noqa: E402
-from probes.keystone import keystone  # noqa: E402
-from probes.memory import memory_blocks  # noqa: E402
-from probes.placement import memory_placement  # noqa: E402
-from probes.regime import regime  # noqa: E402
-from probes.trials import Trial, make_trials  # noqa: E402
-from probes.weights import weight_edit  # noqa: E402
+# every name is imported from its module on first use: importing `probes` (or one of its modules,
+# which runs this file first) loads none of the probes
+_LAZY = {
+    "Estimate": "kvnotes.analysis.results",
+    "SectionReport": "kvnotes.analysis.results",
+    "TaskResult": "kvnotes.analysis.results",
+    "Trial": "kvnotes.analysis.trials",
+    "make_trials": "kvnotes.analysis.trials",
+    "agent_loop": "probes.agent",
+    "field_refresh": "probes.causal",
+    "note_map": "probes.causal",
+    "notes_transplant": "probes.causal",
+    "seam_repair": "probes.compose",
+    "dissociation": "probes.controls",
+    "false_note_injection": "probes.controls",
+    "knockout": "probes.controls",
+    "cot_refresh": "probes.cot",
+    "edit_methods": "probes.edit",
+    "keystone": "probes.keystone",
+    "memory_blocks": "probes.memory",
+    "memory_placement": "probes.placement",
+    "regime": "probes.regime",
+    "weight_edit": "probes.weights",
+}
+_, _lazy_getattr, _ = lazy_exports(__name__, _LAZY)
 
 
 def __getattr__(name: str):
     """`PROBES`: the probe command's default analyses, read from the registry on first use (not at
-    import: finding the analyses imports this package's modules, and circuits', in turn)."""
+    import: finding the analyses imports this package's modules, and circuits', in turn); any
+    other exported name from its module (`_LAZY`)."""
     if name == "PROBES":
         return tuple(a.name for a in for_command("probe") if a.default)
-    raise AttributeError(f"module 'probes' has no attribute {name!r}")
+    return _lazy_getattr(name)
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
 
 
 def check_names(names: Sequence[str]) -> list[str]:

@@ -12,27 +12,20 @@ from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import (
+    MIN_EFFECT,
+    PairOptions,
+    Trial,
+    clusters_of,
+    effect_estimate,
+    shared_trials,
+    split_by_effect,
+    with_progress,
+)
 from kvnotes.batches import sharing_enabled
 from kvnotes.metrics import kv_deviation, spearman
 from kvnotes.ops import Patch, decide_recomputed, refresh
 from kvnotes.prompt import is_delimiter
-from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials, with_progress
-
-
-def split_by_effect(trials: Sequence[Trial], min_effect: float) -> tuple[list[Trial], list[dict]]:
-    """The trials usable for recovery, and a record of the excluded ones."""
-    used = [t for t in trials if t.usable(min_effect)]
-    excluded = [
-        {"index": i, "effect": t.effect, "reason": f"|ld_new - ld_old| < {min_effect}"}
-        for i, t in enumerate(trials)
-        if not t.usable(min_effect)
-    ]
-    return used, excluded
-
-
-def effect_estimate(trials: Sequence[Trial]) -> Estimate:
-    """Signed effect of the change on the decision (logits; + is toward the expected answer)."""
-    return Estimate.of([t.effect for t in trials], clusters=clusters_of(trials))
 
 
 @dataclass(frozen=True, kw_only=True)

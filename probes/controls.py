@@ -11,13 +11,22 @@ import torch
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import (
+    MIN_EFFECT,
+    PairOptions,
+    Trial,
+    clusters_of,
+    effect_estimate,
+    shared_trials,
+    split_by_effect,
+    with_progress,
+)
 from kvnotes.batches import sharing_enabled
 from kvnotes.errors import BadArgument
 from kvnotes.ops import Patch
 from kvnotes.prompt import is_delimiter
 from kvnotes.tasks import RULE
-from probes.causal import effect_estimate, note_scores, split_by_effect, top_notes
-from probes.trials import MIN_EFFECT, PairOptions, Trial, clusters_of, shared_trials, with_progress
+from probes.causal import note_scores, top_notes
 
 INJECT_K = (1, 2, 4, 8)
 

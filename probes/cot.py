@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import MIN_EFFECT, PairOptions, Trial, shared_trials, with_progress
 from kvnotes.engine import run
 from kvnotes.metrics import recovery
 from kvnotes.notebook import Notebook
 from kvnotes.ops import decide, prefill, refresh
-from probes.trials import MIN_EFFECT, PairOptions, Trial, shared_trials, with_progress
 
 CUE = "reasoning:"
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, Section, analysis, option, register_section
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import PairOptions, Trial, shared_trials, with_progress
 from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, refresh
 from kvnotes.serving.manager import ERRATUM  # the one erratum line, shared with the serving prompt manager
 from probes.causal import single_slot_map
-from probes.trials import PairOptions, Trial, shared_trials, with_progress
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import MIN_EFFECT, Trial, read_decision
 from kvnotes.errors import BadOption, TaskError
 from kvnotes.models.model import KVModel
 from kvnotes.ops import precompile, prefill
@@ -43,7 +44,6 @@ from kvnotes.tasks.sampler import Pair
 from probes.compose import _place
 from probes.edit import methods
 from probes.regime import filler_text
-from probes.trials import MIN_EFFECT, Trial, read_decision
 
 SIDES = ("composed", "recomputed", "norot")
 BUDGETS = (1, 2, 4)  # the selective methods' K (order-cancel on Gemma has fewer than 8 downstream slots)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvnotes.analysis.trials import Trial, read_decision
 from kvnotes.engine import Capability, hooked, require, run
 from kvnotes.engine.guard import allow
 from kvnotes.errors import KVNotesError, OutOfRange
@@ -54,7 +55,6 @@ from kvnotes.ops import decide, prefill
 from kvnotes.prompt import Prompt
 from kvnotes.tasks import Task, load_task, sample
 from kvnotes.types import Float, Tensor
-from probes.trials import Trial, read_decision
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

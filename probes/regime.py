@@ -15,13 +15,13 @@ from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import MIN_EFFECT, PairOptions, clusters_of, make_trials
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 from kvnotes.ops import Prefixes
 from kvnotes.tasks import Task, TaskError, load_task
 from kvnotes.tasks.sampler import fit_notes
 from probes.causal import field_refresh, notes_transplant
-from probes.trials import MIN_EFFECT, PairOptions, clusters_of, make_trials
 
 DISTANCES = (0, 16, 32, 64, 128, 256, 512, 768)
 

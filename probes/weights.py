@@ -22,6 +22,15 @@ from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import (
+    MIN_EFFECT,
+    PairOptions,
+    Trial,
+    make_trials,
+    shared_trials,
+    split_by_effect,
+    with_progress,
+)
 from kvnotes.engine import Readout, hooked
 from kvnotes.errors import KVNotesError
 from kvnotes.hooks import hook_name
@@ -31,7 +40,6 @@ from kvnotes.ops import append, decide, prefill
 from kvnotes.prompt import Prompt
 from kvnotes.tasks import Task, load_task
 from kvnotes.types import Tensor
-from probes.causal import split_by_effect
 from probes.edit import ERRATUM
 from probes.rank_one import (
     COV_PROMPTS,
@@ -50,14 +58,6 @@ from probes.rank_one import (
 from probes.rank_one import edit_hooks as edit_hooks  # the old addresses
 from probes.rank_one import match_residual as match_residual
 from probes.rank_one import pre_norm_value as pre_norm_value
-from probes.trials import (
-    MIN_EFFECT,
-    PairOptions,
-    Trial,
-    make_trials,
-    shared_trials,
-    with_progress,
-)
 
 # Drift is read on another task's decisions: unrelated to the edited one, same tokenizer.
 DRIFT_TASKS = {

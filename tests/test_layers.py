@@ -301,3 +301,34 @@ def test_the_checker_names_an_upward_import_between_packages(tmp_path):
     )
     assert "import cycle: " in text and "probes.causal" in text  # engine.run <-> probes.causal
     assert "probes/ok.py" not in text and "kvnotes/cli.py" not in text  # a downward import; the CLI
+
+
+# what circuits/ may import from probes/: probe logic proper (the note map's top notes, the controls'
+# matched slots, for scrubbing); the trials, options and effect statistics every analysis shares
+# live in their own room below both, `kvnotes.analysis.trials`
+CIRCUITS_FROM_PROBES = {("circuits.scrubbing", "probes.causal"), ("circuits.scrubbing", "probes.controls")}
+
+
+def probe_imports_of_circuits(root: Path) -> set[tuple[str, str]]:
+    """(circuits module, probes module) for every import of a probes module in circuits/."""
+    return {
+        (imp.module, imp.target)
+        for imp in collect_imports(root)
+        if _within(imp.module, "circuits") and _within(imp.target, "probes") and imp.target != "probes"
+    }
+
+
+def test_circuits_import_only_probe_logic_from_probes():
+    found = probe_imports_of_circuits(ROOT)
+    assert found <= CIRCUITS_FROM_PROBES, (
+        f"circuits/ imports {sorted(found - CIRCUITS_FROM_PROBES)} from probes/: what every analysis "
+        "shares (trials, options, effect statistics) belongs in kvnotes.analysis.trials"
+    )
+    assert len(CIRCUITS_FROM_PROBES) <= 2
+
+
+def test_a_planted_import_of_the_shared_layer_through_probes_is_caught(tmp_path):
+    _tree(tmp_path)
+    _write(tmp_path, "probes/trials.py")
+    _write(tmp_path, "circuits/heads.py", "from probes.trials import Trial\n")
+    assert probe_imports_of_circuits(tmp_path) == {("circuits.heads", "probes.trials")}

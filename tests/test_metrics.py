@@ -9,10 +9,10 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
+from kvnotes.analysis.trials import make_trials
 from kvnotes.errors import MIN_EFFECT, SmallEffect
 from kvnotes.metrics import answer_columns, answer_logprob, logit_diff, recovery, spearman
 from kvnotes.ops import Patch, decide
-from probes.trials import make_trials
 from tests.helpers import get_model
 
 TASK = "order-cancel"

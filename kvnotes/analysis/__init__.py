@@ -7,6 +7,8 @@ results every analysis returns, the runner, and the report that runs them and sa
 - `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`.
 - `results`: the result protocol `Result`; `Estimate`, `Curve`, `TaskResult`, `SectionReport`,
   `BenchReport`, the bootstrap.
+- `trials`: the trial layer every analysis stands on: `Trial` (a pair prefilled once),
+  `make_trials`, `shared_trials`, `PairOptions`, `split_by_effect`, `effect_estimate`.
 - `runner`: `run_analysis` (analyses over one context), `run_one` (one, at any level),
   `collect` and `run_section` (a section's report).
 - `report`: `ReportConfig`, `Report`, `run_report` (`report.json`, resumable).
@@ -40,6 +42,12 @@ _LAZY = {
     "TaskResult": "kvnotes.analysis.results",
     "SectionReport": "kvnotes.analysis.results",
     "bootstrap_ci": "kvnotes.analysis.results",
+    "PairOptions": "kvnotes.analysis.trials",
+    "Trial": "kvnotes.analysis.trials",
+    "effect_estimate": "kvnotes.analysis.trials",
+    "make_trials": "kvnotes.analysis.trials",
+    "shared_trials": "kvnotes.analysis.trials",
+    "split_by_effect": "kvnotes.analysis.trials",
     "run_analysis": "kvnotes.analysis.runner",
     "run_one": "kvnotes.analysis.runner",
     "collect": "kvnotes.analysis.runner",
@@ -57,7 +65,9 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "MIN_EFFECT",
     "Need",
     "Options",
+    "PairOptions",
     "TaskResult",
+    "Trial",
     "Report",
     "ReportConfig",
     "Section",
@@ -66,7 +76,9 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "analysis",
     "bootstrap_ci",
     "collect",
+    "effect_estimate",
     "get",
+    "make_trials",
     "option",
     "register",
     "refuse_unmet",
@@ -76,6 +88,8 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "run_report",
     "run_section",
     "sections",
+    "shared_trials",
+    "split_by_effect",
     "unregister",
 ]
 

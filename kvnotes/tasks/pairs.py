@@ -6,7 +6,7 @@ One JSON object a line (schema and a worked example: docs/tasks.md, "Pair datase
      "corrupt": "When Mary and John went to the store, Bob gave a drink to",
      "correct": " Mary", "wrong": " John", "group": "ioi-0"}
 
-A `PairSet` stands wherever a `Task` does in the trial-based analyses (`probes.trials.make_trials`,
+A `PairSet` stands wherever a `Task` does in the trial-based analyses (`kvnotes.analysis.trials.make_trials`,
 the runner's `Context.task`): its pairs are `kvnotes.tasks.Pair`s whose old prompt is the corrupt
 one and whose new prompt is the clean one (the patch source), with answers (correct, wrong), the
 positions where the two differ as the `changed` span and the last token as the `decision` span. An

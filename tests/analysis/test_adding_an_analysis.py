@@ -13,8 +13,8 @@ from dashboards.figures import Panel, ci_bars, est, n_note
 from dashboards.registry import PANELS, panel
 from kvnotes.analysis.registry import Analysis, Context, option, register, report_analyses, unregister
 from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.trials import PairOptions, shared_trials
 from kvnotes.cli import main
-from probes.trials import PairOptions, shared_trials
 
 # --- the whole of the new analysis -------------------------------------------------------------
 

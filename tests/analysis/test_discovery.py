@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, analysis, option
 from kvnotes.analysis.results import Estimate, TaskResult
-from probes.trials import PairOptions, shared_trials
+from kvnotes.analysis.trials import PairOptions, shared_trials
 
 
 @dataclass(frozen=True, kw_only=True)

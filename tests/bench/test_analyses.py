@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-import probes.trials
+import kvnotes.analysis.trials
 from kvnotes import ops
 from kvnotes.analysis.report import ReportConfig, plan_parts
 from kvnotes.batches import sharing
@@ -90,9 +90,9 @@ def test_a_preamble_lengthens_the_start_every_prompt_shares(tiny):
 @pytest.mark.parametrize("shared", [True, False])
 def test_a_reports_sections_share_their_prompt_pairs(tiny, monkeypatch, shared):
     calls = []
-    real = probes.trials.make_trials
+    real = kvnotes.analysis.trials.make_trials
     monkeypatch.setattr(
-        probes.trials, "make_trials", lambda *a, **k: calls.append(k.get("kind")) or real(*a, **k)
+        kvnotes.analysis.trials, "make_trials", lambda *a, **k: calls.append(k.get("kind")) or real(*a, **k)
     )
     skip = ("regime", "sae", "scrubbing", "memory_blocks", "agent_loop", "seam_repair")
     cfg = ReportConfig.quick(n=2, skip=skip)

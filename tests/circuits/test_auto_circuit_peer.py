@@ -22,11 +22,10 @@ from circuits.auto_circuit_peer import _our_names, check_peer, peer_pairs, summa
 from circuits.edges import GROUPS, RESIDUAL, edge_graph, edge_patcher, score_edges
 from circuits.edges.positions import position_edges, position_scores
 from kvnotes import load_model
+from kvnotes.analysis.trials import MIN_EFFECT, make_trials, split_by_effect
 from kvnotes.errors import BadArgument
 from kvnotes.tasks import load_task
 from kvnotes.tasks.sampler import sample
-from probes.causal import split_by_effect
-from probes.trials import MIN_EFFECT, make_trials
 
 # EAP is one linearisation computed by both tools in float32 over the same weights: they differ
 # only in summation order (measured 3.5e-6 of the largest score on tiny-llama)

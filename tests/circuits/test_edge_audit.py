@@ -19,13 +19,13 @@ from circuits.edges import patcher as SM
 from circuits.edges import scores as S
 from circuits.edges.choose import match_bins, sizes_for, top_circuit
 from circuits.edges.faithfulness import area, cross_fit, dataset_curve
+from kvnotes.analysis.trials import split_by_effect
 from kvnotes.engine import run
 from kvnotes.metrics import answer_columns
 from kvnotes.tasks import load_task
 from kvnotes.tasks.sampler import sample
 from kvnotes.zoo import load_model
 from probes import make_trials
-from probes.causal import split_by_effect
 
 EPS = 1e-2  # finite-difference step (a share of the old run's value)
 

@@ -13,11 +13,11 @@ import torch
 
 from dashboards.figures import visible as token_label
 from dashboards.widget import PatchingView, PatchState
+from kvnotes.analysis.trials import make_trials
 from kvnotes.engine.transformer_lens.model import TransformerLensModel
 from kvnotes.errors import KVNotesError, MissingDependency, OutOfRange
 from kvnotes.ops import Patch, decide, patch
 from kvnotes.prompt import Template
-from probes.trials import make_trials
 from tests.helpers import TEMPLATE, assert_close, get_model
 
 ipywidgets = pytest.importorskip("ipywidgets")

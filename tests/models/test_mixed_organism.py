@@ -17,6 +17,7 @@ import pytest
 
 import probes.causal
 from kvnotes import load_model
+from kvnotes.analysis.trials import make_trials
 from kvnotes.ops import Patch
 from kvnotes.tasks.sampler import neutral_notes
 from kvnotes.zoo import mixed
@@ -33,7 +34,6 @@ from kvnotes.zoo.mixed import (
 )
 from probes.causal import field_refresh, note_map, note_scores, notes_transplant
 from probes.controls import cross_fitted_notes, false_note_injection, knockout
-from probes.trials import make_trials
 
 N = 32
 TOL = 0.05  # on means: the bound the known answers are held to

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvnotes.analysis.results import Curve, Estimate, bootstrap_ci, cluster_bootstrap_ci
+from kvnotes.analysis.trials import PairOptions
 from kvnotes.errors import BadOption
-from probes.trials import PairOptions
 
 
 def test_clustered_ci_is_wider_when_values_agree_within_templates():

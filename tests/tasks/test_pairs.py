@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from kvnotes.analysis.trials import clusters_of, make_trials
 from kvnotes.errors import BadArgument, PairsError
 from kvnotes.tasks import PairSet, load_pairs, load_task
 from kvnotes.tasks.generate import greater_than_pairs, ioi_pairs
-from probes.trials import clusters_of, make_trials
 from tests.helpers import get_model
 
 # Under tiny-llama's tokenizer: the status words are one token each, as are " cancel" and " deny".

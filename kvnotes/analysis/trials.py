@@ -1,7 +1,10 @@
-"""A `Trial` is one prompt pair, prefilled once: the old and new notebooks and their decisions.
+"""The trial layer every analysis stands on: a `Trial` is one prompt pair, prefilled once (the old
+and new notebooks and their decisions); `make_trials` and `shared_trials` make them, `PairOptions`
+are the options of an analysis that takes only its pairs, and `split_by_effect` / `effect_estimate`
+are the effect statistics every analysis reports over them.
 
-Every probe reads trials, so a run of several probes prefills each prompt once, and what one
-probe learns about a pair (its note map) is reused by the next (knockout, injection).
+Every analysis reads trials, so a run of several prefills each prompt once, and what one learns
+about a pair (a probe's note map) is reused by the next (knockout, injection, scrubbing).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, option
+from kvnotes.analysis.results import Estimate
 from kvnotes.batches import sharing_enabled
 from kvnotes.engine import Hook
 from kvnotes.errors import BadOption
@@ -225,3 +229,19 @@ def make_trials(
             )
         )
     return out
+
+
+def split_by_effect(trials: Sequence[Trial], min_effect: float) -> tuple[list[Trial], list[dict]]:
+    """The trials usable for recovery, and a record of the excluded ones."""
+    used = [t for t in trials if t.usable(min_effect)]
+    excluded = [
+        {"index": i, "effect": t.effect, "reason": f"|ld_new - ld_old| < {min_effect}"}
+        for i, t in enumerate(trials)
+        if not t.usable(min_effect)
+    ]
+    return used, excluded
+
+
+def effect_estimate(trials: Sequence[Trial]) -> Estimate:
+    """Signed effect of the change on the decision (logits; + is toward the expected answer)."""
+    return Estimate.of([t.effect for t in trials], clusters=clusters_of(trials))
