@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 from circuits.acdc_peer import ROWS, TLEdgePatch
 from circuits.edges import edge_patcher
 from circuits.edges.acdc import acdc
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.analysis.trials import MIN_EFFECT
 from kvnotes.errors import BadArgument
 from kvnotes.models.model import KVModel

@@ -20,7 +20,8 @@ import torch
 
 from circuits.heads import all_heads, read_sweep
 from kvnotes.analysis.registry import Context, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import (
     MIN_EFFECT,
     PairOptions,

@@ -33,8 +33,9 @@ from tqdm.auto import tqdm
 from circuits.auto_circuit_peer import check_peer, compare
 from circuits.edges import edge_graph, edge_patcher, score_edges
 from circuits.edges.faithfulness import block_bound
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, Estimate, header, machine
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import MIN_EFFECT, make_trials, split_by_effect
 from kvnotes.metrics import spearman
 from kvnotes.models.model import KVModel

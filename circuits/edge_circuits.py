@@ -35,7 +35,8 @@ from circuits.edges.choose import greedy_circuit, greedy_order, matched_random, 
 from circuits.edges.faithfulness import area, cross_fit, dataset_areas
 from circuits.edges.methods import PRUNING, method_scores
 from kvnotes.analysis.registry import Context, analysis, option
-from kvnotes.analysis.results import Curve, Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Curve, Estimate
 from kvnotes.analysis.trials import (
     MIN_EFFECT,
     PairOptions,

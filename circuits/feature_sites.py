@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from circuits.heads import read_capture
 from circuits.sae import REGIONS, SAEConfig, check_sae, decoder_rows
-from kvnotes.analysis.results import Curve
+from kvnotes.analysis.stats import Curve
 from kvnotes.analysis.trials import Trial, clusters_of
 from kvnotes.capture import CaptureRun, capture_pair, capture_runs
 from kvnotes.engine import run

@@ -67,7 +67,8 @@ from circuits.sae import (
     train_sae,
 )
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import CONFIDENCE, N_RESAMPLES, Curve, Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import CONFIDENCE, N_RESAMPLES, Curve, Estimate
 from kvnotes.analysis.trials import (
     MIN_EFFECT,
     PairOptions,

@@ -33,8 +33,9 @@ from tqdm.auto import tqdm
 
 from circuits.edges import GROUPS, RESIDUAL, EdgePatcher, edge_patcher
 from circuits.edges.methods import ENSEMBLES, PRUNING, method_scores, rank_average
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, Estimate, header, machine
+from kvnotes.analysis.stats import Estimate
 from kvnotes.errors import BadArgument, UnknownModelError
 
 GROUND_TRUTH_METHODS = (

@@ -18,7 +18,8 @@ import numpy as np
 
 from circuits.heads import Head, Sweep, all_heads, grouping, kv_head, read_sweep, write_sweep
 from kvnotes.analysis.registry import Context, analysis, option, replace_default
-from kvnotes.analysis.results import Curve, Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Curve, Estimate
 from kvnotes.analysis.trials import (
     MIN_EFFECT,
     PairOptions,

@@ -42,7 +42,8 @@ import torch
 
 from circuits.heads import Head, all_heads, cross_fitted_heads, masks_for
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import (
     MIN_EFFECT,
     PairOptions,

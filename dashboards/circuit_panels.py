@@ -38,7 +38,7 @@ from dashboards.figures import (
     visible,
 )
 from dashboards.registry import panel
-from kvnotes.analysis.results import Curve
+from kvnotes.analysis.stats import Curve
 from probes.controls import crossing_summary
 
 

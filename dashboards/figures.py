@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 
 BLUE, ORANGE, GREY, GREEN, RED = "#1f77b4", "#ff7f0e", "#7f7f7f", "#2ca02c", "#d62728"
 PALETTE = (BLUE, ORANGE, GREEN, RED, "#9467bd", "#8c564b", "#e377c2", GREY)

@@ -23,7 +23,8 @@ from dashboards.figures import (  # est, n_note, say, series: also read from her
     visible,
 )
 from dashboards.registry import in_summary, panel, summary
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 
 
 def _above(a: Estimate | None, b: Estimate | None) -> bool:

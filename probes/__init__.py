@@ -53,7 +53,7 @@ register_section(
 # every name is imported from its module on first use: importing `probes` (or one of its modules,
 # which runs this file first) loads none of the probes
 _LAZY = {
-    "Estimate": "kvnotes.analysis.results",
+    "Estimate": "kvnotes.analysis.stats",
     "SectionReport": "kvnotes.analysis.results",
     "TaskResult": "kvnotes.analysis.results",
     "Trial": "kvnotes.analysis.trials",

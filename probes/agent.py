@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.engine import run
 from kvnotes.errors import OutOfRange
 from kvnotes.hosts import HOST_LINE

@@ -17,7 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, Section, analysis, option, register_section
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.engine import run
 from kvnotes.errors import TaskError
 from kvnotes.metrics import logit_cosine

@@ -10,7 +10,8 @@ from typing import ClassVar
 import torch
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import (
     MIN_EFFECT,
     PairOptions,

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import MIN_EFFECT, PairOptions, Trial, shared_trials, with_progress
 from kvnotes.engine import run
 from kvnotes.metrics import recovery

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, Need, Section, analysis, option, register_section
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import PairOptions, Trial, shared_trials, with_progress
 from kvnotes.ops import append, decide, prefill, recompute, recompute_suffix, refresh
 from kvnotes.serving.manager import ERRATUM  # the one erratum line, shared with the serving prompt manager

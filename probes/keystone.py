@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import MIN_EFFECT, Trial, read_decision
 from kvnotes.errors import BadOption, TaskError
 from kvnotes.models.model import KVModel

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook

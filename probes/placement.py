@@ -42,9 +42,11 @@ from typing import ClassVar
 
 from tqdm.auto import tqdm
 
+from kvnotes.analysis.bench_report import machine
 from kvnotes.analysis.equivalence import Equivalence, tost
 from kvnotes.analysis.registry import Context, Need, Options, Section, analysis, option, register_section
-from kvnotes.analysis.results import Estimate, TaskResult, machine
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.errors import OutOfRange, TaskError
 from kvnotes.metrics import recovery
 from kvnotes.models.model import KVModel

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import Context, Need, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import MIN_EFFECT, PairOptions, clusters_of, make_trials
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from circuits.edges.patcher import EdgePatcher
-from kvnotes.analysis.results import Estimate
+from kvnotes.analysis.stats import Estimate
 
 BOOTSTRAP = 2000  # resamples of the pairs behind a dataset-mean figure's CI
 

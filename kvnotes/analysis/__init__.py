@@ -5,8 +5,9 @@ results every analysis returns, the runner, and the report that runs them and sa
     sorted(analyses())          # ['agent_loop', 'attribution', 'cot_refresh', ...]
 
 - `registry`: `Analysis`, `Section`, `@analysis`, `option`, `Options`, `Context`.
-- `results`: the result protocol `Result`; `Estimate`, `Curve`, `TaskResult`, `SectionReport`,
-  `BenchReport`, the bootstrap.
+- `results`: the result protocol `Result`, `TaskResult`, `SectionReport`; `stats`: `Estimate`,
+  `Curve`, the bootstrap; `codec` (results as JSON and back), `migrate` (older layouts),
+  `bench_report` (`BenchReport`, the benches' reports).
 - `trials`: the trial layer every analysis stands on: `Trial` (a pair prefilled once),
   `make_trials`, `shared_trials`, `PairOptions`, `split_by_effect`, `effect_estimate`.
 - `runner`: `run_analysis` (analyses over one context), `run_one` (one, at any level),
@@ -37,11 +38,11 @@ _LAZY = {
     "register_section": "kvnotes.analysis.registry",
     "sections": "kvnotes.analysis.registry",
     "unregister": "kvnotes.analysis.registry",
-    "Estimate": "kvnotes.analysis.results",
-    "Curve": "kvnotes.analysis.results",
+    "Estimate": "kvnotes.analysis.stats",
+    "Curve": "kvnotes.analysis.stats",
     "TaskResult": "kvnotes.analysis.results",
     "SectionReport": "kvnotes.analysis.results",
-    "bootstrap_ci": "kvnotes.analysis.results",
+    "bootstrap_ci": "kvnotes.analysis.stats",
     "PairOptions": "kvnotes.analysis.trials",
     "Trial": "kvnotes.analysis.trials",
     "effect_estimate": "kvnotes.analysis.trials",

@@ -42,12 +42,12 @@ from kvnotes.analysis.registry import (
     sections,
     unmet,
 )
-from kvnotes.analysis.results import ResultSchemaError, SectionReport
+from kvnotes.analysis.results import SectionReport
 from kvnotes.analysis.runner import collect, run_meta, run_one
 from kvnotes.batches import sharing_enabled
 from kvnotes.display import Displayable
 from kvnotes.engine import backend_of
-from kvnotes.errors import KVNotesError, ReportFileError
+from kvnotes.errors import KVNotesError, ReportFileError, ResultSchemaError
 from kvnotes.models.backends import BackendName
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import TaskSource, load_task

@@ -8,20 +8,15 @@ under its own name in the same shape, so `{"mean", "ci", "values"}` reads the sa
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
-import math
-import os
-import platform
 import re
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cache
-from typing import Any, ClassVar, Protocol, Union, get_args, get_origin, get_type_hints, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
-import numpy as np
-
+from kvnotes.analysis.codec import decode_fields, expect_shape, field_hints, from_json_value, to_json_value
+from kvnotes.analysis.migrate import section_results
+from kvnotes.analysis.stats import Curve, Estimate
 from kvnotes.display import Displayable
 from kvnotes.errors import ResultSchemaError
 
@@ -38,314 +33,6 @@ class Result(Protocol):
     def from_dict(cls, d: Mapping) -> Result: ...
 
     def _repr_html_(self) -> str: ...
-
-
-N_RESAMPLES = 2000
-CONFIDENCE = 0.95
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Per-prompt `values`, their `mean` and a bootstrap 95% CI of the mean.
-
-    Undefined figures (no values; a CI from fewer than two values) are None, never NaN. Values
-    that are None, NaN or infinite (a recovery whose pair has no effect) are left out of the mean
-    and counted in `dropped`, which tables and pages show whenever it is not 0.
-
-    `clusters` labels each value with the group it came from (the template of its prompt pair):
-    pairs of one template are not independent, so with two or more clusters the CI resamples
-    clusters, then values within them (`cluster_bootstrap_ci`); otherwise it is the percentile
-    bootstrap over values (`bootstrap_ci`).
-
-    >>> e = Estimate.of([0.9, 1.0, 1.1, 1.0, float("nan")])
-    >>> round(e.mean, 3), e.n, e.dropped, e.ci[0] <= e.mean <= e.ci[1]
-    (1.0, 4, 1, True)
-    >>> c = Estimate.of([0.9, 1.0, None, 1.9, 2.0], clusters=[0, 0, 1, 1, 1])
-    >>> c.values, c.clusters, c.dropped  # exact: the values given
-    ((0.9, 1.0, 1.9, 2.0), (0, 0, 1, 1), 1)
-    """
-
-    values: tuple[float, ...]
-    mean: float | None
-    ci: tuple[float, float] | None
-    dropped: int = 0  # values given that were None or not finite
-    clusters: tuple[int, ...] | None = None  # one label per value (its pair's template), if given
-
-    @classmethod
-    def of(
-        cls, values: Sequence[float | None], *, seed: int = 0, clusters: Sequence[int] | None = None
-    ) -> Estimate:
-        given = list(values)
-        if clusters is not None and len(clusters) != len(given):
-            raise ValueError(f"{len(clusters)} cluster labels for {len(given)} values; give one per value")
-        keep = [i for i, v in enumerate(given) if v is not None and math.isfinite(float(v))]
-        vals = tuple(float(given[i]) for i in keep)
-        labels = None if clusters is None else tuple(int(clusters[i]) for i in keep)
-        dropped = len(given) - len(vals)
-        if not vals:
-            return cls(values=(), mean=None, ci=None, dropped=dropped, clusters=labels)
-        if labels is not None and len(set(labels)) >= 2:
-            ci = cluster_bootstrap_ci(vals, labels, seed=seed)
-        else:
-            ci = bootstrap_ci(vals, seed=seed)
-        return cls(values=vals, mean=float(np.mean(vals)), ci=ci, dropped=dropped, clusters=labels)
-
-    @property
-    def n(self) -> int:
-        return len(self.values)
-
-    def to_dict(self) -> dict:
-        out = {"mean": self.mean, "ci": list(self.ci) if self.ci else None, "values": list(self.values)}
-        if self.dropped:
-            out["dropped"] = self.dropped
-        if self.clusters is not None:
-            out["clusters"] = list(self.clusters)
-        return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> Estimate:
-        ci = tuple(d["ci"]) if d["ci"] else None
-        clusters = d.get("clusters")
-        return cls(
-            values=tuple(d["values"]),
-            mean=d["mean"],
-            ci=ci,
-            dropped=d.get("dropped", 0),
-            clusters=None if clusters is None else tuple(int(c) for c in clusters),
-        )
-
-    def __str__(self) -> str:
-        dropped = f" ({self.dropped} undefined or non-finite left out)" if self.dropped else ""
-        if self.mean is None:
-            return "undefined (no usable prompts)" + dropped
-        ci = f"[{self.ci[0]:+.3f}, {self.ci[1]:+.3f}]" if self.ci else "[n<2]"
-        return f"{self.mean:+.3f} {ci} n={self.n}" + dropped
-
-
-def bootstrap_ci(
-    values: Sequence[float], *, seed: int = 0, confidence: float = CONFIDENCE
-) -> tuple[float, float] | None:
-    """Percentile bootstrap CI of the mean (scipy.stats.bootstrap), None for fewer than 2 values."""
-    from scipy.stats import bootstrap
-
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return None
-    if np.all(x == x[0]):  # every resample has the same mean
-        return (float(x[0]), float(x[0]))
-    res = bootstrap(
-        (x,),
-        np.mean,
-        n_resamples=N_RESAMPLES,
-        confidence_level=confidence,
-        method="percentile",
-        random_state=np.random.default_rng(seed),
-    )
-    return (float(res.confidence_interval.low), float(res.confidence_interval.high))
-
-
-def cluster_bootstrap_ci(
-    values: Sequence[float], clusters: Sequence[int], *, seed: int = 0, confidence: float = CONFIDENCE
-) -> tuple[float, float] | None:
-    """Two-stage percentile bootstrap CI of the mean of `values` grouped by `clusters`: each of
-    `N_RESAMPLES` resamples draws as many clusters as there are, with replacement, then within each
-    drawn cluster as many of its values as it has, with replacement, and takes the mean of all
-    values drawn. None for fewer than 2 values.
-
-    Values that agree within clusters and differ between them make it wider than `bootstrap_ci`,
-    which takes them as independent:
-
-    >>> x = [0.0, 0.0, 0.1, 1.0, 1.0, 1.1]
-    >>> lo, hi = cluster_bootstrap_ci(x, [0, 0, 0, 1, 1, 1])
-    >>> naive = bootstrap_ci(x)
-    >>> round(lo, 2), round(hi, 2), hi - lo > naive[1] - naive[0]
-    (0.02, 1.05, True)
-    """
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return None
-    if np.all(x == x[0]):
-        return (float(x[0]), float(x[0]))
-    _, label = np.unique(np.asarray(clusters), return_inverse=True)
-    sizes = np.bincount(label)  # [g]
-    g, width = len(sizes), int(sizes.max())
-    table = np.zeros((g, width))  # cluster c's values, left-aligned, padded
-    table[label, _rank_within(label)] = x
-    rng = np.random.default_rng(seed)
-    picked = rng.integers(0, g, size=(N_RESAMPLES, g))  # stage 1: clusters
-    n = sizes[picked]  # [r, g] values to draw from each picked cluster
-    idx = (rng.random((N_RESAMPLES, g, width)) * n[..., None]).astype(np.int64)  # stage 2
-    drawn = table[picked[..., None], idx] * (np.arange(width) < n[..., None])
-    means = drawn.sum((1, 2)) / n.sum(1)
-    tail = (1 - confidence) / 2
-    lo, hi = np.quantile(means, [tail, 1 - tail])
-    return (float(lo), float(hi))
-
-
-def _rank_within(label: np.ndarray) -> np.ndarray:
-    """For each element, how many earlier elements share its label (its column in a padded table)."""
-    out = np.zeros(len(label), dtype=np.int64)
-    seen: dict[int, int] = {}
-    for i, c in enumerate(label.tolist()):
-        out[i] = seen.get(c, 0)
-        seen[c] = out[i] + 1
-    return out
-
-
-@dataclass(frozen=True)
-class Curve:
-    """One Estimate per value of `x` (e.g. recovery against the number of heads patched, k).
-
-    >>> c = Curve.of("k", [1, 2], [[0.1, 0.3], [0.5, 0.7]])
-    >>> c.x, [round(e.mean, 2) for e in c.points]
-    ((1, 2), [0.2, 0.6])
-    """
-
-    x_name: str
-    x: tuple[int | float, ...]
-    points: tuple[Estimate, ...]
-
-    @classmethod
-    def of(
-        cls,
-        x_name: str,
-        x: Sequence[int | float],
-        values: Sequence[Sequence[float | None]],
-        *,
-        seed: int = 0,
-        clusters: Sequence[int] | None = None,
-    ) -> Curve:
-        """`clusters`: one label per value of each list (every list runs over the same prompts);
-        a None value (a pair that could not be measured) is dropped, as `Estimate.of` drops it."""
-        if len(x) != len(values):
-            raise ValueError(f"{len(x)} x values but {len(values)} lists of values")
-        points = tuple(Estimate.of(v, seed=seed, clusters=clusters) for v in values)
-        return cls(x_name=x_name, x=tuple(x), points=points)
-
-    @property
-    def means(self) -> list[float | None]:
-        return [p.mean for p in self.points]
-
-    def to_dict(self) -> dict:
-        return {
-            "x_name": self.x_name,
-            "x": list(self.x),
-            "mean": self.means,
-            "ci": [list(p.ci) if p.ci else None for p in self.points],
-            "values": [list(p.values) for p in self.points],
-            **({"dropped": [p.dropped for p in self.points]} if any(p.dropped for p in self.points) else {}),
-            **(
-                {"clusters": [None if p.clusters is None else list(p.clusters) for p in self.points]}
-                if any(p.clusters is not None for p in self.points)
-                else {}
-            ),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> Curve:
-        dropped = d.get("dropped") or [0] * len(d["mean"])
-        clusters = d.get("clusters") or [None] * len(d["mean"])
-        pts = tuple(
-            Estimate.from_dict({"mean": m, "ci": c, "values": v, "dropped": k, "clusters": g})
-            for m, c, v, k, g in zip(d["mean"], d["ci"], d["values"], dropped, clusters)
-        )
-        return cls(x_name=d["x_name"], x=tuple(d["x"]), points=pts)
-
-    def __str__(self) -> str:
-        """One line: the x name, then each x (3 significant figures) and its mean."""
-        pts = ", ".join(
-            f"{x:.3g} → {'n/a' if p.mean is None else f'{p.mean:+.2f}'}" for x, p in zip(self.x, self.points)
-        )
-        return f"{self.x_name}: {pts}" if pts else f"{self.x_name}: no points"
-
-
-def to_json_value(value: Any) -> Any:
-    """A result field as JSON-safe data: Estimates and Curves by their `to_dict`, dataclasses by
-    field, tuples as lists, mapping keys as strings, numpy scalars as Python numbers."""
-    if isinstance(value, Estimate | Curve):
-        return value.to_dict()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {str(k): to_json_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_json_value(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def from_json_value(hint: Any, data: Any, where: str = "result") -> Any:
-    """`data` (as `to_json_value` wrote it) read back as the annotated type `hint`; wrong shapes raise
-    ResultSchemaError naming `where`."""
-    origin, args = get_origin(hint), get_args(hint)
-    if hint is Any:
-        return data
-    if origin in (Union, types.UnionType):
-        if data is None and type(None) in args:
-            return None
-        arm = next(a for a in args if a is not type(None))
-        return from_json_value(arm, data, where)
-    if hint in (Estimate, Curve):
-        _expect(isinstance(data, Mapping), where, "a mapping", data)
-        try:
-            return hint.from_dict(data)
-        except (KeyError, TypeError) as e:
-            raise ResultSchemaError(f"{where}: not a {hint.__name__} ({type(e).__name__}: {e})") from e
-    if dataclasses.is_dataclass(hint):
-        _expect(isinstance(data, Mapping), where, "a mapping", data)
-        return _decode_fields(hint, data, where)
-    if origin is tuple:
-        _expect(isinstance(data, list | tuple), where, "a list", data)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(from_json_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
-        _expect(len(data) == len(args), where, f"{len(args)} items", data)
-        return tuple(from_json_value(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
-    if origin in (list, Sequence, collections.abc.Sequence):
-        _expect(isinstance(data, list | tuple), where, "a list", data)
-        return [from_json_value(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(data)]
-    if origin in (dict, Mapping, collections.abc.Mapping):
-        _expect(isinstance(data, Mapping), where, "a mapping", data)
-        key, val = args or (Any, Any)
-        return {
-            (int(k) if key is int else k): from_json_value(val, v, f"{where}.{k}") for k, v in data.items()
-        }
-    if hint is float:
-        _expect(isinstance(data, int | float) and not isinstance(data, bool), where, "a number", data)
-        return float(data)
-    if hint in (int, str, bool):
-        ok = isinstance(data, hint) and (hint is bool or not isinstance(data, bool))
-        _expect(ok, where, f"a {hint.__name__}", data)
-        return data
-    return data
-
-
-def _expect(ok: bool, where: str, what: str, data: Any) -> None:
-    if not ok:
-        raise ResultSchemaError(f"{where} should be {what}, got {type(data).__name__} {str(data)[:60]!r}")
-
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
-
-
-def _decode_fields(cls: type, data: Mapping, where: str) -> Any:
-    hints = _hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ResultSchemaError(
-            f"{where}: unknown key(s) {unknown} for {cls.__name__}; it has {sorted(known)}"
-        )
-    missing = [
-        n
-        for n, f in known.items()
-        if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ResultSchemaError(f"{where}: {cls.__name__} needs key(s) {missing}, which are missing")
-    return cls(**{n: from_json_value(hints[n], v, f"{where}.{n}") for n, v in data.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,7 +85,7 @@ class TaskResult(Displayable):
         self._check_names()
         for f in self.detail_fields():
             object.__setattr__(
-                self, f, from_json_value(_hints(type(self))[f], to_json_value(getattr(self, f)), f)
+                self, f, from_json_value(field_hints(type(self))[f], to_json_value(getattr(self, f)), f)
             )
 
     def _check_names(self) -> None:
@@ -425,7 +112,7 @@ class TaskResult(Displayable):
     def of(cls, **fields_) -> TaskResult:
         """Construct from plain values (lists, dicts, numpy numbers), each turned into its field's
         declared type first: what producers call."""
-        hints = _hints(cls)
+        hints = field_hints(cls)
         return cls(
             **{
                 k: from_json_value(hints[k], to_json_value(v), k) if k in _TYPED_CORE or k not in _CORE else v
@@ -549,7 +236,7 @@ class TaskResult(Displayable):
         called on TaskResult itself, else as this class. A result saved before results carried
         their name (report schema /3 and older) is read by `SectionReport.from_dict`, which knows it."""
         named = isinstance(d, Mapping) and isinstance(d.get("name"), str)
-        _expect(named, "result", "a result with a name", d)
+        expect_shape(named, "result", "a result with a name", d)
         name = d["name"]
         if cls is TaskResult:
             from kvnotes.analysis.registry import UnknownAnalysisError, result_type
@@ -558,10 +245,10 @@ class TaskResult(Displayable):
                 cls = result_type(name)
             except UnknownAnalysisError as e:
                 raise ResultSchemaError(f"{e}: this kvnotes cannot read its saved result") from e
-        _expect(isinstance(d, Mapping) and "headline" in d, name, "a result with a headline", d)
+        expect_shape(isinstance(d, Mapping) and "headline" in d, name, "a result with a headline", d)
         rest = {k: v for k, v in d.items() if k not in _RESERVED}
         details = d.get("details", {})
-        _expect(isinstance(details, Mapping), f"{name}.details", "a mapping", details)
+        expect_shape(isinstance(details, Mapping), f"{name}.details", "a mapping", details)
         core = {
             "name": name,
             "headline": d["headline"],
@@ -571,9 +258,9 @@ class TaskResult(Displayable):
             "tables": {k: v for k, v in rest.items() if isinstance(v, list)},
         }
         clash = sorted(set(core) & set(details))
-        _expect(not clash, f"{name}.details", f"free of the keys {clash}", details)
+        expect_shape(not clash, f"{name}.details", f"free of the keys {clash}", details)
         try:
-            return _decode_fields(cls, {**core, **details}, name)
+            return decode_fields(cls, {**core, **details}, name)
         except (TypeError, ValueError) as e:
             if isinstance(e, ResultSchemaError):
                 raise
@@ -639,9 +326,6 @@ _CORE = {"name", "headline", "parts", "curves", "tables", "description"}
 _TYPED_CORE = {"tables"}  # core fields whose plain values `of` converts (parts and curves hold objects)
 
 
-_LEGACY_META = ("model", "task", "n", "seed", "meta")
-
-
 @dataclass(frozen=True)
 class SectionReport(Displayable):
     """Every analysis of one report section (probes, circuits, edit, ...) run on one model and
@@ -673,14 +357,7 @@ class SectionReport(Displayable):
         """Read what `to_dict` wrote, or an older layout: the results under `"probes"`, or a
         circuits section of `kvnotes.report/2` (each analysis a top-level key); a result saved
         without its name (before /4) takes its key's."""
-        if "results" in d:
-            saved = d["results"]
-        elif "probes" in d:  # report schema /1 and /3
-            saved = d["probes"]
-        else:  # the old circuits layout: each analysis a top-level key
-            saved = {k: v for k, v in d.items() if k not in _LEGACY_META}
-        _expect(isinstance(saved, Mapping), "a section's results", "a mapping", saved)
-        named = {k: {"name": k, **v} if isinstance(v, Mapping) else v for k, v in saved.items()}
+        named = section_results(d)
         return cls(
             model=d["model"],
             task=d["task"],
@@ -727,35 +404,3 @@ def _dropped(r: TaskResult) -> list[str]:
         for e in r.excluded
     ]
     return [f"{r.name}: {len(each)} pair{'s' if len(each) != 1 else ''} left out ({'; '.join(each)})"]
-
-
-# --- reports of timed points: every bench's (kvnotes.bench, circuits' edge benches) and the placement
-# probe's. Here, not in kvnotes/bench, because circuits and probes may not import kvnotes.bench.
-def machine() -> str:
-    """The machine a timing was computed on, as a report's header shows it: architecture, cores,
-    the torch version and its thread count (what a CPU timing depends on)."""
-    import torch
-
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads)"
-    )
-
-
-def header(*parts: str) -> str:
-    """A bench report's first line: its title, the model, the machine and any more, dash-separated."""
-    return " — ".join(parts)
-
-
-class BenchReport(Displayable):
-    """A report dataclass whose `results` are `POINT` dataclasses, following the result protocol:
-    `to_dict`, `from_dict(d)` and a notebook view."""
-
-    POINT: ClassVar[type]
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> BenchReport:
-        return cls(**{**d, "results": [cls.POINT(**r) for r in d["results"]]})

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from kvnotes.analysis.registry import MIN_EFFECT, Context, Options, option
-from kvnotes.analysis.results import Estimate
+from kvnotes.analysis.stats import Estimate
 from kvnotes.batches import sharing_enabled
 from kvnotes.engine import Hook
 from kvnotes.errors import BadOption

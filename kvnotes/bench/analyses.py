@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import torch
 from tqdm.auto import tqdm
 
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.batches import sharing
 from kvnotes.bench.common import growth_exponent
 from kvnotes.engine.profile import profile

@@ -13,8 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.errors import OutOfRange
 from kvnotes.fixtures import FILLER
 from kvnotes.models.model import KVModel

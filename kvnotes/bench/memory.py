@@ -159,7 +159,7 @@ def scaling(model, tokens: Sequence[int], batches: Sequence[int], patched: int =
     patches of the same `patched` slots (measured, formula) and the peak of their batched forward.
     Slopes: the fitted bytes per token / per row, and the formula's."""
     from kvnotes import ops
-    from kvnotes.analysis.results import machine
+    from kvnotes.analysis.bench_report import machine
     from kvnotes.engine.memory import notebook_bytes, row_bytes, slot_bytes
     from kvnotes.fixtures import POLICY, QUERY, STATE, filled_pair
 

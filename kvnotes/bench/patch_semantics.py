@@ -25,8 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.engine import Capability, hooked, require
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.fixtures import FILLER

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.bench.common import both_backends, growth_exponent
 from kvnotes.bench.memory import MIB, RUSAGE, available_bytes, maxrss, measured, memory_method
 from kvnotes.bench.prefill_ways import (

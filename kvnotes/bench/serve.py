@@ -41,8 +41,8 @@ from typing import ClassVar
 
 from tqdm.auto import tqdm
 
+from kvnotes.analysis.bench_report import BenchReport
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport
 from kvnotes.bench.serve_client import (
     answer_ld,
     drive,

@@ -24,8 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import Context, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.bench.baselines import (
     BATCH_SIZES,
     WAYS,

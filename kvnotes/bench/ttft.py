@@ -36,8 +36,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes import ops
+from kvnotes.analysis.bench_report import BenchReport, header, machine
 from kvnotes.analysis.registry import Context, Need, Options, analysis, option
-from kvnotes.analysis.results import BenchReport, header, machine
 from kvnotes.bench.common import growth_exponent, text_ids
 from kvnotes.bench.edit_cost import EditCostReport, edit_cost  # noqa: F401 - their old address
 from kvnotes.bench.multihost import (

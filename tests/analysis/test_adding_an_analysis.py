@@ -12,7 +12,8 @@ import pytest
 from dashboards.figures import Panel, ci_bars, est, n_note
 from dashboards.registry import PANELS, panel
 from kvnotes.analysis.registry import Analysis, Context, option, register, report_analyses, unregister
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.results import TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.analysis.trials import PairOptions, shared_trials
 from kvnotes.cli import main
 

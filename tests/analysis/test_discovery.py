@@ -22,7 +22,8 @@ ANALYSIS = '''
 from dataclasses import dataclass
 
 from kvnotes.analysis.registry import Context, analysis, option
-from kvnotes.analysis.results import Estimate, TaskResult
+from kvnotes.analysis.stats import Estimate
+from kvnotes.analysis.results import TaskResult
 from kvnotes.analysis.trials import PairOptions, shared_trials
 
 

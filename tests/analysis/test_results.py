@@ -9,8 +9,10 @@ import json
 import pytest
 
 from kvnotes.analysis.registry import MODEL, Context, analyses, get, sections
-from kvnotes.analysis.results import Estimate, GenericResult, ResultSchemaError, TaskResult
+from kvnotes.analysis.results import GenericResult, TaskResult
 from kvnotes.analysis.runner import collect
+from kvnotes.analysis.stats import Estimate
+from kvnotes.errors import ResultSchemaError
 from tests.dashboards.sample_reports import SIZES
 from tests.helpers import get_model
 
@@ -160,7 +162,7 @@ def test_a_section_s_header_says_only_what_its_rows_bear_out():
 def test_counts_and_times_print_as_plain_numbers_and_curves_in_three_figures():
     """A count of tokens or a time has no CI in the table (`refresh.tokens +3.000 [+3.000, +3.000]`
     said nothing); a curve's x reads in 3 significant figures, not `0.00340136`."""
-    from kvnotes.analysis.results import Curve
+    from kvnotes.analysis.stats import Curve
 
     r = GenericResult(
         name="edit_methods",

@@ -14,7 +14,8 @@ from dashboards.figures import esc
 from dashboards.render import figure, html, panels, report_html, write_report
 from kvnotes.analysis.registry import get
 from kvnotes.analysis.report import Part, Report, ReportConfig, ReportFileError, run_report
-from kvnotes.analysis.results import Estimate, SectionReport, TaskResult
+from kvnotes.analysis.results import SectionReport, TaskResult
+from kvnotes.analysis.stats import Estimate
 from kvnotes.bench.ttft import EditCostReport, TTFTReport
 from kvnotes.cli import main
 from probes.causal import NoteMap

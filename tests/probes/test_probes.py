@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from kvnotes.analysis.results import Estimate
+from kvnotes.analysis.stats import Estimate
 from kvnotes.cli import main
 from kvnotes.ops import Patch, decide, patch, refresh
 from kvnotes.tasks import RULE

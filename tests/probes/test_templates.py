@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvnotes.analysis.results import Curve, Estimate, bootstrap_ci, cluster_bootstrap_ci
+from kvnotes.analysis.stats import Curve, Estimate, bootstrap_ci, cluster_bootstrap_ci
 from kvnotes.analysis.trials import PairOptions
 from kvnotes.errors import BadOption
 
