@@ -25,7 +25,7 @@ from kvnotes.analysis.registry import (
 )
 from kvnotes.analysis.results import SectionReport
 from kvnotes.analysis.runner import run_section
-from kvnotes.lazy import lazy_exports
+from kvnotes.lazy import lazy_package
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
 
@@ -70,7 +70,7 @@ _LAZY = {
     "write_heads": "circuits.read_write",
     "scrubbing": "circuits.scrubbing",
 }
-_, _lazy_getattr, _ = lazy_exports(__name__, _LAZY)
+_, _lazy_getattr, _ = lazy_package(__name__, _LAZY)
 
 
 def __getattr__(name: str):

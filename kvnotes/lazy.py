@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,3 +30,27 @@ def lazy_exports(
         return list(names)
 
     return names, __getattr__, __dir__
+
+
+def lazy_package(
+    package: str, exports: Mapping[str, str]
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """`lazy_exports` for a package whose exports include a name its own submodule has
+    (`circuits.scrubbing`, the function, lives in `circuits/scrubbing.py`). Importing that submodule
+    would bind the module over the name on the package; here the binding is skipped, so the name
+    stays the exported object however the submodule was imported (`from package.sub import x` still
+    reads the module from `sys.modules`). Call it from the package's `__init__`."""
+    shadowed = {name for name, where in exports.items() if where == f"{package}.{name}"}
+
+    class _Package(types.ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if (
+                name in shadowed
+                and isinstance(value, types.ModuleType)
+                and value.__name__ == f"{package}.{name}"
+            ):
+                return  # the import system binding the submodule: the exported object keeps the name
+            super().__setattr__(name, value)
+
+    sys.modules[package].__class__ = _Package
+    return lazy_exports(package, exports)

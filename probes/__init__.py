@@ -25,7 +25,7 @@ from kvnotes.analysis.registry import (
 )
 from kvnotes.analysis.results import SectionReport
 from kvnotes.analysis.runner import run_section
-from kvnotes.lazy import lazy_exports
+from kvnotes.lazy import lazy_package
 from kvnotes.models.model import KVModel
 from kvnotes.tasks import Task
 
@@ -74,7 +74,7 @@ _LAZY = {
     "regime": "probes.regime",
     "weight_edit": "probes.weights",
 }
-_, _lazy_getattr, _ = lazy_exports(__name__, _LAZY)
+_, _lazy_getattr, _ = lazy_package(__name__, _LAZY)
 
 
 def __getattr__(name: str):
