@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -30,6 +31,7 @@ from kvnotes.errors import BadArgument
 from kvnotes.models.model import KVModel
 
 CHECK_ROWS = 16  # random circuits patched both ways before timing
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def _pairs(model: KVModel, task: str, n: int, seed: int) -> tuple[str, list]:
     return task, sample(load_task(task), model, n, seed=seed)
 
 
-def _timed(run) -> tuple[float, object]:
+def _timed(run: Callable[[], T]) -> tuple[float, T]:
     t = time.perf_counter()
     out = run()
     return time.perf_counter() - t, out

@@ -492,7 +492,7 @@ def _causal(patchers: Sequence[FeaturePatcher], top: Sequence[int], cfg: SAEConf
         ranked = by_fold[i % 2] if crossed else everywhere
         rng = random.Random(f"sae/{cfg.seed}/{i}")
         draws = [rng.sample(pool, min(k, len(pool))) for k in random_ks for _ in range(cfg.draws)]
-        groups = {
+        groups: dict[str, Sequence[Sequence[int]]] = {  # per kind, the feature sets patched
             "none": [[]],
             "features_only": [range(d_sae)],
             "singles": [[f] for f in top],

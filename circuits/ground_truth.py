@@ -25,7 +25,7 @@ import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, TypedDict, cast
 
 import numpy as np
 from scipy.stats import rankdata
@@ -284,8 +284,8 @@ def _output_edges(site: EdgePatcher) -> dict[str, np.ndarray]:
     by: dict[str, list[int]] = {}
     for e in np.flatnonzero(gr.kind == RESIDUAL):
         n = gr.nodes[gr.src[e]]
-        if n.kind in ("head", "mlp"):
-            by.setdefault(_component(n.label), []).append(int(e))
+        if n.kind in ("head", "mlp"):  # a head's label is `L{l}H{h}@..`, an MLP's `MLP{l}@..`: a component
+            by.setdefault(cast(str, _component(n.label)), []).append(int(e))
     return {c: np.array(v, dtype=np.int64) for c, v in by.items()}
 
 
@@ -400,6 +400,16 @@ def _dropped(p: dict) -> str:
     )
 
 
+class ProgramSizes(TypedDict):
+    """`score_program`'s sizes of one program: its edges, and per pair the known circuit's edges, nodes
+    and faithfulness."""
+
+    edges: int
+    known_edges: list[int]
+    known_nodes: list[int]
+    faithfulness: list[float]
+
+
 def score_program(
     model, pairs, *, steps: int = 8, methods: Sequence[str] = GROUND_TRUTH_METHODS, progress: bool = True
 ):
@@ -407,7 +417,7 @@ def score_program(
     circuits' sizes and faithfulness, for one compiled program's `pairs`."""
     names = components(model)
     got: dict[tuple[str, str], list[tuple]] = {(m, lv): [] for m in methods for lv in ("edge", "node")}
-    sizes = {"edges": 0, "known_edges": [], "known_nodes": [], "faithfulness": []}
+    sizes: ProgramSizes = {"edges": 0, "known_edges": [], "known_nodes": [], "faithfulness": []}
     for pair in tqdm(pairs, desc=model.name, unit="pair", disable=not progress or None, leave=False):
         patcher = edge_patcher(model, pair)
         if patcher.effect < MIN_EFFECT:  # pairs() checks each on the model; a hand-made list may not
@@ -466,7 +476,7 @@ def check_methods(methods: Sequence[str]) -> None:
         )
 
 
-def check_programs(names: list[str]) -> None:
+def check_programs(names: Sequence[str]) -> None:
     """Refuse a name that is neither a shipped program (`reverse`, `tracr-reverse`) nor a user's
     `FILE.py:NAME` that defines a RASP program and what tracr needs beside it, before anything
     compiles or is scored (a wrong last name costs no scoring of the first ones)."""

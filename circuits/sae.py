@@ -45,7 +45,7 @@ from kvnotes.errors import (
 from kvnotes.hooks import hook_name
 from kvnotes.models.model import KVModel
 from kvnotes.notebook import Notebook
-from kvnotes.tasks import GATE, Pair, Task, load_task, sample
+from kvnotes.tasks import GATE, Pair, TaskSource, load_task, sample
 from kvnotes.types import Float, Tensor
 
 REGIONS = ("notes", "decision")  # where SAE features are read: the note slots or the decision token
@@ -206,7 +206,12 @@ def collect_residuals(
 
 # --- training --------------------------------------------------------------------------------
 def train_sae(
-    model: KVModel, task: Task | str, cfg: SAEConfig = SAEConfig(), *, kind: str = GATE, progress: bool = True
+    model: KVModel,
+    task: TaskSource | str,
+    cfg: SAEConfig = SAEConfig(),
+    *,
+    kind: str = GATE,
+    progress: bool = True,
 ):
     """Collect residuals on `cfg.n_train_pairs` fresh pairs of `task` and train a TopK SAE on them.
 

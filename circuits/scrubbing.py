@@ -36,6 +36,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -56,7 +57,7 @@ from kvnotes.analysis.trials import (
 from kvnotes.engine import run
 from kvnotes.hooks import hook_name
 from kvnotes.ops import Patch, decide, patch_batch, prefill, query_tokens
-from kvnotes.tasks import Task, load_task, sample
+from kvnotes.tasks import Task, TaskSource, load_task, sample
 from probes.causal import top_notes
 from probes.controls import cross_fitted_notes, matched_slots, paired, random_slots
 
@@ -82,7 +83,7 @@ def matched_heads(n_heads: int, heads: Sequence[Head], rng: random.Random) -> li
     return [(l, h) for l, n in sorted(per_layer.items()) for h in sorted(rng.sample(range(n_heads), n))]
 
 
-def resamples(t: Trial, task: Task, n: int, *, seed: int) -> list:
+def resamples(t: Trial, task: TaskSource, n: int, *, seed: int) -> list:
     """Up to `n` other prompts of `task` laid out token for token like the trial's (same length,
     spans and query tokens) whose conclusion is the trial's old one."""
     want = t.pair.expected[0]
@@ -209,7 +210,7 @@ def scrubbing(
     """
     task = load_task(task)
     used, excluded = split_by_effect(trials, min_effect)
-    heads = [tuple(h) for h in heads]
+    heads = [cast(Head, tuple(h)) for h in heads]  # a (layer, head) pair, a list (JSON's) made a tuple
     xnotes, crossed = cross_fitted_notes(used, n_notes)
     xheads, _ = cross_fitted_heads(used, len(heads))  # the same halves, so the same fallback
     nums = {v: [] for v in VARIANTS + OUT_OF_SAMPLE}

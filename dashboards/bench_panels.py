@@ -336,6 +336,6 @@ def slot_sweep_panels(r, key: str) -> list[Panel]:
     note = (
         f"request: {r.request.payload_bytes:,} bytes, largest tensor {r.request.largest_tensor} elements"
         if r.request is not None
-        else None
+        else ""  # no note (Panel.note is a str; every reader tests it for truth)
     )
     return [Panel(title="Slot sweep", reading=reading, figure=fig, key=key, note=note)]

@@ -4,6 +4,8 @@ The benches' panels are in `dashboards/bench_panels.py`. Rendering only."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import plotly.graph_objects as go
 
 from dashboards.figures import (
@@ -27,6 +29,12 @@ from dashboards.figures import (
 from dashboards.registry import panel
 from kvnotes.analysis.results import TaskResult
 
+if TYPE_CHECKING:  # the result classes, for their fields; importing them would load each probe module
+    from probes.agent import AgentLoop
+    from probes.compose import SeamRepair
+    from probes.edit import EditMethods
+    from probes.keystone import Keystone
+
 # --- edit and compose ---------------------------------------------------------------------------
 
 EDIT_METHODS = ("refresh", "suffix", "erratum", "hoist", "full")
@@ -40,7 +48,7 @@ METHOD_NAMES = {
 
 
 @panel("edit_methods")
-def edit_panels(r: TaskResult, key: str) -> list[Panel]:
+def edit_panels(r: EditMethods, key: str) -> list[Panel]:
     ks = list(r.ks)
     sel = [f"selective_causal@{k}" for k in ks if f"selective_causal@{k}" in r.parts]
     best_sel = max(sel, key=lambda m: (r.parts[m].mean or -1e9, -int(m.split("@")[1])), default=None)
@@ -94,7 +102,7 @@ def edit_panels(r: TaskResult, key: str) -> list[Panel]:
 
 
 @panel("seam_repair")
-def seam_panels(r: TaskResult, key: str) -> list[Panel]:
+def seam_panels(r: SeamRepair, key: str) -> list[Panel]:
     seams = list(r.seams)
     curves = [
         series(f"logit cosine, {name}", seams, [r.part(f"{prefix}@{b}") for b in seams], dash=dash)
@@ -136,7 +144,7 @@ def seam_panels(r: TaskResult, key: str) -> list[Panel]:
 
 
 @panel("keystone")
-def keystone_panels(r: TaskResult, key: str) -> list[Panel]:
+def keystone_panels(r: Keystone, key: str) -> list[Panel]:
     """Every editing method's recovery on the composed notebook against the recomputed one, with the
     diagonal, and the same without re-rotation (the ablation that must leave it)."""
     names = list(r.methods)
@@ -204,7 +212,7 @@ def keystone_panels(r: TaskResult, key: str) -> list[Panel]:
 
 
 @panel("agent_loop")
-def agent_panels(r: TaskResult, key: str) -> list[Panel]:
+def agent_panels(r: AgentLoop, key: str) -> list[Panel]:
     turns = list(range(1, r.turns + 1))
     es = [r.part(f"cosine@{t}") for t in turns]
     ag = [r.part(f"agree@{t}") for t in turns]

@@ -337,7 +337,7 @@ def n_note(r: TaskResult, what: str = "pairs") -> str:
     )
 
 
-def series(name: str, x: list, es: list[Estimate | None], **kw) -> dict:
+def series(name: str, x: list, es: Sequence[Estimate | None], **kw) -> dict:
     """A `ci_curves` series from one Estimate per x (None where not measured)."""
     return {
         "name": name,

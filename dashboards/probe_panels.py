@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from dashboards.figures import (  # est, n_note, say, series: also read from here by older code
     GREY,
@@ -26,6 +27,12 @@ from dashboards.registry import in_summary, panel, summary
 from kvnotes.analysis.results import TaskResult
 from kvnotes.analysis.stats import Estimate
 
+if TYPE_CHECKING:  # the result classes, for their fields; importing them would load each probe module
+    from probes.causal import NoteMap
+    from probes.controls import FalseNoteInjection
+    from probes.placement import MemoryPlacement
+    from probes.regime import Regime
+
 
 def _above(a: Estimate | None, b: Estimate | None) -> bool:
     """True when a's CI lies wholly above b's (or above b's mean when b has no CI)."""
@@ -41,7 +48,7 @@ panel("field_refresh", "notes_transplant", "knockout", "dissociation")(in_summar
 
 
 @panel("note_map")
-def note_map_panels(r: TaskResult, key: str) -> list[Panel]:
+def note_map_panels(r: NoteMap, key: str) -> list[Panel]:
     """The note map: the prompt coloured by slot, the slot × layer grid, the per-layer curve."""
     maps = r.maps
     if not maps:
@@ -57,7 +64,7 @@ def note_map_panels(r: TaskResult, key: str) -> list[Panel]:
     return panels
 
 
-def _note_text_panel(r: TaskResult, m, key: str) -> Panel:
+def _note_text_panel(r: NoteMap, m, key: str) -> Panel:
     """The prompt's text coloured by each slot's single-slot recovery (pair 1)."""
     maps = r.maps
     tokens = m.prompt_tokens or m.tokens
@@ -219,7 +226,7 @@ def causal_summary(probes: Mapping[str, TaskResult], key: str) -> list[Panel]:
 
 
 @panel("false_note_injection")
-def false_note_panel(r: TaskResult, key: str) -> list[Panel]:
+def false_note_panel(r: FalseNoteInjection, key: str) -> list[Panel]:
     ks = list(r.ks)
     top = [r.part(f"k{k}") for k in ks]
     rnd = [r.part(f"random_k{k}") for k in ks]
@@ -255,7 +262,7 @@ def false_note_panel(r: TaskResult, key: str) -> list[Panel]:
 
 
 @panel("regime")
-def regime_panels(r: TaskResult, key: str) -> list[Panel]:
+def regime_panels(r: Regime, key: str) -> list[Panel]:
     d = list(r.filler_tokens)
     dist = list(r.distance)
     fr = [r.part(f"field_refresh@{x}") for x in d]
@@ -322,7 +329,7 @@ PAPER_PLACEMENT = (
 
 
 @panel("memory_placement")
-def placement_panels(r: TaskResult, key: str) -> list[Panel]:
+def placement_panels(r: MemoryPlacement, key: str) -> list[Panel]:
     """Accuracy by placement against memory size, the edited fact's recovery, and each turn's TTFT."""
     sizes = list(r.sizes)
     part = lambda name: r.parts.get(name)  # noqa: E731

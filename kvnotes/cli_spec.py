@@ -95,7 +95,7 @@ def sources() -> list[str]:
         objects += [sys.modules[".".join(parts[:i])] for i in range(1, len(parts) + 1)]
     out = set()
     for obj in objects:
-        path = Path(inspect.getsourcefile(obj)).resolve()
+        path = Path(inspect.getsourcefile(obj) or inspect.getfile(obj)).resolve()
         for root in (r for top in _tops() for r in _roots(top)):
             if path.is_relative_to(root):
                 out.add(str(path.relative_to(root.parent)).replace(os.sep, "/"))

@@ -675,6 +675,7 @@ def verify(
             for name in errors:
                 errors[name][label] = checks[name].run()
             if measures:
+                assert reference is not None  # measures are kept only where a reference was computed
                 hf = _hf_checks(model, label, reference)
                 for name in measures:
                     measures[name] += hf[name]()

@@ -508,14 +508,16 @@ def patch_batches(
     every = set(dst.positions.tolist())
     touch = [every if s.positions is None else set(s.positions) for s in specs]
 
-    grown = {"i": -1, "j": 0, "union": set()}  # plan_batches grows j one row at a time for each i
+    # plan_batches grows j one row at a time for each i: the union of rows i..j-1, kept as it grows
+    grown_i, grown_j, union = -1, 0, set[int]()
 
     def fits(i: int, j: int) -> bool:
-        if grown["i"] != i or grown["j"] != j - 1:
-            grown.update(i=i, union=set().union(*touch[i : j - 1]))
-        grown["union"] |= touch[j - 1]
-        grown["j"] = j
-        return (j - i) * len(grown["union"]) * per_slot <= OVERLAY_BYTES
+        nonlocal grown_i, grown_j, union
+        if grown_i != i or grown_j != j - 1:
+            grown_i, union = i, set().union(*touch[i : j - 1])
+        union |= touch[j - 1]
+        grown_j = j
+        return (j - i) * len(union) * per_slot <= OVERLAY_BYTES
 
     return plan_batches(first, dst.n_layers, n_query, fits)
 
@@ -582,8 +584,20 @@ def decide_patched(
         chosen = [specs[i] for i in rows] + ([Patch(positions=())] if base else [])
         return hooks, patched_slots(dst, src, chosen)
 
-    kw = dict(vocab=vocab, batches=batches, resume=resume, progress=progress, desc="patches", patched=most)
-    out = run_rows(model, dst, ids, pos, first, make, **kw)
+    out = run_rows(
+        model,
+        dst,
+        ids,
+        pos,
+        first,
+        make,
+        vocab=vocab,
+        batches=batches,
+        resume=resume,
+        progress=progress,
+        desc="patches",
+        patched=most,
+    )
     return Readout(logits=out[:, None], positions=(int(pos[-1]),))
 
 

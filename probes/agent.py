@@ -22,7 +22,7 @@ from kvnotes.hosts import HOST_LINE
 from kvnotes.metrics import logit_cosine
 from kvnotes.models.model import KVModel
 from kvnotes.ops import append, decide, precompile, prefiller, splice
-from kvnotes.tasks import Task, load_task, sample
+from kvnotes.tasks import Task, load_gated_task, sample
 from probes.compose import chunk_end
 from probes.edit import ERRATUM
 
@@ -54,7 +54,7 @@ def agent_loop(
     Headline `cosine_last` (the last turn); `cosine_min` is the worst turn of each prompt;
     `follows` whether the decision follows the toggled value (against the task's expected answer).
     """
-    task = load_task(task)
+    task = load_gated_task(task, "the agent loop (it toggles the task's gate)")
     field = task.gate.field
     acc: dict[str, list[float]] = {}
     labels: dict[str, list[int]] = {}  # the template of the prompt behind each value in acc
@@ -148,7 +148,7 @@ def _run_agent_loop(ctx: Context, cfg: AgentConfig) -> AgentLoop | None:
     """A spliced policy kept current by one erratum per turn, against recomputing every turn."""
     turns = cfg.turns
     if ctx.fit_context:  # left at its default: as many turns as fit the model (the notes organism's 512)
-        task = load_task(ctx.task)
+        task = load_gated_task(ctx.task, "the agent loop (it toggles the task's gate)")
         turns = min(turns, most_turns(ctx.model, task, sample(task, ctx.model, cfg.prompts, seed=ctx.seed)))
     if not turns:
         return None

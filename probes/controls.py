@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypedDict
 
 import torch
 
@@ -378,7 +378,11 @@ def false_note_injection(
     follows = {k: [] for k in ks}
     follows_c = []  # the template of each pair whose choice flips (the pairs `follows` counts)
     xfit_slots, crossed = cross_fitted_notes(used, ks[-1])
-    xfit = {"values": {k: [] for k in ks}, "crossed": crossed, "off_class": {k: [0, 0] for k in ks}}
+    xfit: _CrossFitted = {
+        "values": {k: [] for k in ks},
+        "crossed": crossed,
+        "off_class": {k: [0, 0] for k in ks},
+    }
     matched: dict[int, list] = {k: [] for k in ks}
     for i, t in enumerate(with_progress(used, "false_note_injection")):
         rng = random.Random(f"inject/{seed}/{i}")
@@ -404,7 +408,7 @@ def false_note_injection(
             rand[k].append(float(r[len(ks) + j]))
             if flips:
                 follows[k].append(float((lds[j] > 0) == (t.ld_new > 0)))
-    xfit["off_class"] = {k: tuple(v) for k, v in xfit["off_class"].items()}
+    off = {k: tuple(v) for k, v in xfit["off_class"].items()}
     every = clusters_of(used)  # rec, rand, xfit and matched hold one value (or None) per used trial
     parts = {f"k{k}": Estimate.of(v, clusters=every) for k, v in rec.items()}
     parts.update({f"follows_k{k}": Estimate.of(v, clusters=follows_c) for k, v in follows.items()})
@@ -420,7 +424,7 @@ def false_note_injection(
     return FalseNoteInjection.of(
         cross_fitted=bool(xfit["crossed"]),
         cross_fitted_pairs=xfit["crossed"].pairs,
-        matched_off_class=xfit["off_class"],
+        matched_off_class=off,
         name="false_note_injection",
         headline=f"xfit_k{room[-1]}",
         parts=parts,
@@ -431,8 +435,18 @@ def false_note_injection(
     )
 
 
+class _CrossFitted(TypedDict):
+    """`false_note_injection`'s out-of-sample record: per k the recoveries of the cross-fitted top-k
+    slots, which trials were cross-fitted, and per k [control slots off their token class, control
+    slots] (`_add_out_of_sample` adds to it trial by trial)."""
+
+    values: dict[int, list[float]]
+    crossed: Crossing
+    off_class: dict[int, list[int]]
+
+
 def _add_out_of_sample(
-    xfit: dict,
+    xfit: _CrossFitted,
     matched: dict,
     ks: Sequence[int],
     t: Trial,

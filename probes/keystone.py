@@ -194,8 +194,8 @@ def _farthest(parts: dict[str, Estimate], names: Sequence[str], prefix: str) -> 
     best = None
     for m in names:
         e = parts.get(f"{prefix}.{m}")
-        if e is not None and e.mean is not None and (best is None or abs(e.mean) > abs(best[1].mean)):
-            best = (m, e)
+        if e is not None and e.mean is not None and (best is None or abs(e.mean) > abs(best[2])):
+            best = (m, e, e.mean)
     if best is None:
         return {}
     return {"method": best[0], "gap": best[1].mean, "ci": list(best[1].ci) if best[1].ci else None}

@@ -62,7 +62,8 @@ def dataset_areas(
             draws.append(area(sizes, dataset_curve(recovery[i], effects[i]), n_edges))
     out = []
     for j in range(2):
-        ci = tuple(float(x) for x in np.percentile([d[j] for d in draws], [2.5, 97.5])) if draws else None
+        q = np.percentile([d[j] for d in draws], [2.5, 97.5]) if draws else None
+        ci = (float(q[0]), float(q[1])) if q is not None else None
         out.append(Estimate(values=(point[j],), mean=point[j], ci=ci))
     return out[0], out[1]
 

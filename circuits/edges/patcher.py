@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from typing import cast
 
 import numpy as np
 import torch
@@ -449,7 +450,8 @@ class _Hooks:
     def _old_keys(self, s: Tensor, l: int) -> Tensor:
         """Scores with each corrupted attention edge's keys taken (a share `off` of the way) from
         the old run: softcap(lerp(q.k, q.k_old, off)), exactly the old keys' scores at off = 1."""
-        off = self.mode.attention(self.patcher, l)  # [b, H, query, key]
+        mode = cast(_Patch, self.mode)  # called only where self.patching: the mode is a _Patch
+        off = mode.attention(self.patcher, l)  # [b, H, query, key]
         if not bool((off != 0).any()):
             return s
         attn, cap = hooked(self.model).blocks[l].attn, self.model.facts.attn_scores_soft_cap
@@ -467,7 +469,7 @@ class _Hooks:
 
     def z(self, z, hook, l: int):
         if self.patching:
-            z = _old_values(self.patcher, self.mode, self.st, l, z)
+            z = _old_values(self.patcher, cast(_Patch, self.mode), self.st, l, z)  # self.patching: a _Patch
         if self.grad:
             z = z + _leaf(self.mode, ("z", l), z)
         attn = hooked(self.model).blocks[l].attn

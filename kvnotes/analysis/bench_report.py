@@ -37,7 +37,7 @@ class BenchReport(Displayable):
     POINT: ClassVar[type]
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self)  # type: ignore[call-overload]  # each report class is a dataclass
 
     @classmethod
     def from_dict(cls, d: Mapping) -> BenchReport:

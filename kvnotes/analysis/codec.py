@@ -50,7 +50,7 @@ def from_json_value(hint: Any, data: Any, where: str = "result") -> Any:
             return hint.from_dict(data)
         except (KeyError, TypeError) as e:
             raise ResultSchemaError(f"{where}: not a {hint.__name__} ({type(e).__name__}: {e})") from e
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         expect_shape(isinstance(data, Mapping), where, "a mapping", data)
         return decode_fields(hint, data, where)
     if origin is tuple:

@@ -154,7 +154,7 @@ class Analysis:
             raise BadOption(f"{self.name}: {e}") from e
 
 
-def _check_result(name: str, cls: type) -> None:
+def _check_result(name: str, cls: type[Any]) -> None:
     """Refuse a result class that does not follow the result protocol
     (`kvnotes.analysis.results.Result`): `to_dict()`, `from_dict(d)` and a notebook view."""
     missing = [m for m in ("to_dict", "from_dict", "_repr_html_") if not callable(getattr(cls, m, None))]

@@ -42,7 +42,7 @@ from kvnotes.analysis.registry import (
     sections,
     unmet,
 )
-from kvnotes.analysis.results import SectionReport
+from kvnotes.analysis.results import Result, SectionReport
 from kvnotes.analysis.runner import collect, run_meta, run_one
 from kvnotes.batches import sharing_enabled
 from kvnotes.display import Displayable
@@ -228,7 +228,7 @@ _SECTION_KINDS = ("SectionReport", "ProbeReport", "CircuitReport")  # schema /1 
 SECTION, ANALYSIS = "section", "analysis"  # a part's kind from schema /4
 
 
-def _result_class(key: str, d: Mapping) -> type:
+def _result_class(key: str, d: Mapping) -> type[Result]:
     """The class a saved part's result is read as: a task section's (or a skipped part's)
     SectionReport, or the result class of the model-level analysis the part is named by (schema /4:
     its `name`; older: the key's last segment, else the class name once stored as its kind)."""
@@ -475,7 +475,7 @@ def run_report(
     *,
     resume: bool = True,
     progress: bool = True,
-    on_part: Callable[[Report], None] | None = None,
+    on_part: Callable[[Report], object] | None = None,
 ) -> Report:
     """Run every part of the report for `model` on `tasks`, saving each to `out/parts/` as it
     finishes and `out/report.json` after each part (so a partial report can be rendered).

@@ -112,7 +112,7 @@ class TaskResult(Displayable):
     def of(cls, **fields_) -> TaskResult:
         """Construct from plain values (lists, dicts, numpy numbers), each turned into its field's
         declared type first: what producers call."""
-        hints = field_hints(cls)
+        hints = field_hints(cls)  # type: ignore[arg-type]  # a class is hashable; mypy reads its instances' __hash__
         return cls(
             **{
                 k: from_json_value(hints[k], to_json_value(v), k) if k in _TYPED_CORE or k not in _CORE else v

@@ -49,8 +49,9 @@ class Estimate:
         given = list(values)
         if clusters is not None and len(clusters) != len(given):
             raise ValueError(f"{len(clusters)} cluster labels for {len(given)} values; give one per value")
-        keep = [i for i, v in enumerate(given) if v is not None and math.isfinite(float(v))]
-        vals = tuple(float(given[i]) for i in keep)
+        finite = [(i, float(v)) for i, v in enumerate(given) if v is not None and math.isfinite(float(v))]
+        keep = [i for i, _ in finite]
+        vals = tuple(v for _, v in finite)
         labels = None if clusters is None else tuple(int(clusters[i]) for i in keep)
         dropped = len(given) - len(vals)
         if not vals:

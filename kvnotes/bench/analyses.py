@@ -31,7 +31,7 @@ from kvnotes.bench.common import growth_exponent
 from kvnotes.engine.profile import profile
 from kvnotes.models.model import KVModel
 from kvnotes.prompt import Template
-from kvnotes.tasks import Task, load_task
+from kvnotes.tasks import Task, load_gated_task
 from kvnotes.tasks.sampler import fit_notes
 
 WAYS = ("unshared", "shared")
@@ -125,7 +125,7 @@ class AnalysesReport(BenchReport):
             where = f"{worst.worst} ({worst.work}, n={worst.n})"
             lines.append(f"largest difference: {worst.max_diff:.1e} at {where}")
         smooth = [r for r in self.results if r.max_diff_smooth is not None]
-        calm = max(smooth, key=lambda r: r.max_diff_smooth, default=None)
+        calm = max(smooth, key=lambda r: r.max_diff_smooth or 0.0, default=None)  # none None: `smooth`
         if calm is not None and calm.max_diff_smooth != worst.max_diff:
             where = f"{calm.worst_smooth} ({calm.work}, n={calm.n})"
             lines.append(f"largest outside rank statistics: {calm.max_diff_smooth:.1e} at {where}")
@@ -240,7 +240,7 @@ def analyses_bench(
     from kvnotes.analysis.report import ReportConfig, plan_parts
     from kvnotes.analysis.runner import run_section
 
-    task = load_task(task)
+    task = load_gated_task(task, "the analyses bench")
     n_max = max(ns)
     sizes = [(n, 0) for n in ns] + [(n_max, p) for p in preambles if p > 0]
     results: list[AnalysesPoint] = []

@@ -9,18 +9,23 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvnotes.engine import Capability, has
+from kvnotes.engine.nnsight.model import NNsightModel
 from kvnotes.errors import BadArgument
 from kvnotes.fixtures import FILLER
 from kvnotes.models.model import KVModel
 
 
-def both_backends(model: KVModel) -> tuple[KVModel, KVModel | None]:
+def both_backends(model: KVModel) -> tuple[KVModel, NNsightModel | None]:
     """(the TransformerLens-backend model, the nnsight-backend one or None) for a bench asked for on
     `model`'s backend: on the nnsight backend the same name is loaded on TransformerLens too, so
     the two engines run side by side in one process."""
     if not has(model, Capability.TRANSFORMER_LENS):
         from kvnotes.zoo import load_model
 
+        if not isinstance(model, NNsightModel):  # pragma: no cover - two backends today
+            raise BadArgument(
+                f"the benches run on the TransformerLens or nnsight backend, not {model.name}'s"
+            )
         return load_model(model.name), model
     return model, None
 
@@ -32,9 +37,10 @@ def growth_exponent(xs: Sequence[int | float], ys: Sequence[int | float | None])
     >>> round(growth_exponent([1, 2, 4], [3, 12, 48]), 6)
     2.0
     """
-    if len(set(xs)) < 2 or any(y is None for y in ys):
+    known = [float(y) for y in ys if y is not None]
+    if len(set(xs)) < 2 or len(known) < len(ys):
         return None
-    return float(np.polyfit(np.log(list(xs)), np.log(list(ys)), 1)[0])
+    return float(np.polyfit(np.log(list(xs)), np.log(known), 1)[0])
 
 
 def text_ids(model: KVModel, n: int, line: str = FILLER) -> list[int]:

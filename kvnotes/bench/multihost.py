@@ -115,7 +115,7 @@ class MultiHost:
                 tuple(p.ids[_line_start(p, task.gate.field) : p.span("decision").start]) for p in prompts
             ),
             query=tuple(first.ids[first.span("decision").start :]),
-            answers=tuple(model.answer_token(a) for a in task.answers),
+            answers=(model.answer_token(task.answers[0]), model.answer_token(task.answers[1])),
         )
 
 

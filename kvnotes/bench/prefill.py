@@ -49,6 +49,7 @@ from kvnotes.bench.prefill_ways import (
     load_hf_twin,
 )
 from kvnotes.engine import hooked
+from kvnotes.engine.nnsight.model import NNsightModel
 from kvnotes.errors import OutOfRange
 from kvnotes.models.model import KVModel
 
@@ -193,7 +194,7 @@ def prefill_bench(
     *,
     repeats: int = 3,
     hf_model=None,
-    nn: KVModel | None = None,
+    nn: NNsightModel | None = None,
     tl_margin: float = TL_MARGIN,
     progress: bool = True,
 ) -> PrefillReport:

@@ -13,6 +13,8 @@ import torch
 from kvnotes import engine, ops
 from kvnotes.bench.common import text_ids
 from kvnotes.engine import hooked, run
+from kvnotes.engine.nnsight.model import NNsightModel
+from kvnotes.errors import BadArgument
 from kvnotes.models.model import KVModel
 from kvnotes.types import Float, Tensor
 
@@ -52,7 +54,14 @@ class Runners:
 
     model: KVModel
     hf: Any = None
-    nn: KVModel | None = None
+    nn: NNsightModel | None = None
+
+    @property
+    def nnsight(self) -> NNsightModel:
+        """The nnsight-backend model, for the ways that run on it (run only where it is given)."""
+        if self.nn is None:
+            raise BadArgument("this way runs on the nnsight backend, and no nnsight model was given")
+        return self.nn
 
 
 def _kvnotes(r: Runners, ids: list[int]):
@@ -60,7 +69,7 @@ def _kvnotes(r: Runners, ids: list[int]):
 
 
 def _kvnotes_nnsight(r: Runners, ids: list[int]):
-    return ops.prefill(r.nn, ids)
+    return ops.prefill(r.nnsight, ids)
 
 
 def _kvnotes_readout(r: Runners, nb, ids: list[int], layers: list[int]) -> Outcome:
@@ -68,7 +77,7 @@ def _kvnotes_readout(r: Runners, nb, ids: list[int], layers: list[int]) -> Outco
 
 
 def _kvnotes_nnsight_readout(r: Runners, nb, ids: list[int], layers: list[int]) -> Outcome:
-    return _notebook_readout(r.nn, nb, ids, layers)
+    return _notebook_readout(r.nnsight, nb, ids, layers)
 
 
 def _notebook_readout(model: KVModel, nb, ids: list[int], layers: list[int]) -> Outcome:

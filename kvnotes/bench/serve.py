@@ -57,7 +57,7 @@ from kvnotes.bench.served_agent import AGENT_TASK, AgentTurns, served_agent_loop
 from kvnotes.errors import BadOption
 from kvnotes.serving.manager import DEFAULT_COMPACTION, STRATEGIES, Compaction, fill
 from kvnotes.serving.vllm import Server, run_sync
-from kvnotes.tasks import Task, load_task
+from kvnotes.tasks import Task, load_gated_task
 
 DEFAULT_TASK = "refund-window"  # a numeric gating field: every change is a new value
 RATE_FACTORS = (0.5, 1.0, 2.0, 4.0)  # the default rates, as multiples of the rate one cold request can serve
@@ -279,7 +279,8 @@ def serve_bench(
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
         raise BadOption(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
-    task, agent_task = load_task(task), load_task(agent_task)
+    task = load_gated_task(task, "the serving bench")
+    agent_task = load_gated_task(agent_task, "the serving bench's agent loop")
     answers = server_answer_ids(server, task.answers)
     say = (lambda s: tqdm.write(s, file=sys.stderr)) if progress else (lambda s: None)
     the_sessions = sessions(task, server.count_tokens, tokens, sessions_n, seed=seed)
@@ -402,23 +403,27 @@ def _run_serve(ctx: Context, cfg: ServeConfig) -> ServeReport:
             "give exactly one of --vllm-python PATH (launch vLLM from that Python; `kvnotes vllm-env DIR` "
             "makes one) and --server URL (a running vLLM server)"
         )
-    kw = dict(
-        task=cfg.task,
-        tokens=cfg.tokens,
-        sessions_n=cfg.sessions,
-        requests=cfg.requests,
-        rates=cfg.rates,
-        rate_factors=cfg.rate_factors,
-        strategies=cfg.strategies,
-        agent_turns=cfg.agent_turns,
-        agent_prompts=cfg.agent_prompts,
-        agent_tokens=cfg.agent_tokens,
-        agent_task=cfg.agent_task,
-        seed=cfg.seed,
-        progress=ctx.progress,
-    )
+
+    def bench(server):
+        return serve_bench(
+            server,
+            task=cfg.task,
+            tokens=cfg.tokens,
+            sessions_n=cfg.sessions,
+            requests=cfg.requests,
+            rates=cfg.rates,
+            rate_factors=cfg.rate_factors,
+            strategies=cfg.strategies,
+            agent_turns=cfg.agent_turns,
+            agent_prompts=cfg.agent_prompts,
+            agent_tokens=cfg.agent_tokens,
+            agent_task=cfg.agent_task,
+            seed=cfg.seed,
+            progress=ctx.progress,
+        )
+
     if cfg.server:
-        return serve_bench(connect(cfg.server), **kw)
+        return bench(connect(cfg.server))
     model_dir, name = _serve_model_dir(ctx.model_name, ctx.progress)
     longest = max(cfg.tokens, cfg.agent_tokens + 40 * cfg.agent_turns) + 512
     with launch(
@@ -433,4 +438,4 @@ def _run_serve(ctx: Context, cfg: ServeConfig) -> ServeReport:
         ready_timeout=cfg.ready_timeout,
         progress=ctx.progress,
     ) as server:
-        return serve_bench(server, **kw)
+        return bench(server)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvnotes.errors import KVNotesError
-from kvnotes.serving.manager import DEFAULT_COMPACTION, Compaction, PromptManager, escape
+from kvnotes.serving.manager import DEFAULT_COMPACTION, Compaction, PromptManager, approx_tokens, escape
 from kvnotes.tasks import Task
 from kvnotes.tasks.sampler import fit_notes, shots_text, values_for
 
@@ -140,10 +140,14 @@ def schedule(
         Values(task.with_template(0), random.Random(f"serve/values/{seed}/{s}"))
         for s in range(len(the_sessions))
     ]
-    kw = {"count_tokens": count_tokens} if count_tokens else {}
     managers = [
         PromptManager(
-            s.template, {s.field: s.initial}, tail=s.tail, strategy=strategy, compaction=compaction, **kw
+            s.template,
+            {s.field: s.initial},
+            tail=s.tail,
+            strategy=strategy,
+            compaction=compaction,
+            count_tokens=count_tokens or approx_tokens,  # the manager's own default where none is given
         )
         for s in the_sessions
     ]

@@ -43,6 +43,7 @@ from kvnotes.engine.table import (
     has,
     hooked,
     in_float64,
+    lens_model,
     move_keys,
     require,
 )
@@ -194,6 +195,7 @@ __all__ = [
     "has",
     "hooked",
     "in_float64",
+    "lens_model",
     "move_keys",
     "require",
     "run",

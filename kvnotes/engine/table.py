@@ -102,10 +102,16 @@ def hooked(model: KVModel, what: str = "this") -> HookedTransformer:
     >>> hooked(load_model("tiny-llama")).blocks[0].attn.W_Q.shape  # [head, d_model, d_head]
     torch.Size([4, 64, 16])
     """
+    return lens_model(model, what).tl
+
+
+def lens_model(model: KVModel, what: str = "this") -> TransformerLensModel:
+    """`model` as the TransformerLens backend's model class (what `final_logits` and the like take),
+    refused as `hooked` refuses."""
     require(model, Capability.WEIGHTS, what)
     if not isinstance(model, TransformerLensModel):  # pragma: no cover - WEIGHTS is TransformerLens's
         raise MissingCapability(f"{what} needs TransformerLens weights, which {model.name} does not have")
-    return model.tl
+    return model
 
 
 def move_keys(

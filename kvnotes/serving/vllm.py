@@ -539,11 +539,10 @@ class Completion:
     @property
     def decision(self) -> int | None:
         """The index of the likelier answer (None when the server gave neither's log-prob)."""
-        lps = self.answer_logprobs
-        if any(lp is None for lp in lps):
-            known = [i for i, lp in enumerate(lps) if lp is not None]
-            return known[0] if len(known) == 1 else None
-        return max(range(len(lps)), key=lambda i: lps[i])
+        known = [(i, lp) for i, lp in enumerate(self.answer_logprobs) if lp is not None]
+        if len(known) < len(self.answer_logprobs):
+            return known[0][0] if len(known) == 1 else None
+        return max(known, key=lambda k: k[1])[0]  # the first of equals, as before
 
 
 async def complete(

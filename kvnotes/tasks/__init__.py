@@ -13,6 +13,7 @@ from kvnotes.tasks.task import (
     TaskSource,
     Variant,
     builtin_tasks,
+    load_gated_task,
     load_task,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "Variant",
     "Digits",
     "TaskError",
+    "load_gated_task",
     "load_task",
     "builtin_tasks",
     "Pair",

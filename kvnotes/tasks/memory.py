@@ -256,11 +256,11 @@ def memory_episode(
         a = attr[name]
         return [encode("User: " + prefix + a.before), encode(values[name][1][value]), encode(a.after + NOTED)]
 
-    facts = {name: fact(name, truth[name]) for name in attr} | {
+    stated = {name: fact(name, truth[name]) for name in attr} | {
         updated: fact(updated, truth[updated], UPDATE)
     }
     early = fact(updated, stale)
-    lines = [*facts.values(), early]
+    lines = [*stated.values(), early]
     used = sum(len(p) for line in lines for p in line) + len(encode(HEADER))
     if size < used:
         raise TaskError(f"a memory of {size} tokens is too small for its facts; give at least {used}")
@@ -281,11 +281,11 @@ def memory_episode(
     at = sorted(rng.choices(range(min(1, len(talk)), len(talk) + 1), k=len(order)))
     merged: list[list[list[int]]] = []
     for i, line in enumerate([*talk, None], start=0):
-        merged += [early if name == "early" else facts[name] for a, name in zip(at, order) if a == i]
+        merged += [early if name == "early" else stated[name] for a, name in zip(at, order) if a == i]
         merged += [line] if line is not None else []
     talk = merged
     pieces = [encode(HEADER), *[p for line in talk for p in line]]
-    value_piece = facts[edited][1]
+    value_piece = stated[edited][1]
     start = sum(len(p) for p in pieces[: next(k for k, p in enumerate(pieces) if p is value_piece)])
     old_ids = [t for p in pieces for t in p]
     new_value = encode(values[edited][1][new])

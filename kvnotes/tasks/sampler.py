@@ -8,7 +8,7 @@ from collections.abc import Callable
 from kvnotes.errors import BadArgument, NeedUnmet
 from kvnotes.prompt import Prompt, Template
 from kvnotes.tasks.pair import Pair
-from kvnotes.tasks.pairs import PAIRS, PairSet, is_pairs
+from kvnotes.tasks.pairs import PAIRS, PairSet
 from kvnotes.tasks.task import Digits, Task, TaskError
 
 GATE, RULE = "gate", "rule"
@@ -132,7 +132,7 @@ def sample(
     ...     load_model("tiny-llama"), 2, template=1)]
     ([0, 1], [1, 1])
     """
-    if is_pairs(task):  # a pair dataset's pairs are its lines (kvnotes.tasks.pairs)
+    if isinstance(task, PairSet):  # a pair dataset's pairs are its lines (kvnotes.tasks.pairs)
         return _pairs_of(task, model, n, seed=seed, kind=kind, filler=filler, template=template)
     _check_request(task, n, kind, filler)
     cycle = list(range(task.n_templates)) if template is None else [template]

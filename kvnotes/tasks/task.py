@@ -15,6 +15,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal, overload
 
 from kvnotes.errors import TaskError, UnknownTaskError
 from kvnotes.prompt import Template
@@ -231,6 +232,12 @@ class _Reader:
             raise self.fail(f"{where}{key}", f"values repeat: {v!r}")
         return tuple(v)
 
+    @overload
+    def table(self, key: str, required: Literal[True]) -> Mapping: ...
+
+    @overload
+    def table(self, key: str, required: bool) -> Mapping | None: ...
+
     def table(self, key: str, required: bool) -> Mapping | None:
         d = self.d
         if key not in d:
@@ -240,6 +247,22 @@ class _Reader:
         if not isinstance(d[key], Mapping):
             raise self.fail(f"[{key}]", f"must be a table, got {type(d[key]).__name__}")
         return d[key]
+
+
+def load_gated_task(name_or_path: str | Path | TaskSource, what: str = "this") -> Task:
+    """`load_task`, where a gated-decision `Task` is needed (a rule, templates, a gate): a pair
+    dataset is refused, naming it and `what` needed the task.
+
+    >>> load_gated_task("order-cancel").gate.field
+    'order_status'
+    """
+    task = load_task(name_or_path)
+    if not isinstance(task, Task):
+        raise TaskError(
+            f"{what} needs a gated-decision task (a built-in task or a task.toml, docs/tasks.md), and "
+            f"{task.name!r} is a pair dataset"
+        )
+    return task
 
 
 def _parse(d: Mapping, src: str) -> Task:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvnotes.engine.transformer_lens.model import from_hooked
+from kvnotes.engine.transformer_lens.model import TransformerLensModel, from_hooked
 from kvnotes.errors import MissingDependency
 from kvnotes.models.model import HFSource, KVModel
 from kvnotes.zoo.cache import building, default_cache_dir, publish
@@ -54,7 +54,7 @@ def load_gemma_270m(
 
 
 # --- first load: GGUF -> transformers -> TransformerLens -----------------------------------------
-def _from_gguf(root: Path, progress: bool) -> tuple[KVModel, dict]:
+def _from_gguf(root: Path, progress: bool) -> tuple[TransformerLensModel, dict]:
     from transformers import AutoTokenizer
 
     _say(progress, f"kvnotes: converting Gemma 3 270M from GGUF (first load, ~1 min; cached in {root})")
@@ -129,7 +129,7 @@ def _stamp() -> dict:
     }
 
 
-def _from_cache(root: Path, progress: bool) -> KVModel | None:
+def _from_cache(root: Path, progress: bool) -> TransformerLensModel | None:
     """The cached model, or None when there is no cache or it is stale or unreadable."""
     meta_path = root / "meta.json"
     if not meta_path.is_file():
@@ -154,7 +154,7 @@ def _from_cache(root: Path, progress: bool) -> KVModel | None:
         return None
 
 
-def _write_cache(root: Path, model: KVModel, cfg: dict) -> None:
+def _write_cache(root: Path, model: TransformerLensModel, cfg: dict) -> None:
     """Write weights, config and tokenizer to a temp dir, then rename it into place."""
     from safetensors.torch import save_file
 

@@ -18,7 +18,7 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens.pretrained import weight_conversions as wc
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvnotes.engine.transformer_lens.model import from_hooked
+from kvnotes.engine.transformer_lens.model import TransformerLensModel, from_hooked
 from kvnotes.errors import UnknownModelError, UnsupportedArchitecture
 from kvnotes.models.model import HFSource, KVModel
 from kvnotes.zoo.names import N_CTX_CAP  # the default context: min(max_position_embeddings, it)
@@ -86,7 +86,7 @@ def tl_from_hf_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     **cfg_overrides: Any,
-) -> KVModel:
+) -> TransformerLensModel:
     """Convert a loaded transformers causal LM into a `KVModel` (weights unprocessed), then cast it
     to `dtype` and move it to `device` (None: as `hf_model` has them).
 
@@ -163,7 +163,7 @@ _GEMMA_SANDWICH_NORMS = (
 _QK_NORMS = (("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm"))
 
 
-def share_weights(model: KVModel, hf_model: PreTrainedModel) -> None:
+def share_weights(model: TransformerLensModel, hf_model: PreTrainedModel) -> None:
     """Give transformers' counterpart, already cast to the model's dtype, the very weights the
     engine computes with (`HFSource.share`), so that a float64 forward of each is one function.
 

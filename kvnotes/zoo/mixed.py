@@ -79,6 +79,7 @@ the last layer fails those checks.
 from __future__ import annotations
 
 from functools import partial
+from typing import TypedDict
 
 import torch
 
@@ -151,7 +152,16 @@ def designed_answers(share: float) -> dict[str, float]:
     return out
 
 
-def token_ids(tokenizer) -> dict[str, object]:
+class CompiledIds(TypedDict):
+    """The token ids a compiled organism's weights are built for (`token_ids`)."""
+
+    first: int
+    values: dict[int, float]  # each gating value's id -> the sign of the answer it leads to
+    writers: list[int]
+    answers: list[int]
+
+
+def token_ids(tokenizer) -> CompiledIds:
     """The ids the weights are compiled for: the first token, the gating field's two values (each
     as it follows a space), the writers (every token whose text is `;` up to spaces), the answers."""
     from kvnotes.tasks import load_task

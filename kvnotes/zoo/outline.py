@@ -98,7 +98,7 @@ def _from_config(name: str) -> Outline | None:
     layers = c.get("num_hidden_layers") or c.get("n_layer")
     heads = c.get("num_attention_heads") or c.get("n_head")
     most = c.get("max_position_embeddings") or c.get("n_positions")
-    if not all(isinstance(x, int) for x in (layers, heads, most)):
+    if not (isinstance(layers, int) and isinstance(heads, int) and isinstance(most, int)):
         return None
     return Outline(
         name=name,

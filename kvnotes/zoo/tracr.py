@@ -62,7 +62,7 @@ def make_evaluator(*, causal: bool):
     gives `MIXED` (tracr's model would mix their one-hot directions)."""
     global _EVALUATOR
     if _EVALUATOR is None:
-        rasp = tracr_rasp()
+        rasp: Any = tracr_rasp()  # tracr's module, imported at run time (its types are not read)
 
         class Evaluator(rasp.DefaultRASPEvaluator):
             def __init__(self, causal: bool):

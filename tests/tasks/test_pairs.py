@@ -132,3 +132,15 @@ def test_ioi_pairs_fit_gemma_s_tokenizer(gemma):
         for a in (r.correct, r.wrong)
     )
     assert len(ps.groups) == 4
+
+
+def test_code_that_needs_a_gated_task_refuses_a_pair_dataset_by_name(tmp_path, llama):
+    """`load_gated_task` passes a Task through and refuses a pair dataset, naming it and what needed
+    a gate; the agent loop, which toggles one, refuses through it before any compute."""
+    from kvnotes.tasks import TaskError, load_gated_task
+    from probes.agent import agent_loop
+
+    path = str(greater_than_pairs(llama, 2, name="gt-two").write(tmp_path / "gt-two.jsonl"))
+    assert load_gated_task("order-cancel").gate.field == "order_status"
+    with pytest.raises(TaskError, match=r"the agent loop .* is a pair dataset"):
+        agent_loop(llama, path, n=1, turns=1)
