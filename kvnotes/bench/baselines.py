@@ -47,11 +47,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.engine import hooked
+from kvnotes.engine import hooked, lens_model
 from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadArgument
 from kvnotes.hooks import hook_name
@@ -76,7 +77,7 @@ class PatchPair:
     stop: int
     vocab: tuple[int, int]
     hf: torch.nn.Module | None = None
-    lm: object | None = None  # nnsight's TransformersModel around `hf`
+    lm: Any = None  # nnsight's TransformersModel around `hf` (nnsight's types are not read: Any)
 
     def __post_init__(self):
         if len(self.dst_ids) != len(self.src_ids) or self.dst_ids[self.stop :] != self.src_ids[self.stop :]:
@@ -108,6 +109,7 @@ def tl_full_batched(pair: PatchPair) -> PatchFn:
     i's slot to the source's; without freezing the rest of the prefix, the patched slot would also
     change every later slot's K/V, which is another experiment than the engine's."""
     model, stop = pair.model, pair.stop
+    lens = lens_model(model, "the TransformerLens ways")
     names = lambda n: n.endswith(("attn.hook_rot_k", "attn.hook_v"))  # noqa: E731
     kv = {}
     for which, ids in (("src", pair.src_ids), ("dst", pair.dst_ids)):
@@ -129,7 +131,7 @@ def tl_full_batched(pair: PatchPair) -> PatchFn:
     def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
         slots_now[:] = slots
         hooked(model).run_with_hooks(tokens.expand(len(slots), -1), return_type=None, fwd_hooks=hooks)
-        return final_logits(model, saved["x"], vocab)
+        return final_logits(lens, saved["x"], vocab)
 
     return run
 
@@ -158,6 +160,7 @@ def tl_kv_cache(pair: PatchPair) -> PatchFn:
     from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry as Entry
 
     model, stop, tl = pair.model, pair.stop, hooked(pair.model)
+    lens = lens_model(model, "the TransformerLens ways")
 
     def prefill(ids: Sequence[int]) -> KVCache:
         cache = KVCache.init_cache(tl.cfg, tl.cfg.device, 1)
@@ -197,7 +200,7 @@ def tl_kv_cache(pair: PatchPair) -> PatchFn:
             fwd_hooks=[grab],
         )
         _tl_put(cache, rows, at, dst)  # 3) restore the rows
-        return final_logits(model, saved["x"], vocab)
+        return final_logits(lens, saved["x"], vocab)
 
     return run
 
@@ -320,12 +323,60 @@ def nnsight_hf_cache(pair: PatchPair) -> PatchFn:
     return run
 
 
+# --- Hugging Face alone ------------------------------------------------------------------------
+@torch.no_grad()
+def hf_cache(pair: PatchPair) -> PatchFn:
+    """`nnsight_hf_cache` without nnsight: the way a skilled transformers user writes it, and the
+    strongest peer way. The same `DynamicCache` work (each prefix prefilled once, the destination's
+    cache repeated to the batch once per batch size with its past recorded; per batch 1) row i's
+    slot overwritten, 2) the decision tokens run, 3) the cache cropped back, 4) the rows restored),
+    with step 2 a direct call of the decoder (`hf.model`, no tracing) whose last hidden state, after
+    the final norm, goes through the answer columns of the output head."""
+    from transformers import DynamicCache
+
+    hf, stop = pair.hf, pair.stop
+    if hf is None:
+        raise BadArgument("hf_cache needs the model's Hugging Face counterpart (hf_twin)")
+    n_dec = len(pair.dst_ids) - stop
+
+    def prefill(ids: Sequence[int]) -> DynamicCache:
+        cache = DynamicCache(config=hf.config)
+        hf(torch.tensor([list(ids[:stop])]), cache=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    src, dst = prefill(pair.src_ids), prefill(pair.dst_ids)
+    decision = torch.tensor([list(pair.dst_ids[stop:])])
+    caches: dict[int, DynamicCache] = {}  # batch size -> the destination's cache repeated to it
+
+    def repeated(b: int) -> DynamicCache:
+        if b not in caches:
+            cache = copy.deepcopy(dst)
+            cache.batch_repeat_interleave(b)
+            cache.activate_past_recording()
+            caches[b] = cache
+        return caches[b]
+
+    def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
+        rows, at = _rows_and_slots(slots)
+        cache = repeated(len(slots))
+        _hf_put(cache, rows, at, src)  # 1) overwrite
+        tokens = decision.expand(len(slots), -1)
+        mask = torch.ones(len(slots), stop + n_dec, dtype=torch.long)  # cache + tokens
+        out = hf.model(tokens, attention_mask=mask, cache=cache, use_cache=True)  # 2) decision tokens
+        cache.crop(-n_dec)  # 3) roll back what they appended
+        _hf_put(cache, rows, at, dst)  # 4) restore
+        return _hf_answer_logits(hf, out.last_hidden_state[:, -1], pair.vocab)
+
+    return run
+
+
 # --- the registry of ways ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Way:
     name: str
     make: Callable[[PatchPair], PatchFn]
-    hf: bool  # runs the Hugging Face counterpart through nnsight
+    hf: bool  # runs the Hugging Face counterpart
+    nnsight: bool = False  # through nnsight
 
 
 WAYS: dict[str, Way] = {
@@ -333,8 +384,9 @@ WAYS: dict[str, Way] = {
     for w in (
         Way("tl_full_batched", tl_full_batched, hf=False),
         Way("tl_kv_cache", tl_kv_cache, hf=False),
-        Way("nnsight_full_batched", nnsight_full_batched, hf=True),
-        Way("nnsight_hf_cache", nnsight_hf_cache, hf=True),
+        Way("nnsight_full_batched", nnsight_full_batched, hf=True, nnsight=True),
+        Way("nnsight_hf_cache", nnsight_hf_cache, hf=True, nnsight=True),
+        Way("hf_cache", hf_cache, hf=True),
     )
 }
 
@@ -344,26 +396,30 @@ class HFTwin:
     """A model's Hugging Face counterpart and nnsight's wrapper of it, or why there is none."""
 
     hf: torch.nn.Module | None = None
-    lm: object | None = None  # nnsight's TransformersModel around `hf`
+    lm: Any = None  # nnsight's TransformersModel around `hf` (nnsight's types are not read: Any)
     problem: str | None = None
 
 
-def hf_twin(model: KVModel, *, need: bool = True) -> HFTwin:
-    """`model`'s Hugging Face counterpart (SDPA attention, eval mode), wrapped by nnsight, when a
-    baseline `need`s it. Loading can take a minute (Gemma's GGUF is dequantized again).
+def hf_twin(model: KVModel, *, need: bool = True, nnsight: bool = True) -> HFTwin:
+    """`model`'s Hugging Face counterpart (SDPA attention, eval mode) when a baseline `need`s it,
+    and nnsight's wrapper of it when one runs through nnsight (`nnsight`; without nnsight installed
+    the counterpart still loads, for `hf_cache`). Loading can take a minute (Gemma's GGUF is
+    dequantized again).
 
     nnsight 0.8 deprecates `LanguageModel` for `TransformersModel(..., task="text-generation")`,
     the same class without the warning; it wraps the loaded module in a transformers pipeline."""
     if not need or model.hf_source is None:
         return HFTwin()
-    try:
-        from nnsight.modeling.transformers import TransformersModel
-    except ImportError:
-        return HFTwin(problem=f"nnsight is not installed: {_INSTALL_NNSIGHT}")
     hf = model.hf_source.load()
     hf.set_attn_implementation("sdpa")
     if not hasattr(getattr(hf, "model", None), "layers"):
         return HFTwin(problem=f"{type(hf).__name__} keeps its decoder layers elsewhere than model.layers")
+    if not nnsight:
+        return HFTwin(hf=hf.eval())
+    try:
+        from nnsight.modeling.transformers import TransformersModel
+    except ImportError:
+        return HFTwin(hf=hf.eval(), problem=f"nnsight is not installed: {_INSTALL_NNSIGHT}")
     lm = TransformersModel(hf.eval(), tokenizer=model.tokenizer, task="text-generation")
     return HFTwin(hf=hf, lm=lm)
 
@@ -377,8 +433,10 @@ def unavailable(way: Way, model: KVModel, twin: HFTwin) -> str | None:
             f"{model.name} has no Hugging Face counterpart (a TransformerLens-only model); "
             "models loaded from a checkpoint (load_hf) and gemma-3-270m have one"
         )
-    if twin.lm is None:
+    if twin.hf is None:
         return twin.problem or "its Hugging Face counterpart was not loaded (hf_twin(model))"
+    if way.nnsight and twin.lm is None:
+        return twin.problem or "nnsight's wrapper of the counterpart was not made (hf_twin(model))"
     return None
 
 

@@ -38,8 +38,9 @@ from kvnotes.bench.baselines import (
     unavailable,
 )
 from kvnotes.bench.common import both_backends
-from kvnotes.engine import hooked, run
+from kvnotes.engine import hooked, lens_model, run
 from kvnotes.engine.memory import FRACTION, budget, mib, notebook_bytes, row_bytes
+from kvnotes.engine.nnsight.model import NNsightModel
 from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadOption
 from kvnotes.fixtures import POLICY, QUERY, STATE, filled_pair
@@ -174,7 +175,7 @@ def _naive_logits(model: KVModel, prompt: Prompt, nb, stop: int, vocab: tuple[in
         (last, grab),
     ]
     hooked(model).run_with_hooks(torch.tensor([list(prompt.ids)]), return_type=None, fwd_hooks=hooks)
-    return final_logits(model, saved["x"], torch.tensor(vocab))
+    return final_logits(lens_model(model, "the naive way"), saved["x"], torch.tensor(vocab))
 
 
 def floor_run(model: KVModel, nb: Notebook, prompt: Prompt, vocab: tuple[int, int]):
@@ -234,7 +235,7 @@ def _pair(model: KVModel, n_tokens: int, n_slots: int) -> _Pair:
 
 
 def _skipped(
-    model: KVModel, baselines: Sequence[str], wanted: list, twin: HFTwin, nn: KVModel | None
+    model: KVModel, baselines: Sequence[str], wanted: list, twin: HFTwin, nn: NNsightModel | None
 ) -> dict[str, str]:
     """Each strong baseline (and the engine on the nnsight backend) that will not run, with why."""
     skipped = {w.name: why for w in wanted if (why := unavailable(w, model, twin))}
@@ -258,7 +259,7 @@ def _engine(model: KVModel, nb_old: Notebook, nb_new: Notebook, new: Prompt, voc
     return engine
 
 
-def _engine_on(nn: KVModel, old: Prompt, new: Prompt, vocab: tuple[int, int]):
+def _engine_on(nn: NNsightModel, old: Prompt, new: Prompt, vocab: tuple[int, int]):
     """The engine's sweep on another backend's model, over its own notebooks of the same prompts."""
     return _engine(nn, ops.prefill(nn, old), ops.prefill(nn, new), new, vocab)
 
@@ -355,7 +356,7 @@ def patch_sweep(
     repeats: int = 3,
     baselines: Sequence[str] = tuple(WAYS),
     twin: HFTwin | None = None,
-    nn: KVModel | None = None,
+    nn: NNsightModel | None = None,
     progress: bool = True,
 ) -> SweepResult:
     """Time the per-slot transplant sweep every way on a prompt of about `n_tokens` tokens.
@@ -369,15 +370,18 @@ def patch_sweep(
 
     >>> from kvnotes import load_model
     >>> r = patch_sweep(load_model("tiny-gqa"), 40, n_slots=4, repeats=1, progress=False)
-    >>> [b.name for b in r.baselines], sorted(r.skipped)
-    (['tl_full_batched', 'tl_kv_cache'], ['engine_nnsight', 'nnsight_full_batched', 'nnsight_hf_cache'])
+    >>> [b.name for b in r.baselines]
+    ['tl_full_batched', 'tl_kv_cache']
+    >>> sorted(r.skipped)
+    ['engine_nnsight', 'hf_cache', 'nnsight_full_batched', 'nnsight_hf_cache']
     """
     bad = [n for n in baselines if n not in WAYS]
     if bad:
         raise BadOption(f"unknown baseline(s) {bad}; the baselines are {', '.join(WAYS)}")
     wanted = [WAYS[n] for n in WAYS if n in baselines]
     check_sweep_memory(model, n_tokens, (batch_size,) if batch_size else batch_sizes, full=bool(wanted))
-    twin = twin if twin is not None else hf_twin(model, need=any(w.hf for w in wanted))
+    if twin is None:
+        twin = hf_twin(model, need=any(w.hf for w in wanted), nnsight=any(w.nnsight for w in wanted))
     skipped = _skipped(model, baselines, wanted, twin, nn)
     with torch.no_grad():
         # 1) the prompts, their notebooks and the answer pair
@@ -435,7 +439,7 @@ def patch_sweep_report(
     lengths: list[int],
     *,
     baselines: Sequence[str] = tuple(WAYS),
-    nn: KVModel | None = None,
+    nn: NNsightModel | None = None,
     **kwargs,
 ) -> SweepReport:
     """`patch_sweep` at each length; the Hugging Face counterpart, if a baseline needs it, loads once
@@ -443,8 +447,9 @@ def patch_sweep_report(
     sizes = (kwargs["batch_size"],) if kwargs.get("batch_size") else kwargs.get("batch_sizes", BATCH_SIZES)
     for n in lengths:  # every length checked before the first one runs
         check_sweep_memory(model, n, sizes, full=any(b in WAYS for b in baselines))
-    need = any(WAYS[n].hf for n in baselines if n in WAYS)
-    twin = HFTwin(hf=nn.hf, lm=nn.lm) if nn is not None else hf_twin(model, need=need)
+    ways = [WAYS[n] for n in baselines if n in WAYS]
+    need, through = any(w.hf for w in ways), any(w.nnsight for w in ways)
+    twin = HFTwin(hf=nn.hf, lm=nn.lm) if nn is not None else hf_twin(model, need=need, nnsight=through)
     return SweepReport(
         model=model.name,
         machine=machine(),

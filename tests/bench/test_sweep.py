@@ -4,6 +4,7 @@ logits; the JSON round-trips. Timings are reported, never asserted."""
 from __future__ import annotations
 
 import json
+import sys
 from functools import partial
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import transformers as tf
 
 from kvnotes.bench import baselines
-from kvnotes.bench.baselines import WAYS
+from kvnotes.bench.baselines import WAYS, hf_twin, unavailable
 from kvnotes.bench.sweep import SweepReport, SweepResult, patch_sweep, sweep_prompts
 from kvnotes.cli import main
 from kvnotes.models.model import HFSource
@@ -92,6 +93,14 @@ PLANTED = {  # a way with one step of the strong baseline left out -> (the way, 
         "nnsight_hf_cache",
         lambda mp: mp.setattr(baselines, "_hf_put", _every_other(baselines._hf_put)),
     ),
+    "hf-direct-not-rolled-back": (
+        "hf_cache",
+        lambda mp: mp.setattr(tf.DynamicCache, "crop", lambda self, n: None),
+    ),
+    "hf-direct-rows-not-restored": (
+        "hf_cache",
+        lambda mp: mp.setattr(baselines, "_hf_put", _every_other(baselines._hf_put)),
+    ),
     "tl-rows-not-restored": (
         "tl_kv_cache",
         lambda mp: mp.setattr(baselines, "_tl_put", _every_other(baselines._tl_put)),
@@ -135,7 +144,7 @@ def test_tl_baselines_on_tiny_gemma3_and_hf_ones_skipped_by_name(gemma3):
     assert r.engine_s > 0 and r.naive_s > 0 and r.engine_batch == 5
     assert [b.name for b in r.baselines] == ["tl_full_batched", "tl_kv_cache"]
     assert all(b.max_abs_logit_diff <= ATOL for b in r.baselines)
-    assert set(r.skipped) == {"nnsight_full_batched", "nnsight_hf_cache", "engine_nnsight"}
+    assert set(r.skipped) == {"nnsight_full_batched", "nnsight_hf_cache", "hf_cache", "engine_nnsight"}
     assert all("no Hugging Face counterpart" in why for why in r.skipped.values())
 
 
@@ -161,7 +170,12 @@ def test_cli_patch_sweep_writes_json(tmp_path, capsys):
         for b in r["baselines"]:
             assert set(b) == BASELINE_KEYS and b["max_abs_logit_diff"] <= ATOL
             assert b["batch_size"] in (4, 8) and b["min_s"] <= b["seconds"] <= b["max_s"]
-        assert sorted(r["skipped"]) == ["engine_nnsight", "nnsight_full_batched", "nnsight_hf_cache"]
+        assert sorted(r["skipped"]) == [
+            "engine_nnsight",
+            "hf_cache",
+            "nnsight_full_batched",
+            "nnsight_hf_cache",
+        ]
         assert r["floor_s"] > 0 and r["engine_over_floor"] > 0
     table = capsys.readouterr().out
     for way in ("engine", "naive", "floor", "engine / floor", *WAYS):
@@ -184,3 +198,19 @@ def test_a_report_written_before_the_baselines_still_loads():
     # exact: the value given, read back
     assert (r.engine_min_s, r.repeats, r.baselines, r.skipped) == (0.59, 1, [], {})
     assert (r.floor_s, r.floor_min_s, r.engine_over_floor) == (None, None, None)  # not measured then
+
+
+def test_hf_cache_runs_without_nnsight_and_the_nnsight_ways_say_why_not(hf_gemma3, monkeypatch):
+    """The plain transformers way needs only transformers: with nnsight not importable the
+    counterpart still loads, `hf_cache` runs (and agrees with the engine), and the ways through
+    nnsight are skipped naming the install."""
+    monkeypatch.setitem(sys.modules, "nnsight.modeling.transformers", None)  # import fails
+    twin = hf_twin(hf_gemma3)
+    assert twin.hf is not None and twin.lm is None
+    assert unavailable(WAYS["hf_cache"], hf_gemma3, twin) is None
+    assert "nnsight is not installed" in unavailable(WAYS["nnsight_hf_cache"], hf_gemma3, twin)
+    r = patch_sweep(
+        hf_gemma3, 80, n_slots=8, batch_size=4, repeats=1, baselines=("hf_cache",), twin=twin, progress=False
+    )
+    (b,) = r.baselines
+    assert b.name == "hf_cache" and b.max_abs_logit_diff <= ATOL
