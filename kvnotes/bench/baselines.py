@@ -268,27 +268,14 @@ def _hf_put(cache, rows: Tensor, at: Tensor, source) -> None:
         layer.values[rows[keep], :, j] = s.values[0].transpose(0, 1)[j]
 
 
-@torch.no_grad()
-def nnsight_hf_cache(pair: PatchPair) -> PatchFn:
-    """Hugging Face's own cache, used as a skilled user would: each prompt's prefix prefilled once
-    by the Hugging Face model into a `DynamicCache(config=...)`; the destination's cache repeated
-    to the batch once per batch size (not per batch), with its past recorded; per batch 1) row i's
-    slot overwritten in place with the source's entry, 2) only the decision tokens run, traced by
-    nnsight with `cache=` (transformers 5.24's name; `past_key_values=` is deprecated) and an
-    attention mask over the cache and the tokens (without one, nnsight supplies a mask of the
-    tokens alone whenever the cache is not passed as `past_key_values`, and the logits come out
-    wrong), 3) what they appended rolled back with the cache's own `crop`, 4) the rows restored.
-
-    A sliding-window layer keeps only its last `sliding_window - 1` positions, and once it holds
-    that many, `crop` raises unless the cache records its past (`activate_past_recording`: it then
-    keeps the appended tokens until the crop, and the crop slices back the same window). A slot
-    before the window is not patched there: no decision token can attend to it in that layer, so
-    the patch has no effect in it. The cache holds keys *after* RoPE, which the slot keeps (same
-    position)."""
+def _hf_caches(pair: PatchPair):
+    """What both Hugging Face cache ways build once: each prompt's prefix prefilled into a
+    `DynamicCache(config=...)` (source, destination), the decision tokens, and `repeated(b)`: the
+    destination's cache repeated to batch `b` with its past recorded, made once per batch size."""
     from transformers import DynamicCache
 
-    lm, hf, stop = pair.lm, pair.hf, pair.stop
-    n_dec = len(pair.dst_ids) - stop
+    hf, stop = pair.hf, pair.stop
+    assert hf is not None  # both ways run only with the counterpart (`unavailable`)
 
     def prefill(ids: Sequence[int]) -> DynamicCache:
         cache = DynamicCache(config=hf.config)
@@ -306,6 +293,30 @@ def nnsight_hf_cache(pair: PatchPair) -> PatchFn:
             cache.activate_past_recording()
             caches[b] = cache
         return caches[b]
+
+    return src, dst, decision, repeated
+
+
+@torch.no_grad()
+def nnsight_hf_cache(pair: PatchPair) -> PatchFn:
+    """Hugging Face's own cache, used as a skilled user would: each prompt's prefix prefilled once
+    by the Hugging Face model into a `DynamicCache(config=...)`; the destination's cache repeated
+    to the batch once per batch size (not per batch), with its past recorded; per batch 1) row i's
+    slot overwritten in place with the source's entry, 2) only the decision tokens run, traced by
+    nnsight with `cache=` (transformers 5.24's name; `past_key_values=` is deprecated) and an
+    attention mask over the cache and the tokens (without one, nnsight supplies a mask of the
+    tokens alone whenever the cache is not passed as `past_key_values`, and the logits come out
+    wrong), 3) what they appended rolled back with the cache's own `crop`, 4) the rows restored.
+
+    A sliding-window layer keeps only its last `sliding_window - 1` positions, and once it holds
+    that many, `crop` raises unless the cache records its past (`activate_past_recording`: it then
+    keeps the appended tokens until the crop, and the crop slices back the same window). A slot
+    before the window is not patched there: no decision token can attend to it in that layer, so
+    the patch has no effect in it. The cache holds keys *after* RoPE, which the slot keeps (same
+    position)."""
+    lm, hf, stop = pair.lm, pair.hf, pair.stop
+    src, dst, decision, repeated = _hf_caches(pair)
+    n_dec = decision.shape[1]
 
     def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
         rows, at = _rows_and_slots(slots)
@@ -332,29 +343,11 @@ def hf_cache(pair: PatchPair) -> PatchFn:
     slot overwritten, 2) the decision tokens run, 3) the cache cropped back, 4) the rows restored),
     with step 2 a direct call of the decoder (`hf.model`, no tracing) whose last hidden state, after
     the final norm, goes through the answer columns of the output head."""
-    from transformers import DynamicCache
-
     hf, stop = pair.hf, pair.stop
     if hf is None:
         raise BadArgument("hf_cache needs the model's Hugging Face counterpart (hf_twin)")
-    n_dec = len(pair.dst_ids) - stop
-
-    def prefill(ids: Sequence[int]) -> DynamicCache:
-        cache = DynamicCache(config=hf.config)
-        hf(torch.tensor([list(ids[:stop])]), cache=cache, use_cache=True, logits_to_keep=1)
-        return cache
-
-    src, dst = prefill(pair.src_ids), prefill(pair.dst_ids)
-    decision = torch.tensor([list(pair.dst_ids[stop:])])
-    caches: dict[int, DynamicCache] = {}  # batch size -> the destination's cache repeated to it
-
-    def repeated(b: int) -> DynamicCache:
-        if b not in caches:
-            cache = copy.deepcopy(dst)
-            cache.batch_repeat_interleave(b)
-            cache.activate_past_recording()
-            caches[b] = cache
-        return caches[b]
+    src, dst, decision, repeated = _hf_caches(pair)
+    n_dec = decision.shape[1]
 
     def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
         rows, at = _rows_and_slots(slots)
