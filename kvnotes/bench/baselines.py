@@ -314,24 +314,15 @@ def nnsight_hf_cache(pair: PatchPair) -> PatchFn:
     before the window is not patched there: no decision token can attend to it in that layer, so
     the patch has no effect in it. The cache holds keys *after* RoPE, which the slot keeps (same
     position)."""
-    lm, hf, stop = pair.lm, pair.hf, pair.stop
-    src, dst, decision, repeated = _hf_caches(pair)
-    n_dec = decision.shape[1]
+    lm = pair.lm
 
-    def run(slots: Sequence[int]) -> Float[Tensor, "n 2"]:
-        rows, at = _rows_and_slots(slots)
-        cache = repeated(len(slots))
-        _hf_put(cache, rows, at, src)  # 1) overwrite
-        tokens = decision.expand(len(slots), -1)
-        mask = torch.ones(len(slots), stop + n_dec, dtype=torch.long)  # cache + tokens
-        with lm.trace(tokens, attention_mask=mask, cache=cache) as tracer:  # 2) decision tokens
+    def last_hidden(tokens: Tensor, mask: Tensor, cache) -> Tensor:
+        with lm.trace(tokens, attention_mask=mask, cache=cache) as tracer:
             h = lm.model.norm.output[:, -1].save()
             tracer.stop()
-        cache.crop(-n_dec)  # 3) roll back what they appended
-        _hf_put(cache, rows, at, dst)  # 4) restore
-        return _hf_answer_logits(hf, h, pair.vocab)
+        return h
 
-    return run
+    return _hf_cache_way(pair, last_hidden)
 
 
 # --- Hugging Face alone ------------------------------------------------------------------------
@@ -343,9 +334,22 @@ def hf_cache(pair: PatchPair) -> PatchFn:
     slot overwritten, 2) the decision tokens run, 3) the cache cropped back, 4) the rows restored),
     with step 2 a direct call of the decoder (`hf.model`, no tracing) whose last hidden state, after
     the final norm, goes through the answer columns of the output head."""
-    hf, stop = pair.hf, pair.stop
+    hf = pair.hf
     if hf is None:
         raise BadArgument("hf_cache needs the model's Hugging Face counterpart (hf_twin)")
+
+    def last_hidden(tokens: Tensor, mask: Tensor, cache) -> Tensor:
+        return hf.model(tokens, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state[:, -1]
+
+    return _hf_cache_way(pair, last_hidden)
+
+
+def _hf_cache_way(pair: PatchPair, last_hidden: Callable[[Tensor, Tensor, Any], Tensor]) -> PatchFn:
+    """A Hugging Face cache way's batch: 1) each row's slot overwritten with the source's entry, 2)
+    `last_hidden(tokens, mask, cache)`: the decision tokens run against the cache (the mask covers
+    the cache and the tokens), the last position's final-norm state, 3) what they appended cropped,
+    4) the rows restored; the answer columns of the output head on that state."""
+    hf, stop = pair.hf, pair.stop
     src, dst, decision, repeated = _hf_caches(pair)
     n_dec = decision.shape[1]
 
@@ -355,10 +359,10 @@ def hf_cache(pair: PatchPair) -> PatchFn:
         _hf_put(cache, rows, at, src)  # 1) overwrite
         tokens = decision.expand(len(slots), -1)
         mask = torch.ones(len(slots), stop + n_dec, dtype=torch.long)  # cache + tokens
-        out = hf.model(tokens, attention_mask=mask, cache=cache, use_cache=True)  # 2) decision tokens
+        h = last_hidden(tokens, mask, cache)  # 2) the decision tokens only
         cache.crop(-n_dec)  # 3) roll back what they appended
         _hf_put(cache, rows, at, dst)  # 4) restore
-        return _hf_answer_logits(hf, out.last_hidden_state[:, -1], pair.vocab)
+        return _hf_answer_logits(hf, h, pair.vocab)
 
     return run
 
