@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from kvnotes.batches import fixed_batches, plan_batches, rows_per_forward, run_rows, sharing_enabled
 from kvnotes.engine import Capability, Hook, Readout, has, move_keys, run
+from kvnotes.engine.phases import phase
 from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
 from kvnotes.hooks import hook_name
 from kvnotes.models.model import KVModel
@@ -582,7 +583,8 @@ def decide_patched(
 
     def make(rows: list[int], base: bool) -> tuple[Sequence[Hook], Notebook]:
         chosen = [specs[i] for i in rows] + ([Patch(positions=())] if base else [])
-        return hooks, patched_slots(dst, src, chosen)
+        with phase("overlay"):
+            return hooks, patched_slots(dst, src, chosen)
 
     out = run_rows(
         model,

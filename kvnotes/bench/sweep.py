@@ -16,7 +16,7 @@ the same way, and engine / floor says how close the engine is to the work no way
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import ClassVar
 
@@ -41,6 +41,7 @@ from kvnotes.bench.common import both_backends
 from kvnotes.engine import hooked, lens_model, run
 from kvnotes.engine.memory import FRACTION, budget, mib, notebook_bytes, row_bytes
 from kvnotes.engine.nnsight.model import NNsightModel
+from kvnotes.engine.phases import PhaseReport, phases
 from kvnotes.engine.transformer_lens import final_logits
 from kvnotes.errors import BadOption
 from kvnotes.fixtures import POLICY, QUERY, STATE, filled_pair
@@ -93,6 +94,9 @@ class SweepResult:
     floor_min_s: float | None = None
     floor_max_s: float | None = None
     engine_over_floor: float | None = None
+    # with `profile`: one more sweep of the engine and of the floor under torch's profiler, their
+    # seconds by engine phase (`kvnotes.engine.phases.PhaseReport.to_dict`), keyed "engine", "floor"
+    profile: dict | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> SweepResult:
@@ -143,7 +147,25 @@ class SweepReport(BenchReport):
                     f"{f'({b.min_s:.3f}–{b.max_s:.3f})':<17}{b.ratio:>9.2f}{b.max_abs_logit_diff:>14.2e}"
                 )
             lines += [f"  {name:<22}skipped: {why}" for name, why in r.skipped.items()]
+            lines += _profile_lines(r)
         return "\n".join(lines)
+
+
+def _profile_lines(r: SweepResult) -> list[str]:
+    """Where the engine's and the floor's time goes, by phase (`--profile`), and the engine's time
+    over the floor's split by phase."""
+    if not r.profile:
+        return []
+    engine, floor = (PhaseReport.from_dict(r.profile[k]) for k in ("engine", "floor"))
+    lines = ["", "  one sweep each under torch's profiler (its overhead included), by engine phase:"]
+    lines += [engine.table("engine"), floor.table("floor")]
+    by = {p.name: p.seconds for p in floor.phases}
+    above = engine.wall - floor.wall
+    lines.append(f"  the engine over the floor: {above:.4f} s, by phase (engine − floor):")
+    for name, s, _, _ in engine.rows()[:-1]:
+        lines.append(f"    {name:<22}{s - by.get(name, 0.0):>+9.4f}")
+    lines.append(f"    {'(outside the phases)':<22}{engine.outside - floor.outside:>+9.4f}")
+    return lines
 
 
 def sweep_prompts(model: KVModel, n_tokens: int) -> tuple[Prompt, Prompt]:
@@ -357,6 +379,7 @@ def patch_sweep(
     baselines: Sequence[str] = tuple(WAYS),
     twin: HFTwin | None = None,
     nn: NNsightModel | None = None,
+    profile: bool = False,
     progress: bool = True,
 ) -> SweepResult:
     """Time the per-slot transplant sweep every way on a prompt of about `n_tokens` tokens.
@@ -366,7 +389,8 @@ def patch_sweep(
     (`kvnotes.bench.baselines.WAYS`). twin: `hf_twin(model)`'s result, to load the Hugging Face
     counterpart once for several lengths. nn: the same weights on the nnsight backend: its engine
     runs beside as `engine_nnsight`, on its own notebooks of the same prompts (the nnsight
-    baselines then trace its module).
+    baselines then trace its module). profile: also one sweep of the engine and of the floor under
+    torch's profiler, their seconds by engine phase (`kvnotes.engine.phases`).
 
     >>> from kvnotes import load_model
     >>> r = patch_sweep(load_model("tiny-gqa"), 40, n_slots=4, repeats=1, progress=False)
@@ -405,7 +429,13 @@ def patch_sweep(
         # 3) timed side by side; a given batch size is only warmed up
         candidates = (batch_size,) if batch_size else tuple(batch_sizes)
         timed, sizes = _timed_ways(model, s, runs, candidates, repeats, progress)
-    return _result(s, timed, sizes, skipped, repeats)
+        result = _result(s, timed, sizes, skipped, repeats)
+        if profile:  # 4) one more sweep of the engine and of the floor, by phase
+            floor, b = floor_run(model, s.nb_old, s.new, s.vocab), sizes["engine"]
+            reports = {"engine": runs["engine"], "floor": floor}
+            by_phase = {k: phases(partial(sweep, fn, s.slots, b)).to_dict() for k, fn in reports.items()}
+            result = replace(result, profile=by_phase)
+    return result
 
 
 DECISION_TOKENS = 16  # the sweep's decision tokens at most (the query after the field), for the estimate
@@ -467,6 +497,9 @@ class SweepConfig(Options):
     batch_sizes: tuple[int, ...] = option(
         BATCH_SIZES, "batch sizes each way's short probe picks from", least=1
     )
+    profile: bool = option(
+        False, "also break the engine's and the floor's time down by engine phase (torch's profiler)"
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -488,5 +521,6 @@ def _run_patch_sweep(ctx: Context, cfg: SweepConfig) -> SweepReport:
         repeats=cfg.repeats,
         baselines=cfg.baselines,
         batch_sizes=cfg.batch_sizes,
+        profile=cfg.profile,
         progress=ctx.progress,
     )

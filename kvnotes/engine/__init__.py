@@ -25,6 +25,7 @@ import torch
 
 from kvnotes.engine import profile
 from kvnotes.engine.backend import Backend, Capability
+from kvnotes.engine.phases import phase
 from kvnotes.engine.plan import (
     PREFILL_CHUNK,
     Hook,
@@ -128,17 +129,18 @@ def _compute(
     if resume is not None:
         require(model, Capability.RESUME, "a run that starts at a later block (`resume`)")
     # 1) plan: checked tokens [batch, pos] at positions [pos], the read-out positions and columns
-    plan = make_plan(
-        model,
-        notebook,
-        tokens,
-        positions,
-        write=write,
-        logits_at=logits_at,
-        vocab=vocab,
-        overlay=overlay,
-        resume=resume,
-    )
+    with phase("plan"):
+        plan = make_plan(
+            model,
+            notebook,
+            tokens,
+            positions,
+            write=write,
+            logits_at=logits_at,
+            vocab=vocab,
+            overlay=overlay,
+            resume=resume,
+        )
     if plan.tok.shape[1] == 0:  # nothing to compute: the notebook as it is, an empty readout
         empty = torch.zeros(notebook.batch, 0, plan.width, dtype=model.dtype, device=model.device)
         return notebook, Readout(logits=empty, positions=())
@@ -151,7 +153,8 @@ def _compute(
     # 3) write back: the fresh K/V replace the slots at their positions or are appended
     if not write:
         return notebook, out
-    return write_back(notebook, plan.tok, plan.pos, *fresh.every_layer()), out
+    with phase("write_back"):
+        return write_back(notebook, plan.tok, plan.pos, *fresh.every_layer()), out
 
 
 def _chunkable(model: KVModel, nb: Notebook, pos: Int[Tensor, " pos"]) -> bool:

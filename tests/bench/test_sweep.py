@@ -15,6 +15,7 @@ from kvnotes.bench import baselines
 from kvnotes.bench.baselines import WAYS, hf_twin, unavailable
 from kvnotes.bench.sweep import SweepReport, SweepResult, patch_sweep, sweep_prompts
 from kvnotes.cli import main
+from kvnotes.engine.phases import PhaseReport
 from kvnotes.models.model import HFSource
 from kvnotes.zoo import load_model
 from kvnotes.zoo.hf import tl_from_hf_model
@@ -40,6 +41,7 @@ RESULT_KEYS = {
     "floor_min_s",
     "floor_max_s",
     "engine_over_floor",
+    "profile",
 }
 BASELINE_KEYS = {"name", "seconds", "min_s", "max_s", "batch_size", "ratio", "max_abs_logit_diff"}
 
@@ -214,3 +216,16 @@ def test_hf_cache_runs_without_nnsight_and_the_nnsight_ways_say_why_not(hf_gemma
     )
     (b,) = r.baselines
     assert b.name == "hf_cache" and b.max_abs_logit_diff <= ATOL
+
+
+def test_cli_profile_breaks_the_engine_and_the_floor_down_by_phase(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    args = "bench patch-sweep --model tiny-llama --tokens 60 --slots 4 --repeats 1 --baselines tl_kv_cache"
+    assert main([*args.split(), "--profile", "--json", str(out)]) == 0
+    (r,) = SweepReport.from_dict(json.loads(out.read_text())).results
+    engine, floor = (PhaseReport.from_dict(r.profile[k]) for k in ("engine", "floor"))
+    assert {"overlay", "slots", "attention", "mlp", "readout"} <= {p.name for p in engine.phases}
+    assert "overlay" not in {p.name for p in floor.phases}  # the floor patches nothing
+    assert "by engine phase" in capsys.readouterr().out
+    assert main([*args.split(), "--json", str(out)]) == 0  # without --profile: none
+    assert json.loads(out.read_text())["results"][0]["profile"] is None

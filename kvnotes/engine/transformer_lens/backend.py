@@ -27,6 +27,7 @@ from kvnotes.engine import plan as planning
 from kvnotes.engine.backend import Capability
 from kvnotes.engine.float64 import float64_everywhere
 from kvnotes.engine.guard import allow
+from kvnotes.engine.phases import phase
 from kvnotes.engine.plan import Fresh, Hook, Plan, Resume, SlotKeys, saver, softcap, take_slots
 from kvnotes.engine.transformer_lens.model import TransformerLensModel, cast_hooked
 from kvnotes.errors import BadArgument, OutOfRange
@@ -67,7 +68,8 @@ class TransformerLensBackend:
             )
             # 2) unembed the read positions only: [batch, read, width]
             if plan.read:
-                logits = final_logits(model, resid[:, plan.read_idx], plan.cols)
+                with phase("readout"):
+                    logits = final_logits(model, resid[:, plan.read_idx], plan.cols)
             else:
                 logits = resid.new_zeros(plan.batch, 0, plan.width)
         return Fresh(keys=fresh_k, values=fresh_v, logits=logits, activations=captured)
@@ -170,9 +172,10 @@ def _forward(
     fresh_k: list[Tensor | None] = [None] * start
     fresh_v: list[Tensor | None] = [None] * start
     if resume is None:
-        resid = tl.hook_embed(tl.embed(tok.to(device)))  # [batch, pos, d_model]
-        if cfg.positional_embedding_type == "standard":  # learned positions, added at the input
-            resid = resid + tl.hook_pos_embed(position_embedding(tl, pos.to(device)))
+        with phase("embed"):
+            resid = tl.hook_embed(tl.embed(tok.to(device)))  # [batch, pos, d_model]
+            if cfg.positional_embedding_type == "standard":  # learned positions, added at the input
+                resid = resid + tl.hook_pos_embed(position_embedding(tl, pos.to(device)))
     else:
         resid = resume.resid.to(device).expand(tok.shape[0], -1, -1)
     for l in range(start, len(tl.blocks)):
@@ -182,23 +185,27 @@ def _forward(
         fast = planning.fast_attention_enabled() and not (
             _observed(attn.hook_attn_scores) or _observed(attn.hook_pattern)
         )
-        keys = keys_for(model.window(l), fast)
-        segments = [take_slots(nb.keys[l], nb.values[l], keys.take)]
+        with phase("keys"):
+            keys = keys_for(model.window(l), fast)
+        with phase("slots"):
+            segments = [take_slots(nb.keys[l], nb.values[l], keys.take)]
         if overlay is not None:
             segments.append((overlay.keys[l], overlay.values[l]))
         # 2) attention over [slots, overlay, computed]; k, v: [batch, n_kv_heads, pos, d_head]
-        resid = block.hook_resid_pre(resid)
-        attn_out, k, v = _attention(model, l, block.ln1(resid), segments, pos, keys, fast)
-        if cfg.use_normalization_before_and_after:
-            attn_out = block.ln1_post(attn_out)
-        attn_out = block.hook_attn_out(attn_out)
+        with phase("attention"):
+            resid = block.hook_resid_pre(resid)
+            attn_out, k, v = _attention(model, l, block.ln1(resid), segments, pos, keys, fast)
+            if cfg.use_normalization_before_and_after:
+                attn_out = block.ln1_post(attn_out)
+            attn_out = block.hook_attn_out(attn_out)
         # 3) the MLP, as TransformerLens's block runs it (none in an attention-only model)
-        if cfg.attn_only:
-            resid = block.hook_resid_post(resid + attn_out)
-        else:
-            resid_mid = block.hook_resid_mid(resid + attn_out)
-            mlp_in = block.hook_mlp_in(resid_mid.clone()) if cfg.use_hook_mlp_in else resid_mid
-            resid = block.hook_resid_post(resid_mid + block.apply_mlp(block.ln2(mlp_in)))
+        with phase("mlp"):
+            if cfg.attn_only:
+                resid = block.hook_resid_post(resid + attn_out)
+            else:
+                resid_mid = block.hook_resid_mid(resid + attn_out)
+                mlp_in = block.hook_mlp_in(resid_mid.clone()) if cfg.use_hook_mlp_in else resid_mid
+                resid = block.hook_resid_post(resid_mid + block.apply_mlp(block.ln2(mlp_in)))
         fresh_k.append(k)
         fresh_v.append(v)
     return fresh_k, fresh_v, resid
