@@ -275,7 +275,8 @@ def _hf_caches(pair: PatchPair):
     from transformers import DynamicCache
 
     hf, stop = pair.hf, pair.stop
-    assert hf is not None  # both ways run only with the counterpart (`unavailable`)
+    if hf is None:
+        raise BadArgument("the Hugging Face cache ways need the model's counterpart (hf_twin)")
 
     def prefill(ids: Sequence[int]) -> DynamicCache:
         cache = DynamicCache(config=hf.config)
@@ -335,8 +336,6 @@ def hf_cache(pair: PatchPair) -> PatchFn:
     with step 2 a direct call of the decoder (`hf.model`, no tracing) whose last hidden state, after
     the final norm, goes through the answer columns of the output head."""
     hf = pair.hf
-    if hf is None:
-        raise BadArgument("hf_cache needs the model's Hugging Face counterpart (hf_twin)")
 
     def last_hidden(tokens: Tensor, mask: Tensor, cache) -> Tensor:
         return hf.model(tokens, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state[:, -1]
@@ -407,18 +406,17 @@ def hf_twin(model: KVModel, *, need: bool = True, nnsight: bool = True) -> HFTwi
     the same class without the warning; it wraps the loaded module in a transformers pipeline."""
     if not need or model.hf_source is None:
         return HFTwin()
-    hf = model.hf_source.load()
+    hf = model.hf_source.load().eval()
     hf.set_attn_implementation("sdpa")
     if not hasattr(getattr(hf, "model", None), "layers"):
         return HFTwin(problem=f"{type(hf).__name__} keeps its decoder layers elsewhere than model.layers")
     if not nnsight:
-        return HFTwin(hf=hf.eval())
+        return HFTwin(hf=hf)
     try:
         from nnsight.modeling.transformers import TransformersModel
     except ImportError:
-        return HFTwin(hf=hf.eval(), problem=f"nnsight is not installed: {_INSTALL_NNSIGHT}")
-    lm = TransformersModel(hf.eval(), tokenizer=model.tokenizer, task="text-generation")
-    return HFTwin(hf=hf, lm=lm)
+        return HFTwin(hf=hf, problem=f"nnsight is not installed: {_INSTALL_NNSIGHT}")
+    return HFTwin(hf=hf, lm=TransformersModel(hf, tokenizer=model.tokenizer, task="text-generation"))
 
 
 def unavailable(way: Way, model: KVModel, twin: HFTwin) -> str | None:
