@@ -159,7 +159,7 @@ def add_analysis_commands(sub) -> None:
     from kvnotes import cli_spec
     from kvnotes.args import EFFECT, OUT_FILE, PAIRS, SEED, TASK
 
-    spec = cli_spec.load()  # prebuilt: refusing a value imports no torch, even on the first call
+    spec = cli_spec.load()  # read from the source: refusing a value imports no torch, even on the first call
     for command, entry in spec["commands"].items():
         group = entry["analyses"]
         if entry["level"] == "model":

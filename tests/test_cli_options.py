@@ -184,69 +184,63 @@ def _refuse(tmp_path: Path, setup: str = "") -> tuple[list[str], str]:
 
 
 def test_the_first_refusal_after_install_imports_no_torch(tmp_path):
-    """The parser is built from the shipped spec: refusing a value costs no torch import, even with an
-    empty kvnotes cache (a fresh install), and writes nothing to the cache."""
+    """The parser's spec is read from the analyses' source: refusing a value costs no torch import,
+    even with an empty kvnotes cache (a fresh install); what was read is kept for the next call."""
     (code, torch_imported, _), err = _refuse(tmp_path)
     assert (code, torch_imported) == ("2", "False"), err
     assert "argument --tokens: -5 is below 1" in err
-    assert not (tmp_path / "cache" / "cli").exists()
+    kept = list((tmp_path / "cache" / "cli").glob("spec-*.json"))
+    assert len(kept) == 1
+    from kvnotes import cli_spec
+
+    assert json.loads(kept[0].read_text()) == cli_spec.read()
 
 
-def test_a_stale_shipped_spec_is_not_used_and_the_built_one_is_cached(tmp_path):
-    """Where an analysis file changed since the spec was shipped, the spec is built from the registry
-    (torch imported) once, then read from the cache."""
-    stale = tmp_path / "stale.json"
-    from kvnotes.cli_spec import SHIPPED
-
-    data = json.loads(SHIPPED.read_text())
-    data["digest"] = data["code_digest"] = "0" * 64  # as if an analysis's code had been edited since
-    data["spec"]["commands"]["bench"]["analyses"] = []  # what a stale spec would wrongly say
-    stale.write_text(json.dumps(data))
-    setup = f"spec.SHIPPED = __import__('pathlib').Path({str(stale)!r})\n"
+def test_where_the_source_cannot_be_read_the_registry_builds_the_spec_once(tmp_path):
+    """A declaration the reader cannot evaluate (NotStatic) sends the first call to the registry
+    (torch imported); the spec it built is kept, so the next call reads it and imports no torch."""
+    setup = "def _planted():\n    raise spec.NotStatic('planted')\nspec.read = _planted\n"
     (code, torch_imported, _), err = _refuse(tmp_path, setup)
-    assert (code, torch_imported) == ("2", "True"), err  # built from the registry, not the stale file
+    assert (code, torch_imported) == ("2", "True"), err  # built from the registry
     assert "argument --tokens: -5 is below 1" in err
     (code, torch_imported, _), err = _refuse(tmp_path, setup)
     assert (code, torch_imported) == ("2", "False"), err  # then from the cache
     assert len(list((tmp_path / "cache" / "cli").glob("spec-*.json"))) == 1
 
 
-def test_the_shipped_spec_is_the_registry_s():
-    """kvnotes/cli_spec.json says what the registry says, and is keyed by the files it was read from."""
+def test_the_source_reads_as_the_registry_says():
+    """The parser's spec read from the source, no analysis imported, is the registry's own, option by
+    option: kind, default as shown, help, bounds, choices and limits, in the registry's order."""
     from kvnotes import cli_spec
+    from kvnotes.analysis.registry import LIMITS, analyses, sections
+    from kvnotes.analysis.registry import cli_spec as registry_spec
 
-    shipped, built = json.loads(cli_spec.SHIPPED.read_text()), cli_spec.build()
-    stale = "stale: run `python -m kvnotes.cli_spec` to rewrite kvnotes/cli_spec.json"
-    assert shipped["spec"] == built["spec"], stale
-    assert shipped["files"] == built["files"] and shipped["code_digest"] == built["code_digest"], stale
-    assert cli_spec.shipped() == built["spec"]
+    read = cli_spec.read()
+    assert read == json.loads(json.dumps(registry_spec()))
+    listed = {a["name"] for c in read["commands"].values() for a in c["analyses"]}
+    assert listed == {a.name for a in analyses().values() if sections()[a.section].command}
+    assert set(LIMITS) == set(cli_spec.LIMIT_KEYS)  # every limit an option may carry reaches the parser
 
 
-def test_a_comment_or_a_reflowed_line_keeps_the_shipped_spec_but_a_code_change_does_not(
-    tmp_path, monkeypatch
-):
-    """The shipped spec is keyed on the code it was read from: an edited comment or a call split over
-    lines changes the text digest, not the code digest; a changed help string changes both."""
+def test_a_reader_that_misreads_a_field_is_caught(monkeypatch):
+    """The comparison above can fail: a reader that drops the fields a config inherits, or reads every
+    annotation as a string, no longer says what the registry says."""
     from kvnotes import cli_spec
+    from kvnotes.analysis.registry import cli_spec as registry_spec
 
-    code = tmp_path / "analysis.py"
-    monkeypatch.setattr(cli_spec, "_place", lambda rel: code)
+    built = json.loads(json.dumps(registry_spec()))
+    own_only = cli_spec._Reader._class_fields
 
-    def digests(text: str) -> tuple[str, str]:
-        code.write_text(text)
-        return cli_spec.digest(["pkg/analysis.py"]), cli_spec.code_digest(["pkg/analysis.py"])
+    def no_bases(self, cls):
+        fields = own_only(self, cls)
+        own = {s.target.id for s in cls.node.body if isinstance(s, cli_spec.ast.AnnAssign)}
+        return fields and {k: f for k, f in fields.items() if k in own}
 
-    base = 'def _run(ctx, cfg):\n    """Count the flips."""\n    return option(8, "prompt pairs", least=1)\n'
-    commented = "# why eight\n" + base.replace("least=1)", "least=1)  # at least one")
-    reflowed = base.replace(
-        'option(8, "prompt pairs", least=1)', 'option(\n        8, "prompt pairs", least=1\n    )'
-    )
-    changed = base.replace("prompt pairs", "pairs of prompts")
-    text, tokens = digests(base)
-    for same in (commented, reflowed):
-        assert digests(same)[0] != text and digests(same)[1] == tokens
-    assert digests(changed)[1] != tokens
-    assert digests(base.replace("Count the flips", "Count flips"))[1] != tokens  # a run docstring is help
+    monkeypatch.setattr(cli_spec._Reader, "_class_fields", no_bases)
+    assert cli_spec.read() != built
+    monkeypatch.undo()
+    monkeypatch.setattr(cli_spec, "_kind", lambda reader, mod, node: ("str", "str"))
+    assert cli_spec.read() != built
 
 
 def test_each_analysis_command_takes_its_help_from_its_section():

@@ -58,9 +58,15 @@ def declaring(package: str) -> list[str]:
     """The modules of `package` (itself included) whose source declares an analysis, in name order;
     the package is imported (its `__init__` registers its sections), its modules are not."""
     pkg = importlib.import_module(package)
-    found = [(package, Path(pkg.__file__ or "."))]
-    found += _files(getattr(pkg, "__path__", []), package + ".")
-    return [name for name, path in found if _declares(path)]
+    found = declaring_files(package, Path(pkg.__file__ or "."), getattr(pkg, "__path__", []))
+    return [name for name, _ in found]
+
+
+def declaring_files(package: str, source: Path, paths: Iterable[str]) -> list[tuple[str, Path]]:
+    """(module name, source file) of each module that declares an analysis: `package` itself (its
+    source file `source`) and every module under `paths` (its search locations), in name order."""
+    found = [(package, source), *_files(paths, package + ".")]
+    return [(name, path) for name, path in found if _declares(path)]
 
 
 def _declares(path: Path) -> bool:

@@ -6,6 +6,7 @@ them away after."""
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -14,6 +15,7 @@ import pytest
 import dashboards
 import probes
 from dashboards.registry import PANELS, load_panels, panel_modules
+from kvnotes import cli_spec as source_spec
 from kvnotes.analysis import discovery
 from kvnotes.analysis.registry import _load_builtin, analyses, cli_spec, report_analyses, unregister
 
@@ -33,16 +35,21 @@ class DroppedFlips(TaskResult):
     threshold: float
 
 
+RULES = {"strict": ">", "loose": ">="}  # module constants the parser reads without importing this
+
+
 @dataclass(frozen=True)
 class DroppedFlipsConfig(PairOptions):
     threshold: float = option(0.0, "logit difference above which the first answer is chosen")
+    rule: str = option(tuple(RULES)[0], f"how a flip is counted, of {', '.join(RULES)}", choices=tuple(RULES))
 
 
 @analysis("dropped_flips", "probes", DroppedFlipsConfig, DroppedFlips, quick={"n": 2}, order=99)
 def run_dropped_flips(ctx: Context, cfg: DroppedFlipsConfig) -> DroppedFlips:
     """How often the changed field flips the decision."""
-    trials = shared_trials(ctx, cfg.n)
-    flips = [float((t.ld_old > cfg.threshold) != (t.ld_new > cfg.threshold)) for t in trials]
+    trials = shared_trials(ctx, cfg.n, template=cfg.template)
+    above = (lambda x: x > cfg.threshold) if cfg.rule == "strict" else (lambda x: x >= cfg.threshold)
+    flips = [float(above(t.ld_old) != above(t.ld_new)) for t in trials]
     return DroppedFlips.of(
         name="dropped_flips", headline="flips", threshold=cfg.threshold, parts={"flips": Estimate.of(flips)}
     )
@@ -100,6 +107,10 @@ def test_a_dropped_in_module_is_found_listed_run_and_drawn(dropped_in):
     assert "dropped_flips" in analyses() and "dropped_flips" in report_analyses()
     listed = {a["name"]: a for a in cli_spec()["commands"]["probe"]["analyses"]}
     assert listed["dropped_flips"]["help"] == "how often the changed field flips the decision"
+    # the parser reads it from the source as the registry has it: nothing regenerated, no import
+    assert source_spec.read() == json.loads(json.dumps(cli_spec()))
+    options = {o["name"]: o for o in listed["dropped_flips"]["options"]}
+    assert options["rule"]["choices"] == ["strict", "loose"] and options["rule"]["shown"] == "strict"
     assert "dashboards.dropped_flips_panels" in panel_modules()
 
     report = run_section(
@@ -128,3 +139,40 @@ def test_the_built_in_packages_are_walked_and_a_third_party_one_needs_one_entry_
 
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [EntryPoint()])
     assert discovery.packages() == [*builtin, "my_analyses"]
+
+
+NOT_CONSTANT = '''
+from dataclasses import dataclass
+
+from kvnotes.analysis.registry import Options, analysis, option
+from kvnotes.analysis.results import TaskResult
+
+
+def pairs() -> int:
+    return 8
+
+
+@dataclass(frozen=True)
+class ComputedConfig(Options):
+    n: int = option(pairs(), "prompt pairs")
+
+
+@analysis("computed", "probes", ComputedConfig, TaskResult)
+def _run_computed(ctx, cfg):
+    """A default computed by a call."""
+'''
+
+
+def test_a_default_computed_by_a_call_is_named_where_it_is(tmp_path):
+    """The source reader refuses what it cannot evaluate, naming the file and line, so the parser
+    builds the spec from the registry instead (`kvnotes.cli_spec.load`)."""
+    code = tmp_path / "probes"
+    code.mkdir()
+    (code / "computed.py").write_text(NOT_CONSTANT)
+    probes.__path__.append(str(code))
+    try:
+        with pytest.raises(source_spec.NotStatic, match=r"computed\.py:14: `pairs\(\)`"):
+            source_spec.read()
+    finally:
+        probes.__path__.remove(str(code))
+    assert "computed" not in {a["name"] for a in source_spec.read()["commands"]["probe"]["analyses"]}
