@@ -202,7 +202,7 @@ class ACDCBenchConfig(Options):
         (0.03,), "ACDC's thresholds, in units of the pair's effect (one timed run each)", least=1e-6
     )
     repeats: int = option(3, "timed ACDC runs of each way (the median is kept)", least=1)
-    tl_rows: int = option(ROWS, "the TransformerLens way's candidates a forward", least=1)
+    tl_rows: int = option(ROWS, "the TransformerLens way's candidates a forward", least=1, arg="rows")
     limit: int = option(
         0, "stop each ACDC run after this many forwards, both ways (0: run it whole)", least=0
     )
@@ -220,16 +220,7 @@ class ACDCBenchConfig(Options):
 )
 def _run_acdc_bench(ctx: Context, cfg: ACDCBenchConfig) -> ACDCBenchReport:
     """ACDC through the notebook and through plain TransformerLens hooks: time, ratio, same decisions."""
-    return acdc_bench(
-        ctx.model,
-        cfg.task,
-        cfg.n,
-        taus=cfg.taus,
-        repeats=cfg.repeats,
-        rows=cfg.tl_rows,
-        limit=cfg.limit,
-        **ctx.common,
-    )
+    return cfg.call(acdc_bench, ctx.model, **ctx.common)
 
 
 __all__ = ["ACDCBenchReport", "ACDCWayPoint", "acdc_bench"]

@@ -298,6 +298,4 @@ class AttributionConfig(PairOptions):
 @analysis("attribution", "circuits", AttributionConfig, AttributionPatching, quick={"n": 6}, order=4)
 def _run_attribution(ctx: Context, cfg: AttributionConfig) -> AttributionPatching:
     """Attribution patching (one backward pass) against activation patching."""
-    return attribution(
-        shared_trials(ctx, cfg.n, template=cfg.template), top=cfg.top, min_effect=ctx.min_effect
-    )
+    return cfg.call(attribution, cfg.call(shared_trials, ctx), min_effect=ctx.min_effect)

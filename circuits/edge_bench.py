@@ -372,15 +372,17 @@ class _Tally:
 class EdgeBenchConfig(Options):
     task: str = option("order-cancel", "the task whose pairs are scored (a name or task file)")
     n: int = option(4, "prompt pairs", least=0, skips=True)
-    ig_steps: int = option(8, "EAP-IG steps", least=1)
+    ig_steps: int = option(8, "EAP-IG steps", least=1, arg="steps")
     exact_edges: int = option(
-        256, "edges patched exactly per pair when the graph is too large for all", least=1
+        256, "edges patched exactly per pair when the graph is too large for all", least=1, arg="exact"
     )
-    exhaustive_edges: int = option(4096, "graphs with at most this many edges are patched in full", least=0)
-    recall_k: int = option(20, "k of recall@k; AtP* verifies its top 2k", least=1)
+    exhaustive_edges: int = option(
+        4096, "graphs with at most this many edges are patched in full", least=0, arg="exhaustive"
+    )
+    recall_k: int = option(20, "k of recall@k; AtP* verifies its top 2k", least=1, arg="top")
     repeats: int = option(3, "timings of each method per pair (the median is kept)", least=1)
     bound_levels: int = option(
-        5, "the false-negative bound's partitions: 2, 4, ... 2**levels blocks", least=1
+        5, "the false-negative bound's partitions: 2, 4, ... 2**levels blocks", least=1, arg="levels"
     )
     auto_circuit_python: str = option(
         "", "a Python with auto-circuit (`kvnotes auto-circuit-env DIR`): its EAP and IG beside ours"
@@ -401,20 +403,7 @@ def _run_edge_bench(ctx: Context, cfg: EdgeBenchConfig) -> EdgeBenchReport | Non
     """EAP, EAP-IG, AtP* and AtP*+GradDrop against exhaustive edge patching: time, rho, recall, bound."""
     if not cfg.n:
         return None
-    return edge_bench(
-        ctx.model,
-        cfg.task,
-        cfg.n,
-        steps=cfg.ig_steps,
-        exact=cfg.exact_edges,
-        exhaustive=cfg.exhaustive_edges,
-        top=cfg.recall_k,
-        repeats=cfg.repeats,
-        levels=cfg.bound_levels,
-        peer_python=cfg.auto_circuit_python or None,
-        seed=ctx.seed,
-        progress=ctx.progress,
-    )
+    return cfg.call(edge_bench, ctx.model, peer_python=cfg.auto_circuit_python or None, **ctx.common)
 
 
 __all__ = ["BENCH_METHODS", "EdgeBenchReport", "EdgeMethodPoint", "edge_bench"]

@@ -433,22 +433,27 @@ def _group_tokens(patcher: EdgePatcher) -> dict[str, list[str]]:
 @dataclass(frozen=True)
 class EdgesConfig(PairOptions):
     ig_steps: int = option(
-        0, "EAP-IG steps (0: the fewest of 2-32 whose scores doubling moves < 0.01)", least=0
+        0, "EAP-IG steps (0: the fewest of 2-32 whose scores doubling moves < 0.01)", least=0, arg="steps"
     )
-    edge_method: str = option("eap-ig", "the edge scores circuits are chosen by", choices=tuple(KEYS))
+    edge_method: str = option(
+        "eap-ig", "the edge scores circuits are chosen by", choices=tuple(KEYS), arg="method"
+    )
     methods: str = option(
         "",
         "more edge methods scored per pair beside EAP, EAP-IG and AtP* (comma-separated): eap-ig-act, "
         "acdc, pruning, ensemble (EAP-IG's and pruning's ranks), eap-ig+acdc",
     )
     exact_edges: int = option(
-        512, "edges patched exactly per pair when the graph is too large for all", least=1
+        512, "edges patched exactly per pair when the graph is too large for all", least=1, arg="exact"
     )
     exhaustive_edges: int = option(
-        EXHAUSTIVE, "graphs with at most this many edges are patched edge by edge in full", least=0
+        EXHAUSTIVE,
+        "graphs with at most this many edges are patched edge by edge in full",
+        least=0,
+        arg="exhaustive",
     )
-    recall_k: int = option(20, "k of recall@k against exact edge patching", least=1)
-    circuit_draws: int = option(4, "matched random circuits per circuit size", least=1)
+    recall_k: int = option(20, "k of recall@k against exact edge patching", least=1, arg="top")
+    circuit_draws: int = option(4, "matched random circuits per circuit size", least=1, arg="draws")
 
     def __post_init__(self):
         super().__post_init__()
@@ -478,15 +483,5 @@ class EdgesConfig(PairOptions):
 def _run_edges(ctx: Context, cfg: EdgesConfig) -> EdgeCircuits:
     """Edge-level circuits over the notebook: EAP-IG and AtP* against exact edge patching, faithfulness."""
     edge_graph(ctx.model)  # a model the graph cannot describe is refused before the prefills
-    return analyse_edges(
-        shared_trials(ctx, cfg.n, template=cfg.template),
-        steps=cfg.ig_steps,
-        method=cfg.edge_method,
-        exact=cfg.exact_edges,
-        exhaustive=cfg.exhaustive_edges,
-        top=cfg.recall_k,
-        draws=cfg.circuit_draws,
-        seed=ctx.seed,
-        min_effect=ctx.min_effect,
-        extra=cfg.extra,
-    )
+    trials = cfg.call(shared_trials, ctx)
+    return cfg.call(analyse_edges, trials, seed=ctx.seed, min_effect=ctx.min_effect, extra=cfg.extra)

@@ -553,12 +553,14 @@ class SAEOptions(PairOptions):
         "token, or auto (the notes if their residual carries the decision, else the "
         "decision; docs/circuits.md)",
         choices=("auto", "notes", "decision"),
+        arg="site",
     )
     sae_layer: int | None = option(
         None,
         "residual layer of a trained SAE (default: located by a whole-residual scan)",
         least=0,
         layer=True,
+        arg="layer",
     )
     sae: str | None = option(
         None,
@@ -567,9 +569,11 @@ class SAEOptions(PairOptions):
         metavar="DIR_OR_RELEASE",
     )
     sae_id: str | None = option(None, "with a pretrained release: the SAE's id in it")
-    sae_train_pairs: int = option(96, "fresh pairs the SAE is trained on", least=1)
-    sae_eval_pairs: int = option(32, "fresh pairs features are decoded on", least=1)
-    sae_samples: int = option(60_000, "activations the SAE's trainer sees in all", least=1)
+    sae_train_pairs: int = option(96, "fresh pairs the SAE is trained on", least=1, arg="n_train_pairs")
+    sae_eval_pairs: int = option(32, "fresh pairs features are decoded on", least=1, arg="n_eval_pairs")
+    sae_samples: int = option(
+        60_000, "activations the SAE's trainer sees in all", least=1, arg="training_samples"
+    )
 
 
 @analysis(
@@ -583,19 +587,12 @@ class SAEOptions(PairOptions):
 )
 def _run_sae(ctx: Context, cfg: SAEOptions) -> SAEFeatures:
     """SAE features: which decode the conclusion, which carry it."""
-    sae_cfg = ctx.memo.get("sae_config") or SAEConfig(
-        site=cfg.sae_site,
-        layer=cfg.sae_layer,
-        seed=ctx.seed,
-        n_train_pairs=cfg.sae_train_pairs,
-        n_eval_pairs=cfg.sae_eval_pairs,
-        training_samples=cfg.sae_samples,
-    )
+    sae_cfg = ctx.memo.get("sae_config") or cfg.call(SAEConfig, seed=ctx.seed)
     sae = ctx.memo.get("sae")
     if sae is None and cfg.sae:
         sae = load_sae(cfg.sae, cfg.sae_id, model=ctx.model)
     return sae_analysis(
-        shared_trials(ctx, cfg.n, template=cfg.template),
+        cfg.call(shared_trials, ctx),
         ctx.task,
         cfg=sae_cfg,
         sae=sae,

@@ -559,7 +559,7 @@ class GroundTruthConfig(Options):
         "default: every shipped one",
     )
     n: int = option(8, "pairs a program", least=0, skips=True)
-    ig_steps: int = option(8, "EAP-IG steps", least=1)
+    ig_steps: int = option(8, "EAP-IG steps", least=1, arg="steps")
     methods: str = option(
         "", f"comma-separated methods, of {', '.join(GROUND_TRUTH_METHODS)}; default: every one"
     )
@@ -585,9 +585,7 @@ def _run_ground_truth(ctx: Context, cfg: GroundTruthConfig) -> GroundTruthReport
     if not cfg.n:
         return None
     names = [p.strip() for p in cfg.programs.split(",") if p.strip()] or None
-    return ground_truth_bench(
-        names, n=cfg.n, steps=cfg.ig_steps, seed=ctx.seed, methods=cfg.method_list, progress=ctx.progress
-    )
+    return cfg.call(ground_truth_bench, names, methods=cfg.method_list, **ctx.common)
 
 
 __all__ = [

@@ -320,13 +320,11 @@ def _run_prompt_attribution(ctx: Context, cfg: PromptAttributionConfig) -> Promp
             f"give exactly two answers, the decision's two outcomes; got {list(cfg.answers)}"
         )
     first, second = cfg.answers
-    return attribute_prompt(
+    return cfg.call(
+        attribute_prompt,
         ctx.model,
         cfg.prompt,
         (first, second),
-        counterfactual=cfg.counterfactual,
-        top=cfg.top,
-        steps=cfg.steps,
         min_effect=ctx.min_effect,
         progress=ctx.progress,
     )

@@ -306,20 +306,10 @@ class HeadsConfig(PairOptions):
 WriteHeadsConfig = replace_default(HeadsConfig, draws=16)
 
 
-def _heads(side, ctx: Context, cfg: HeadsConfig) -> HeadCircuit:
-    return side(
-        shared_trials(ctx, cfg.n, template=cfg.template),
-        k_max=cfg.k_max,
-        draws=cfg.draws,
-        seed=ctx.seed,
-        min_effect=ctx.min_effect,
-    )
-
-
 @analysis("read_heads", "circuits", HeadsConfig, ReadHeads, quick={"n": 6, "k_max": 8, "draws": 16}, order=1)
 def _run_read_heads(ctx: Context, cfg: HeadsConfig) -> ReadHeads:
     """The heads that read the conclusion at the decision, and the paths they read it through."""
-    return _heads(read_heads, ctx, cfg)
+    return cfg.call(read_heads, cfg.call(shared_trials, ctx), seed=ctx.seed, min_effect=ctx.min_effect)
 
 
 @analysis(
@@ -327,4 +317,4 @@ def _run_read_heads(ctx: Context, cfg: HeadsConfig) -> ReadHeads:
 )
 def _run_write_heads(ctx: Context, cfg: HeadsConfig) -> WriteHeads:
     """The heads that write the conclusion onto the note slots."""
-    return _heads(write_heads, ctx, cfg)
+    return cfg.call(write_heads, cfg.call(shared_trials, ctx), seed=ctx.seed, min_effect=ctx.min_effect)

@@ -354,7 +354,7 @@ def _run_scrubbing(ctx: Context, cfg: ScrubbingConfig) -> Scrubbing:
     ranking = ctx.results["read_heads"].tables.get("ranking", [])
     heads = [(r["layer"], r["head"]) for r in ranking[: cfg.k_max]]
     return scrubbing(
-        shared_trials(ctx, cfg.n, template=cfg.template),
+        cfg.call(shared_trials, ctx),
         ctx.task,
         heads,
         seed=ctx.seed,

@@ -125,7 +125,7 @@ def most_turns(model: KVModel, task: Task, pairs, erratum: str = ERRATUM) -> int
 
 @dataclass(frozen=True)
 class AgentConfig(Options):
-    prompts: int = option(2, "agent-loop prompts", least=1)
+    prompts: int = option(2, "agent-loop prompts", least=1, arg="n")
     turns: int = option(
         28,
         "turns of field toggles, each an erratum (0 to skip; default: 28, or as many as fit)",
@@ -152,4 +152,4 @@ def _run_agent_loop(ctx: Context, cfg: AgentConfig) -> AgentLoop | None:
         turns = min(turns, most_turns(ctx.model, task, sample(task, ctx.model, cfg.prompts, seed=ctx.seed)))
     if not turns:
         return None
-    return agent_loop(ctx.model, ctx.task, n=cfg.prompts, turns=turns, seam=cfg.seam, **ctx.common)
+    return cfg.call(agent_loop, ctx.model, ctx.task, turns=turns, **ctx.common)

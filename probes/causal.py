@@ -296,7 +296,7 @@ class NoteMapConfig(PairOptions):
 
 
 def _trials(ctx: Context, cfg: PairOptions) -> list[Trial]:
-    return shared_trials(ctx, cfg.n, template=cfg.template)
+    return cfg.call(shared_trials, ctx)
 
 
 @analysis("field_refresh", "probes", PairOptions, FieldRefresh, quick={"n": 6}, order=1)
@@ -314,4 +314,4 @@ def _run_notes_transplant(ctx: Context, cfg: PairOptions) -> NotesTransplant:
 @analysis("note_map", "probes", NoteMapConfig, NoteMap, quick={"n": 6}, order=3)
 def _run_note_map(ctx: Context, cfg: NoteMapConfig) -> NoteMap:
     """Single-slot and per-layer transplants over the prompt."""
-    return note_map(_trials(ctx, cfg), min_effect=ctx.min_effect, layer_window=cfg.layer_window)
+    return cfg.call(note_map, _trials(ctx, cfg), min_effect=ctx.min_effect)

@@ -154,4 +154,4 @@ register_section(
 )
 def _run_seam_repair(ctx: Context, cfg: SeamConfig) -> SeamRepair:
     """Splice a precompiled chunk after a host context, repair the seam, compare to prefill."""
-    return seam_repair(ctx.model, ctx.task, n=cfg.n, seams=cfg.seams, offsets=cfg.offsets, **ctx.common)
+    return cfg.call(seam_repair, ctx.model, ctx.task, **ctx.common)

@@ -508,21 +508,13 @@ def _run_dissociation(ctx: Context, cfg: PairOptions) -> Dissociation:
             parts={"notes": Estimate.of([])},
             not_applicable=f"task {ctx.task.name!r} has no [rule] to flip",
         )
-    return dissociation(
-        shared_trials(ctx, cfg.n, kind=RULE, template=cfg.template), min_effect=ctx.min_effect
-    )
+    return dissociation(cfg.call(shared_trials, ctx, kind=RULE), min_effect=ctx.min_effect)
 
 
 @analysis("knockout", "probes", KnockoutConfig, Knockout, quick={"n": 6}, order=4)
 def _run_knockout(ctx: Context, cfg: KnockoutConfig) -> Knockout:
     """Block the decision's attention to the top note slots (vs random slots)."""
-    return knockout(
-        shared_trials(ctx, cfg.n, template=cfg.template),
-        k=cfg.k,
-        draws=cfg.draws,
-        seed=ctx.seed,
-        min_effect=ctx.min_effect,
-    )
+    return cfg.call(knockout, cfg.call(shared_trials, ctx), seed=ctx.seed, min_effect=ctx.min_effect)
 
 
 @analysis(
@@ -536,6 +528,5 @@ def _run_knockout(ctx: Context, cfg: KnockoutConfig) -> Knockout:
 )
 def _run_false_note_injection(ctx: Context, cfg: InjectConfig) -> FalseNoteInjection:
     """Write the opposite conclusion into the top-k notes (vs k random slots)."""
-    return false_note_injection(
-        shared_trials(ctx, cfg.n, template=cfg.template), ks=cfg.ks, seed=ctx.seed, min_effect=ctx.min_effect
-    )
+    trials = cfg.call(shared_trials, ctx)
+    return cfg.call(false_note_injection, trials, seed=ctx.seed, min_effect=ctx.min_effect)

@@ -105,7 +105,7 @@ def cot_refresh(
 
 @dataclass(frozen=True)
 class CotConfig(PairOptions):
-    cot_tokens: int = option(48, "longest reasoning chain (tokens)", least=1, tokens=True)
+    cot_tokens: int = option(48, "longest reasoning chain (tokens)", least=1, tokens=True, arg="max_tokens")
 
 
 @analysis(
@@ -121,6 +121,4 @@ class CotConfig(PairOptions):
 )
 def _run_cot_refresh(ctx: Context, cfg: CotConfig) -> CotRefresh:
     """Decode a greedy reasoning chain from the refreshed and a clean cache."""
-    return cot_refresh(
-        shared_trials(ctx, cfg.n, template=cfg.template), max_tokens=cfg.cot_tokens, min_effect=ctx.min_effect
-    )
+    return cfg.call(cot_refresh, cfg.call(shared_trials, ctx), min_effect=ctx.min_effect)

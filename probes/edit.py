@@ -165,4 +165,4 @@ register_section(
 @analysis("edit_methods", "edit", EditConfig, EditMethods, quick={"n": 6}, order=1, requires=(Need.RULE,))
 def _run_edit_methods(ctx: Context, cfg: EditConfig) -> EditMethods:
     """One changed field: every editing method against full recompute."""
-    return edit_methods(shared_trials(ctx, cfg.n, template=cfg.template), erratum=cfg.erratum)
+    return cfg.call(edit_methods, cfg.call(shared_trials, ctx))

@@ -203,7 +203,7 @@ def _farthest(parts: dict[str, Estimate], names: Sequence[str], prefix: str) -> 
 
 @dataclass(frozen=True)
 class KeystoneConfig(Options):
-    keystone_pairs: int = option(32, "keystone: pairs (the task's wordings in turn)", least=1)
+    keystone_pairs: int = option(32, "keystone: pairs (the task's wordings in turn)", least=1, arg="n")
     host: int = option(32, "keystone: host tokens before the composed skill", least=1, tokens=True)
     seam: int = option(8, "skill tokens recomputed in context at the seam", least=0)
     budgets: tuple[int, ...] = option(BUDGETS, "keystone: the selective methods' K", least=1)
@@ -222,14 +222,4 @@ class KeystoneConfig(Options):
 )
 def _run_keystone(ctx: Context, cfg: KeystoneConfig) -> Keystone:
     """Every editing method on a composed cache against a recomputed one, and without re-rotation."""
-    return keystone(
-        ctx.model,
-        ctx.task,
-        n=cfg.keystone_pairs,
-        host=cfg.host,
-        seam=cfg.seam,
-        budgets=cfg.budgets,
-        min_effect=ctx.min_effect,
-        seed=ctx.seed,
-        progress=ctx.progress,
-    )
+    return cfg.call(keystone, ctx.model, ctx.task, min_effect=ctx.min_effect, **ctx.common)

@@ -87,7 +87,7 @@ def memory_blocks(
 
 @dataclass(frozen=True)
 class MemoryConfig(Options):
-    questions: int = option(8, "memory-blocks questions", least=1)
+    questions: int = option(8, "memory-blocks questions", least=1, arg="n")
     people: int = option(4, "people per memory (each with an order number and a status)", least=1)
     seam: int = option(2, "block tokens recomputed in context at each seam", least=0)
 
@@ -103,4 +103,4 @@ class MemoryConfig(Options):
 )
 def _run_memory_blocks(ctx: Context, cfg: MemoryConfig) -> MemoryBlocks:
     """Two-hop questions over facts precompiled together vs in separate blocks."""
-    return memory_blocks(ctx.model, n=cfg.questions, people=cfg.people, seam=cfg.seam, **ctx.common)
+    return cfg.call(memory_blocks, ctx.model, **ctx.common)

@@ -308,10 +308,10 @@ class PlacementConfig(Options):
         tokens=True,
         fitted=True,  # left at a preset, fitted by `fit_preset` to the room the conversation leaves
     )
-    episodes: int = option(8, "memory-placement: episodes (memories) per size", least=2)
+    episodes: int = option(8, "memory-placement: episodes (memories) per size", least=2, arg="n")
     facts: int = option(len(ATTRIBUTES), "memory-placement: facts per memory", least=2, most=len(ATTRIBUTES))
     placement_seam: int = option(
-        8, "memory-placement: memory tokens recomputed in context at the seam", least=0
+        8, "memory-placement: memory tokens recomputed in context at the seam", least=0, arg="seam"
     )
     margin: float = option(
         MARGIN, "memory-placement: TOST equivalence margin (accuracy)", least=1e-6, most=1.0
@@ -332,13 +332,11 @@ def _run_memory_placement(ctx: Context, cfg: PlacementConfig) -> MemoryPlacement
     sizes, facts, skipped = tuple(cfg.memory_sizes), cfg.facts, ()
     if sizes in (SIZES, QUICK_SIZES):  # a preset's sizes are fitted to the model; sizes given are checked
         sizes, facts, skipped = fit_preset(ctx.model, sizes, facts)
-    return memory_placement(
+    return cfg.call(
+        memory_placement,
         ctx.model,
         sizes=sizes,
-        n=cfg.episodes,
         facts=facts,
-        seam=cfg.placement_seam,
-        margin=cfg.margin,
         min_effect=ctx.min_effect,
         skipped=skipped,
         **ctx.common,

@@ -134,12 +134,4 @@ class RegimeConfig(PairOptions):
 )
 def _run_regime(ctx: Context, cfg: RegimeConfig) -> Regime:
     """Field-only refresh vs notes transplant as filler moves the field away from the decision."""
-    return regime(
-        ctx.model,
-        ctx.task,
-        n=cfg.n,
-        distances=cfg.distances,
-        min_effect=ctx.min_effect,
-        template=cfg.template,
-        **ctx.common,
-    )
+    return cfg.call(regime, ctx.model, ctx.task, min_effect=ctx.min_effect, **ctx.common)

@@ -378,22 +378,19 @@ def _run_weight_edit(ctx: Context, cfg: WeightConfig) -> WeightEdit:
     other = ctx.shared(
         ("drift_trials", cfg.n), lambda: drift_trials(ctx.model, ctx.task, cfg.n, seed=ctx.seed)
     )
-    return weight_edit(
-        shared_trials(ctx, cfg.n, template=cfg.template),
-        layer=cfg.layer,
-        other_trials=other,
-        erratum=cfg.erratum,
-        min_effect=ctx.min_effect,
-    )
+    return cfg.call(weight_edit, cfg.call(shared_trials, ctx), other_trials=other, min_effect=ctx.min_effect)
 
 
 @dataclass(frozen=True)
 class RomeConfig(WeightConfig):
     cov_prompts: int = option(
-        COV_PROMPTS, "prompts of the task whose every token gives ROME's key covariance", least=2
+        COV_PROMPTS,
+        "prompts of the task whose every token gives ROME's key covariance",
+        least=2,
+        arg="prompts",
     )
     cov_ridge: float = option(
-        RIDGE, "ridge added to ROME's key covariance, as a fraction of trace(C)/d_mlp", least=0.0
+        RIDGE, "ridge added to ROME's key covariance, as a fraction of trace(C)/d_mlp", least=0.0, arg="ridge"
     )
 
 
@@ -413,19 +410,17 @@ def _run_weight_edit_rome(ctx: Context, cfg: RomeConfig) -> WeightEdit:
     layer = check_layer(ctx.model, cfg.layer)
     cov = ctx.shared(
         ("rome_covariance", layer, cfg.cov_prompts, cfg.cov_ridge),
-        lambda: key_covariance(
-            ctx.model, ctx.task, layer, prompts=cfg.cov_prompts, seed=ctx.seed + COV_SEED, ridge=cfg.cov_ridge
-        ),
+        lambda: cfg.call(key_covariance, ctx.model, ctx.task, layer, seed=ctx.seed + COV_SEED),
     )
     other = ctx.shared(
         ("drift_trials", cfg.n), lambda: drift_trials(ctx.model, ctx.task, cfg.n, seed=ctx.seed)
     )
-    return weight_edit(
-        shared_trials(ctx, cfg.n, template=cfg.template),
+    return cfg.call(
+        weight_edit,
+        cfg.call(shared_trials, ctx),
         layer=layer,
         other_trials=other,
         target=rome,
         covariance=cov,
-        erratum=cfg.erratum,
         min_effect=ctx.min_effect,
     )

@@ -68,4 +68,4 @@ def _run_slot_sweep(ctx: Context, cfg: SlotSweepConfig) -> SlotSweep:
     pair = sample(task, ctx.model, 1, seed=ctx.seed)[0]
     slots = pair.downstream()[-cfg.slots :] if cfg.slots else None
     remote = {"": False, "ndif": True}.get(cfg.remote, cfg.remote)
-    return slot_sweep(ctx.model, pair, slots, batch_size=cfg.batch_size, remote=remote)
+    return cfg.call(slot_sweep, ctx.model, pair, slots, remote=remote)

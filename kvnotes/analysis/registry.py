@@ -33,6 +33,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tqdm.auto import tqdm
 
+from kvnotes.cli_spec import assemble, help_line, option_entry
 from kvnotes.errors import MIN_EFFECT, BadOption, KVNotesError, NeedUnmet, OutOfRange, UnknownAnalysisError
 from kvnotes.models.backends import DEFAULT_BACKEND
 from kvnotes.tasks.pairs import is_pairs
@@ -197,11 +198,7 @@ def analysis(name: str, section: str, config: type, result: type, **options) -> 
     in_report, flag, ...)."""
 
     def add(run_fn: Callable) -> Callable:
-        first = " ".join((run_fn.__doc__ or "").strip().split("\n\n")[0].split()).rstrip(".")
-        word = first.split(" ")[0]  # lowercased to run on after the command's name, unless an acronym
-        help_ = options.pop("help", None) or (
-            first[:1].lower() + first[1:] if len(word) == 1 or word[1:].islower() else first
-        )
+        help_ = options.pop("help", None) or help_line(run_fn.__doc__)
         register(Analysis(name, section, config, run_fn, result, help_, **options))
         return run_fn
 
@@ -287,41 +284,31 @@ def choose(command: str, names: Sequence[str] | str | None, flags: Sequence[str]
 def cli_spec() -> dict:
     """What the `kvnotes` command needs from the registry to build its parser, as plain JSON data:
     each command's level, help line and analyses, each analysis's help, flag and options (type, bounds,
-    choices, help with its defaults). The CLI caches it, so that parsing (and refusing a bad value)
-    does not import torch and every analysis module first."""
-    commands: dict[str, dict] = {}
-    for sec in sections().values():
-        if sec.command:
-            entry = commands.setdefault(sec.command, {"level": sec.level, "help": "", "analyses": []})
-            entry["help"] = entry["help"] or sec.help
-    for command, entry in commands.items():
-        for a in for_command(command):
-            entry["analyses"].append(
-                {
-                    "name": a.name,
-                    "command": a.command or a.name.replace("_", "-"),
-                    "help": a.help,
-                    "default": a.default,
-                    "flag": a.flag,
-                    "options": [_option_spec(a, f) for f in dataclasses.fields(a.config)],
-                }
-            )
-    return {"min_effect": MIN_EFFECT, "commands": commands}
+    choices, help with its defaults). The parser reads the same from the source without importing
+    the analyses (`kvnotes.cli_spec.read`); a test holds the two equal."""
+    secs = [
+        {"name": s.name, "command": s.command, "level": s.level, "help": s.help} for s in sections().values()
+    ]
+    found = [
+        {
+            "name": a.name,
+            "section": a.section,
+            "command": a.command,
+            "help": a.help,
+            "default": a.default,
+            "flag": a.flag,
+            "options": [_option_spec(a, f) for f in dataclasses.fields(a.config)],
+        }
+        for a in analyses().values()
+    ]
+    return assemble(MIN_EFFECT, secs, found)
 
 
 def _option_spec(a: Analysis, f: dataclasses.Field) -> dict:
     hint = base_type(config_hints(a.config)[f.name])
     item = get_args(hint)[0] if get_origin(hint) is tuple else hint
     kind = "list" if get_origin(hint) is tuple else item.__name__ if item in (bool, int, float) else "str"
-    shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else str(f.default)
-    keep = ("help", "cli", "choices", "metavar", "least", "most", "skips", *LIMITS)
-    return {
-        "name": f.name,
-        "kind": kind,
-        "item": item.__name__ if item in (int, float) else "str",
-        "shown": shown,
-        **{k: list(v) if isinstance(v := f.metadata[k], tuple) else v for k in keep if k in f.metadata},
-    }
+    return option_entry(f.name, kind, item.__name__ if item in (int, float) else "str", f.default, f.metadata)
 
 
 # --- configs ------------------------------------------------------------------------------------
@@ -346,7 +333,9 @@ def option(default: Any, help: str, **extra) -> Any:
     `fit_to_model`): `layer` (a layer index), `layers` (a count of layers), `heads` (a count of
     heads over all layers), `tokens` (a length in tokens, which must fit the model's context);
     `skips`: 0 sizes the analysis to nothing (a report leaves it out; its own command's parser
-    takes 1 at least, so 0 is refused before the model loads)."""
+    takes 1 at least, so 0 is refused before the model loads); `arg`: the keyword it is passed to the
+    analysis's function as by `Options.call` (default: the field's own name; an option named for
+    its command, `sae_layer`, feeds the function's `layer`)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -366,6 +355,29 @@ class Options:
                 Bounded(kind, least, most, many=isinstance(v, tuple)).check(v)
             except ValueError as e:
                 raise BadOption(f"{f.name} ({f.metadata['help']}): {e}") from None
+
+    def call(self, fn: Callable[..., Any], /, *args: Any, **given: Any) -> Any:
+        """`fn(*args, **given)`, with every option `fn` takes as a keyword: each field under its `arg`
+        (its own name by default), where neither `args` nor `given` fill that parameter. The runner
+        passes what it computes from the run (its trials, `min_effect=ctx.min_effect`); the options
+        pass themselves, so none is forwarded by hand.
+
+        >>> @dataclass(frozen=True)
+        ... class Cfg(Options):
+        ...     top: int = option(5, "slots to keep")
+        ...     sae_layer: int = option(3, "SAE layer", arg="layer")
+        >>> Cfg(top=2).call(lambda trials, *, top, layer, seed: (trials, top, layer, seed), "T", seed=7)
+        ('T', 2, 3, 7)
+        """
+        params = list(inspect.signature(fn).parameters.values())
+        filled = {p.name for p in params[: len(args)] if p.kind is not p.VAR_POSITIONAL} | set(given)
+        takes = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        passed = {
+            arg: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if (arg := f.metadata.get("arg", f.name)) in takes and arg not in filled
+        }
+        return fn(*args, **given, **passed)
 
 
 # option(..., KIND=True): what the model sets as its most (`model`: a loaded model or its outline,

@@ -326,16 +326,7 @@ class AnalysesConfig(Options):
 @analysis("analyses", "bench", AnalysesConfig, AnalysesReport, in_report=False, order=35)
 def _run_analyses(ctx: Context, cfg: AnalysesConfig) -> AnalysesReport:
     """The probe set (and the report's task sections) unshared vs shared, same numbers, the ratio."""
-    return analyses_bench(
-        ctx.model,
-        cfg.task,
-        cfg.ns,
-        cfg.preambles,
-        report=cfg.report,
-        repeats=cfg.repeats,
-        seed=ctx.seed,
-        progress=ctx.progress,
-    )
+    return cfg.call(analyses_bench, ctx.model, **ctx.common)
 
 
 __all__ = ["AnalysesPoint", "AnalysesReport", "analyses_bench", "compare", "matmul_rate", "with_preamble"]

@@ -198,4 +198,4 @@ def _run_edit_cost(ctx: Context, cfg: EditCostConfig) -> EditCostReport | None:
     tokens = min(cfg.tokens, ctx.model.n_ctx) if ctx.fit_context else cfg.tokens
     if not tokens:
         return None
-    return edit_cost(ctx.model, tokens, cfg.fractions, repeats=cfg.repeats, progress=ctx.progress)
+    return cfg.call(edit_cost, ctx.model, tokens, progress=ctx.progress)

@@ -197,4 +197,4 @@ def _run_patch_semantics(ctx: Context, cfg: SemanticsConfig) -> SemanticsReport 
     tokens = min(cfg.prompt_length, ctx.model.n_ctx) if ctx.fit_context else cfg.prompt_length
     if not tokens:
         return None
-    return patch_semantics(ctx.model, tokens, repeats=cfg.repeats, batch=cfg.batch, progress=ctx.progress)
+    return cfg.call(patch_semantics, ctx.model, tokens, progress=ctx.progress)

@@ -376,6 +376,4 @@ def _run_prefill(ctx: Context, cfg: PrefillConfig) -> PrefillReport | None:
     if not lengths:
         return None
     tl, nn = both_backends(ctx.model)
-    return prefill_bench(
-        tl, lengths, repeats=cfg.repeats, nn=nn, tl_margin=cfg.tl_margin, progress=ctx.progress
-    )
+    return cfg.call(prefill_bench, tl, lengths, nn=nn, progress=ctx.progress)

@@ -342,12 +342,14 @@ def serve_bench(
 # --- the command ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ServeConfig(Options):
-    vllm_python: str = option("", "a Python that has vLLM (`kvnotes vllm-env DIR`): launch a server from it")
+    vllm_python: str = option(
+        "", "a Python that has vLLM (`kvnotes vllm-env DIR`): launch a server from it", arg="python"
+    )
     server: str = option("", "or the URL of a running vLLM server with prefix caching on")
     port: int = option(0, "port for the launched server (0: a free one)", least=0, most=65535)
     task: str = option(DEFAULT_TASK, "the task whose prompt the sessions share")
     tokens: int = option(2048, "prompt length in tokens (the paper's policy was ~8192)", least=64)
-    sessions: int = option(4, "sessions sharing the policy", least=1)
+    sessions: int = option(4, "sessions sharing the policy", least=1, arg="sessions_n")
     requests: int = option(24, "requests per strategy and rate", least=2)
     rates: tuple[float, ...] = option(
         (), "arrival rates in requests/s (default: 0.5-4x the cold rate)", least=0.001
@@ -405,37 +407,21 @@ def _run_serve(ctx: Context, cfg: ServeConfig) -> ServeReport:
         )
 
     def bench(server):
-        return serve_bench(
-            server,
-            task=cfg.task,
-            tokens=cfg.tokens,
-            sessions_n=cfg.sessions,
-            requests=cfg.requests,
-            rates=cfg.rates,
-            rate_factors=cfg.rate_factors,
-            strategies=cfg.strategies,
-            agent_turns=cfg.agent_turns,
-            agent_prompts=cfg.agent_prompts,
-            agent_tokens=cfg.agent_tokens,
-            agent_task=cfg.agent_task,
-            seed=cfg.seed,
-            progress=ctx.progress,
-        )
+        return cfg.call(serve_bench, server, progress=ctx.progress)
 
     if cfg.server:
         return bench(connect(cfg.server))
     model_dir, name = _serve_model_dir(ctx.model_name, ctx.progress)
     longest = max(cfg.tokens, cfg.agent_tokens + 40 * cfg.agent_turns) + 512
-    with launch(
+    with cfg.call(
+        launch,
         model_dir,
-        python=cfg.vllm_python,
         port=cfg.port or None,
         name=name,
         max_model_len=max(4096, 1 << math.ceil(math.log2(longest))),
         extra=["--dtype", cfg.dtype, *shlex.split(cfg.vllm_args)]
         if cfg.dtype != "auto"
         else shlex.split(cfg.vllm_args),
-        ready_timeout=cfg.ready_timeout,
         progress=ctx.progress,
     ) as server:
         return bench(server)

@@ -470,11 +470,16 @@ def patch_sweep_report(
     *,
     baselines: Sequence[str] = tuple(WAYS),
     nn: NNsightModel | None = None,
-    **kwargs,
+    n_slots: int = 64,
+    batch_size: int | None = None,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+    repeats: int = 3,
+    profile: bool = False,
+    progress: bool = True,
 ) -> SweepReport:
-    """`patch_sweep` at each length; the Hugging Face counterpart, if a baseline needs it, loads once
-    (or is `nn`'s own module, when the nnsight backend runs beside)."""
-    sizes = (kwargs["batch_size"],) if kwargs.get("batch_size") else kwargs.get("batch_sizes", BATCH_SIZES)
+    """`patch_sweep` at each length (its options are `patch_sweep`'s); the Hugging Face counterpart,
+    if a baseline needs it, loads once (or is `nn`'s own module, when the nnsight backend runs beside)."""
+    sizes = (batch_size,) if batch_size else batch_sizes
     for n in lengths:  # every length checked before the first one runs
         check_sweep_memory(model, n, sizes, full=any(b in WAYS for b in baselines))
     ways = [WAYS[n] for n in baselines if n in WAYS]
@@ -483,14 +488,29 @@ def patch_sweep_report(
     return SweepReport(
         model=model.name,
         machine=machine(),
-        results=[patch_sweep(model, n, baselines=baselines, twin=twin, nn=nn, **kwargs) for n in lengths],
+        results=[
+            patch_sweep(
+                model,
+                n,
+                n_slots=n_slots,
+                batch_size=batch_size,
+                batch_sizes=batch_sizes,
+                repeats=repeats,
+                baselines=baselines,
+                twin=twin,
+                nn=nn,
+                profile=profile,
+                progress=progress,
+            )
+            for n in lengths
+        ],
     )
 
 
 @dataclass(frozen=True)
 class SweepConfig(Options):
     tokens: tuple[int, ...] = option((256, 1024), "prompt lengths", least=1, tokens=True)
-    slots: int = option(64, "how many trailing slots to sweep", least=1)
+    slots: int = option(64, "how many trailing slots to sweep", least=1, arg="n_slots")
     repeats: int = option(3, "side-by-side timings per length (the median is reported)", least=1)
     baselines: tuple[str, ...] = option(tuple(WAYS), "strong baselines to run (kvnotes.bench.baselines)")
     # each way runs at the batch size it is fastest at, so no way is timed at another's sweet spot
@@ -513,14 +533,4 @@ def _run_patch_sweep(ctx: Context, cfg: SweepConfig) -> SweepReport:
     """Per-slot transplant sweep: engine vs naive full forwards and the strong baselines (and the
     engine on the nnsight backend beside, with --backend nnsight)."""
     tl, nn = both_backends(ctx.model)
-    return patch_sweep_report(
-        tl,
-        list(cfg.tokens),
-        nn=nn,
-        n_slots=cfg.slots,
-        repeats=cfg.repeats,
-        baselines=cfg.baselines,
-        batch_sizes=cfg.batch_sizes,
-        profile=cfg.profile,
-        progress=ctx.progress,
-    )
+    return cfg.call(patch_sweep_report, tl, list(cfg.tokens), nn=nn, progress=ctx.progress)

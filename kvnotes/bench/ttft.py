@@ -385,12 +385,4 @@ def _run_ttft(ctx: Context, cfg: TTFTConfig) -> TTFTReport | None:
     lengths = fitting_lengths(ctx.model, cfg, ctx.fit_context)
     if not lengths:
         return None
-    return ttft(
-        ctx.model,
-        lengths,
-        seam=cfg.seam,
-        repeats=cfg.repeats,
-        hosts=cfg.hosts,
-        timed_hosts=cfg.timed_hosts,
-        progress=ctx.progress,
-    )
+    return cfg.call(ttft, ctx.model, lengths, progress=ctx.progress)

@@ -34,7 +34,7 @@ class FlipsConfig(PairOptions):
 
 
 def _run_decision_flips(ctx: Context, cfg: FlipsConfig) -> DecisionFlips:
-    trials = shared_trials(ctx, cfg.n)
+    trials = cfg.call(shared_trials, ctx)
     flips = [float((t.ld_old > cfg.threshold) != (t.ld_new > cfg.threshold)) for t in trials]
     margin = [abs(t.ld_new - t.ld_old) for t in trials]
     return DecisionFlips.of(

@@ -47,7 +47,7 @@ class DroppedFlipsConfig(PairOptions):
 @analysis("dropped_flips", "probes", DroppedFlipsConfig, DroppedFlips, quick={"n": 2}, order=99)
 def run_dropped_flips(ctx: Context, cfg: DroppedFlipsConfig) -> DroppedFlips:
     """How often the changed field flips the decision."""
-    trials = shared_trials(ctx, cfg.n, template=cfg.template)
+    trials = cfg.call(shared_trials, ctx)
     above = (lambda x: x > cfg.threshold) if cfg.rule == "strict" else (lambda x: x >= cfg.threshold)
     flips = [float(above(t.ld_old) != above(t.ld_new)) for t in trials]
     return DroppedFlips.of(
