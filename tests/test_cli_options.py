@@ -214,12 +214,13 @@ def test_the_source_reads_as_the_registry_says():
     from kvnotes import cli_spec
     from kvnotes.analysis.registry import LIMITS, analyses, sections
     from kvnotes.analysis.registry import cli_spec as registry_spec
+    from kvnotes.analysis.spec_form import LIMIT_KEYS
 
     read = cli_spec.read()
     assert read == json.loads(json.dumps(registry_spec()))
     listed = {a["name"] for c in read["commands"].values() for a in c["analyses"]}
     assert listed == {a.name for a in analyses().values() if sections()[a.section].command}
-    assert set(LIMITS) == set(cli_spec.LIMIT_KEYS)  # every limit an option may carry reaches the parser
+    assert set(LIMITS) == set(LIMIT_KEYS)  # every limit an option may carry reaches the parser
 
 
 def test_a_reader_that_misreads_a_field_is_caught(monkeypatch):

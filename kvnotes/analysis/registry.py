@@ -33,7 +33,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tqdm.auto import tqdm
 
-from kvnotes.cli_spec import assemble, help_line, option_entry
+from kvnotes.analysis.spec_form import assemble, help_line, option_entry
 from kvnotes.errors import MIN_EFFECT, BadOption, KVNotesError, NeedUnmet, OutOfRange, UnknownAnalysisError
 from kvnotes.models.backends import DEFAULT_BACKEND
 from kvnotes.tasks.pairs import is_pairs
