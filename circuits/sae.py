@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.engine import run
+from kvnotes.engine import run, stop_for
 from kvnotes.engine.guard import allow
 from kvnotes.errors import (
     BadArgument,
@@ -175,21 +175,26 @@ class Residuals:
 
 @allow(torch.float32)  # an SAE is a model of its own, trained and read in float32 (sae-lens's dtype)
 def collect_residuals(
-    model: KVModel, pairs: Sequence[Pair], hook_name: str, *, progress: bool = True
+    model: KVModel, pairs: Sequence[Pair], hook_name: str, *, stop_early: bool = True, progress: bool = True
 ) -> Residuals:
     """Run both prompts of each pair to their last token and keep the residual at `hook_name`
     at every position but the first.
 
     The two prompts share every token before the field, so that prefix is computed once and both
     continuations run as one batch of two against it: the numbers of two full runs, at half the cost.
+    Both runs stop after the block `hook_name` reads (`kvnotes.engine.stop_for`): the blocks after it
+    cannot change it, so reading block L costs L + 1 blocks, not all of them (`stop_early=False` runs
+    every block: the same numbers, bit for bit; `scripts/residual_stop.py` times the two).
     """
     vectors, notes, labels, context = [], [], [], []
+    stop = stop_for(model, [hook_name]) if stop_early else None
     for pair in tqdm(pairs, desc=f"residuals at {hook_name}", disable=not progress, unit="pair"):
         start = pair.field_span.start
-        nb, pre = run(model, Notebook.empty(model), pair.old.ids[:start], capture=[hook_name], logits_at=())
+        prefix = pair.old.ids[:start]
+        nb, pre = run(model, Notebook.empty(model), prefix, capture=[hook_name], logits_at=(), stop=stop)
         context.append(pre.activations[hook_name][0, 1:].float().cpu())
         ids = torch.tensor([pair.old.ids[start:], pair.new.ids[start:]])
-        _, out = run(model, nb, ids, capture=[hook_name], logits_at=())
+        _, out = run(model, nb, ids, capture=[hook_name], logits_at=(), stop=stop)
         rows = tuple(p - start for p in pair.downstream())
         for x, label in zip(out.activations[hook_name].float().cpu(), pair.expected):
             vectors.append(x)

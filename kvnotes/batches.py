@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.engine import Capability, Hook, Resume, has, run
+from kvnotes.engine import Capability, Hook, Resume, has, run, stop_for
 from kvnotes.engine.memory import FRACTION, budget, free_bytes, mib, row_bytes
 from kvnotes.errors import BadArgument
 from kvnotes.models.model import KVModel
@@ -204,7 +204,8 @@ def layer_inputs(
 ) -> dict[int, Tensor]:
     """The unchanged decision's residual entering each block in `layers` (`[1, pos, d_model]`)."""
     names = {l: f"blocks.{l}.hook_resid_pre" for l in layers if l > 0}
-    _, r = run(model, nb, ids, pos, write=False, capture=list(names.values()), logits_at=())
+    stop = stop_for(model, list(names.values()))  # nothing after the last block read is needed
+    _, r = run(model, nb, ids, pos, write=False, capture=list(names.values()), logits_at=(), stop=stop)
     return {l: r.activations[n] for l, n in names.items()}
 
 

@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvnotes.batches import fixed_batches, plan_batches, rows_per_forward, run_rows, sharing_enabled
-from kvnotes.engine import Capability, Hook, Readout, has, move_keys, run
+from kvnotes.engine import Capability, Hook, Readout, has, move_keys, run, stop_for
 from kvnotes.engine.phases import phase
 from kvnotes.errors import BadArgument, BadArgumentType, OutOfRange, ShapeMismatch
 from kvnotes.hooks import hook_name
@@ -408,7 +408,10 @@ def patch_recompute(model: KVModel, dst: Notebook, src: Notebook, spec: Patch = 
     sites = [("attn.hook_k", spec.keys), ("attn.hook_v", spec.values)]
     names = [hook_name(l, site) for l in range(dst.n_layers) if mask[l].any() for site, on in sites if on]
     pos = torch.arange(start, len(dst_ids))
-    _, got = run(model, src.truncate(start), src_ids[start:], pos, write=False, capture=names, logits_at=())
+    stop = stop_for(model, names)  # the blocks after the last patched layer cannot change its K/V
+    _, got = run(
+        model, src.truncate(start), src_ids[start:], pos, write=False, capture=names, logits_at=(), stop=stop
+    )
     hooks = []
     for name in names:
         l = int(name.split(".")[1])

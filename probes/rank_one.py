@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from kvnotes.analysis.trials import Trial, read_decision
-from kvnotes.engine import Capability, hooked, require, run
+from kvnotes.engine import Capability, hooked, require, run, stop_for
 from kvnotes.engine.guard import allow
 from kvnotes.errors import KVNotesError, OutOfRange
 from kvnotes.hooks import hook_name
@@ -159,10 +159,11 @@ def key_covariance(
     post = hook_name(layer, "mlp.hook_post")
     d = model.facts.d_mlp
     total, n = torch.zeros(d, d, dtype=torch.float64, device=model.device), 0
+    stop = stop_for(model, [post])  # the blocks after the edited layer cannot change its MLP
     with torch.no_grad():
         for pair in sample(task, model, prompts, seed=seed):
             ids = list(pair.old.ids)
-            _, out = run(model, Notebook.empty(model), ids, capture=[post], logits_at=())
+            _, out = run(model, Notebook.empty(model), ids, capture=[post], logits_at=(), stop=stop)
             h = out.activations[post][0].double()
             total += h.T @ h
             n += h.shape[0]

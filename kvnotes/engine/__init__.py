@@ -31,6 +31,7 @@ from kvnotes.engine.plan import (
     Hook,
     Readout,
     Resume,
+    check_stop_hooks,
     fast_attention,
     fast_attention_enabled,
     make_plan,
@@ -66,6 +67,7 @@ def run(
     vocab: Sequence[int] | None = None,
     overlay: Notebook | None = None,
     resume: Resume | None = None,
+    stop: int | None = None,
 ) -> tuple[Notebook, Readout]:
     """Compute `tokens` at `positions` against `notebook`; return the new notebook and a readout.
 
@@ -78,6 +80,10 @@ def run(
         stay shared, never copied. Read-only: needs `write=False`.
     resume: start at a later block with the residual given (`plan.Resume`; backends with the
         "resume" capability). Read-only; hooks on the skipped blocks do not fire.
+    stop: run the blocks below `stop` only (backends with the "stop" capability): no logits, hooks
+        and captures up to block `stop - 1`; the notebook written holds those blocks' K/V, and
+        serves later runs that stop there or earlier. What reading one residual costs:
+        `stop_for(model, [name])` is the least stop that still reaches it.
 
     Inside `kvnotes.engine.profile.profile()` each call is timed and recorded.
 
@@ -96,6 +102,7 @@ def run(
         vocab=vocab,
         overlay=overlay,
         resume=resume,
+        stop=stop,
     )
     if not profile.active():
         return _compute(model, notebook, tokens, positions, **kw)
@@ -103,7 +110,7 @@ def run(
     rows = max(notebook.batch, 1 if tok.ndim == 1 else tok.shape[0], overlay.batch if overlay else 1)
     slots = notebook.n_slots + (overlay.n_slots if overlay is not None else 0)
     f = model.facts
-    blocks = f.n_layers - (resume.layer if resume is not None else 0)
+    blocks = (f.n_layers if stop is None else stop) - (resume.layer if resume is not None else 0)
     reads = 1 if logits_at is None else len(logits_at)
     cols = f.d_vocab_out if vocab is None else len(vocab)
     work = profile.matmul_flops(f, rows, tok.shape[-1], slots, blocks, reads, cols) / 1e9
@@ -124,10 +131,14 @@ def _compute(
     vocab: Sequence[int] | None,
     overlay: Notebook | None,
     resume: Resume | None,
+    stop: int | None,
 ) -> tuple[Notebook, Readout]:
     """`run`'s three steps: plan, the backend's forward, write back."""
     if resume is not None:
         require(model, Capability.RESUME, "a run that starts at a later block (`resume`)")
+    if stop is not None:
+        require(model, Capability.STOP, "a run that stops before the last block (`stop`)")
+        check_stop_hooks(model, stop, [*capture, *(t for t, _ in hooks if isinstance(t, str))])
     # 1) plan: checked tokens [batch, pos] at positions [pos], the read-out positions and columns
     with phase("plan"):
         plan = make_plan(
@@ -140,11 +151,12 @@ def _compute(
             vocab=vocab,
             overlay=overlay,
             resume=resume,
+            stop=stop,
         )
     if plan.tok.shape[1] == 0:  # nothing to compute: the notebook as it is, an empty readout
         empty = torch.zeros(notebook.batch, 0, plan.width, dtype=model.dtype, device=model.device)
         return notebook, Readout(logits=empty, positions=())
-    plain = not hooks and not capture and overlay is None and resume is None
+    plain = not hooks and not capture and overlay is None and resume is None and stop is None
     if plain and _chunkable(model, notebook, plan.pos):
         return _run_in_chunks(model, notebook, plan.tok, plan.pos, plan.read, vocab, write)
     # 2) the backend: per layer fresh K/V [batch, n_kv_heads, pos, d_head], logits [batch, read, width]
@@ -155,6 +167,28 @@ def _compute(
         return notebook, out
     with phase("write_back"):
         return write_back(notebook, plan.tok, plan.pos, *fresh.every_layer()), out
+
+
+def stop_for(model: KVModel, names: Sequence[str]) -> int | None:
+    """The least `stop` a run can take and still reach every hook point in `names` (one more than
+    the last block they name), where the model's backend can stop early and that saves a block;
+    else None (run every block).
+
+    >>> from kvnotes import load_model
+    >>> model = load_model("tiny-llama")
+    >>> stop_for(model, ["blocks.0.hook_resid_post"]), stop_for(model, ["ln_final.hook_normalized"])
+    (1, None)
+    """
+    blocks = [n.split(".")[1] for n in names if n.startswith("blocks.")]
+    if (
+        not has(model, Capability.STOP)
+        or not blocks
+        or len(blocks) < len(names)
+        or not all(b.isdigit() for b in blocks)
+    ):
+        return None
+    stop = max(int(b) for b in blocks) + 1
+    return stop if stop < model.n_layers else None
 
 
 def _chunkable(model: KVModel, nb: Notebook, pos: Int[Tensor, " pos"]) -> bool:
@@ -202,5 +236,6 @@ __all__ = [
     "move_keys",
     "require",
     "run",
+    "stop_for",
     "tokens_and_positions",
 ]

@@ -16,6 +16,7 @@ Capabilities (every one in use):
     FEED                 "feed"                 feeding a notebook to the user's own nnsight trace (`feed`)
     REMOTE               "remote"               experiments on NDIF (`kvnotes.serving.remote`)
     RESUME               "resume"               `run(..., resume=)`: start the forward at a later block
+    STOP                 "stop"                 `run(..., stop=)`: end the forward before a later block
     HOOK_ATTN_SCORES     "hook_attn_scores"     attention scores as a hook point
     HOOK_PATTERN         "hook_pattern"         attention patterns as a hook point
     HOOK_ROT_Q           "hook_rot_q"           rotated queries as a hook point
@@ -48,6 +49,7 @@ class Capability(StrEnum):
     FEED = "feed"
     REMOTE = "remote"
     RESUME = "resume"
+    STOP = "stop"
     HOOK_ATTN_SCORES = "hook_attn_scores"
     HOOK_PATTERN = "hook_pattern"
     HOOK_ROT_Q = "hook_rot_q"

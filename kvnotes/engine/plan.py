@@ -86,6 +86,7 @@ class Plan:
     cols: Int[Tensor, " vocab"] | None
     width: int  # columns of the logits: the whole vocabulary, or len(cols)
     resume: Resume | None = None  # start at this block with this residual (read-only runs)
+    stop: int | None = None  # run the blocks below this one only (no logits; K/V of those blocks)
 
     @property
     def batch(self) -> int:
@@ -123,9 +124,11 @@ def make_plan(
     vocab: Sequence[int] | None,
     overlay: Notebook | None,
     resume: Resume | None = None,
+    stop: int | None = None,
 ) -> Plan:
     """Check `run()`'s arguments against the model and notebook and resolve their defaults."""
     notebook.check_model(model)
+    check_layers(model, notebook, overlay, stop, logits_at)
     tok, pos = tokens_and_positions(notebook, tokens, positions)
     n = tok.shape[1]
     check_inputs(model, notebook, tok, pos)
@@ -134,7 +137,10 @@ def make_plan(
         batch = check_overlay(model, notebook, overlay, batch, write)
     if tok.shape[0] != batch:
         tok = tok.expand(batch, -1)
-    read = (int(pos[-1]),) if logits_at is None and n else tuple(int(p) for p in logits_at or ())
+    early = stop is not None and stop < model.n_layers  # no last block: nothing to unembed
+    read = (
+        (int(pos[-1]),) if logits_at is None and n and not early else tuple(int(p) for p in logits_at or ())
+    )
     read_idx = indices_of(pos, read)
     n_vocab = model.facts.d_vocab_out
     cols = None if vocab is None else torch.as_tensor(list(vocab), dtype=torch.long)
@@ -143,7 +149,51 @@ def make_plan(
     width = n_vocab if cols is None else cols.numel()
     if resume is not None:
         check_resume(model, resume, tok, write)
-    return Plan(notebook, overlay, tok, pos, read, read_idx, cols, width, resume)
+        if stop is not None and stop <= resume.layer:
+            raise OutOfRange(f"stop={stop} is not after the resumed block {resume.layer}: no block would run")
+    return Plan(notebook, overlay, tok, pos, read, read_idx, cols, width, resume, stop)
+
+
+def check_layers(
+    model: KVModel, nb: Notebook, overlay: Notebook | None, stop: int | None, logits_at: Sequence[int] | None
+) -> None:
+    """Refuse a `stop` outside 1..n_layers, logits asked of a run that stops early, and a notebook
+    (or overlay) that holds fewer layers than the run reads: one written by a run with `stop`
+    serves runs that stop there or earlier."""
+    n = model.n_layers
+    if stop is not None and not 1 <= stop <= n:
+        raise OutOfRange(f"stop={stop} is outside 1..{n} for {model.name}; give the number of blocks to run")
+    if stop is not None and stop < n and logits_at:
+        raise BadArgument(
+            f"a run that stops at block {stop} of {n} has no logits: pass logits_at=() (capture the "
+            "residual you read instead), or leave stop out"
+        )
+    need = n if stop is None else stop
+    for name, book in (("notebook", nb), ("overlay", overlay)):
+        if book is not None and book.n_layers < need:
+            raise ShapeMismatch(
+                f"the {name} holds the first {book.n_layers} of {model.name}'s {n} layers (it was written "
+                f"by a run with stop={book.n_layers}), and this run reads {need}: run it with "
+                f"stop={book.n_layers} or less, or prefill the prompt again without stop"
+            )
+
+
+def check_stop_hooks(model: KVModel, stop: int | None, names: Sequence[str]) -> None:
+    """Refuse hooks and captures a run that stops before block `stop` would never reach: a block's
+    point at `stop` or later, or a point after the last block (the final norm, the unembedding)."""
+    if stop is None or stop >= model.n_layers:
+        return
+    for name in names:
+        block = name.split(".")[1] if name.startswith("blocks.") else None
+        late = int(block) >= stop if block is not None and block.isdigit() else name not in EMBED_POINTS
+        if late:
+            raise BadArgument(
+                f"{name!r} is never reached by a run that stops at block {stop}: run up to block "
+                f"{stop - 1} only, or give a larger stop (kvnotes.engine.stop_for(model, names))"
+            )
+
+
+EMBED_POINTS = ("hook_embed", "hook_pos_embed")  # the points before the first block
 
 
 def check_resume(model: KVModel, resume: Resume, tok: Tensor, write: bool) -> None:
@@ -343,10 +393,13 @@ def write_back(
     tokens = torch.cat([base.tokens, tok[:, new_idx]], 1)
     if old_idx.numel():
         tokens[:, target] = tok[:, old_idx]
+    # a run that stopped early has K/V for its first blocks only: the notebook it writes holds those
+    # (the later blocks' slots for the new tokens were never computed)
+    layers = len(fresh_k)
     return replace(
         base,
-        keys=tuple(merge(o, f) for o, f in zip(base.keys, fresh_k)),
-        values=tuple(merge(o, f) for o, f in zip(base.values, fresh_v)),
+        keys=tuple(merge(o, f) for o, f in zip(base.keys[:layers], fresh_k, strict=True)),
+        values=tuple(merge(o, f) for o, f in zip(base.values[:layers], fresh_v, strict=True)),
         positions=torch.cat([nb.positions, pos[new_idx]]),
         tokens=tokens,
     )

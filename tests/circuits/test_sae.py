@@ -346,3 +346,17 @@ def test_trials_on_the_sae_prompt_seeds_are_refused(tiny):
     trials = make_trials(tiny, "order-cancel", 1, seed=2000, progress=False)
     with pytest.raises(ValueError, match="seed 2000, the seed of the SAE's held-out prompts"):
         sae_analysis(trials, "order-cancel", cfg=SAEConfig(**SMALL), progress=False)
+
+
+def test_residuals_collected_by_runs_that_stop_at_their_block_are_the_full_runs(tiny, tiny_residuals):
+    """Block 1 of tiny-llama's 3: the runs stop after it (`stop_for`) and read the same residuals,
+    bit for bit, as runs through every block."""
+    from kvnotes.engine import stop_for
+
+    assert stop_for(tiny, [tiny_residuals.hook_name]) == 2
+    pairs = sample(load_task("order-cancel"), tiny, 12, seed=1000, template=0)
+    full = collect_residuals(tiny, pairs, tiny_residuals.hook_name, stop_early=False, progress=False)
+    for a, b in zip(
+        tiny_residuals.vectors + tiny_residuals.context, full.vectors + full.context, strict=True
+    ):
+        assert torch.equal(a, b)  # exact: the blocks below the stop run the same kernels on the same inputs

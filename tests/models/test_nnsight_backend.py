@@ -15,9 +15,9 @@ import transformers as tf
 
 from kvnotes import load_model, ops
 from kvnotes.conformance import HF_INVARIANTS, hf_reference, verify
-from kvnotes.engine import backend_of, run
+from kvnotes.engine import backend_of, run, stop_for
 from kvnotes.engine.nnsight import EagerAttention, NNsightBackend, NNsightModel, feed
-from kvnotes.errors import BadArgument, UnknownModelError, UnsupportedArchitecture
+from kvnotes.errors import BadArgument, KVNotesError, UnknownModelError, UnsupportedArchitecture
 from kvnotes.models.sites import ORDER
 from kvnotes.notebook import Notebook
 from tests.checkpoints import ATOL, FAMILIES, build_checkpoint
@@ -130,6 +130,11 @@ def test_read_only_points_and_unknown_names_say_the_way_out(both):
         run(nn, nb, ids[CUT:], capture=["blocks.0.attn.hook_rot_k"])
     with pytest.raises(BadArgument, match="layers 0"):
         run(nn, nb, ids[CUT:], capture=[f"blocks.{nn.n_layers}.hook_resid_post"])
+    # this backend runs the transformers module whole: a run that stops early is refused, and
+    # stop_for says to run every block
+    with pytest.raises(KVNotesError, match="stops before the last block"):
+        run(nn, nb, ids[CUT:], stop=1, logits_at=())
+    assert stop_for(nn, ["blocks.0.hook_resid_post"]) is None
 
 
 def test_a_wrong_rerotation_fails_verify(tmp_path, monkeypatch):

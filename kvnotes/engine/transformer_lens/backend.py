@@ -51,6 +51,7 @@ class TransformerLensBackend:
             Capability.HOOK_ROT_Q,
             Capability.HOOK_ROT_K,
             Capability.RESUME,
+            Capability.STOP,
         }
     )
 
@@ -64,7 +65,7 @@ class TransformerLensBackend:
         with model.tl.hooks(fwd_hooks=list(hooks) + capture_hooks):
             # 1) every layer over the notebook's keys: fresh K/V per layer, resid [batch, pos, d_model]
             fresh_k, fresh_v, resid = _forward(
-                model, plan.notebook, plan.overlay, plan.tok, plan.pos, plan.resume
+                model, plan.notebook, plan.overlay, plan.tok, plan.pos, plan.resume, plan.stop
             )
             # 2) unembed the read positions only: [batch, read, width]
             if plan.read:
@@ -161,10 +162,12 @@ def _forward(
     tok: Int[Tensor, "batch pos"],
     pos: Int[Tensor, " pos"],
     resume: Resume | None = None,
+    stop: int | None = None,
 ) -> tuple[list[Tensor | None], list[Tensor | None], Float[Tensor, "batch pos d_model"]]:
     """Run the computed tokens through every block against the notebook's slots (then the
     overlay's): per layer their fresh K/V `[batch, n_kv_heads, pos, d_head]`, and the last residual.
-    With `resume`, the blocks before its layer are skipped (their K/V are None)."""
+    With `resume`, the blocks before its layer are skipped (their K/V are None); with `stop`, the
+    blocks from `stop` on are not run (no K/V for them: the residual is block `stop - 1`'s)."""
     tl, cfg = model.tl, model.cfg
     device = nb.keys[0].device
     keys_for = planning.key_planner(nb, overlay, pos, device, nb.keys[0].dtype)
@@ -178,7 +181,7 @@ def _forward(
                 resid = resid + tl.hook_pos_embed(position_embedding(tl, pos.to(device)))
     else:
         resid = resume.resid.to(device).expand(tok.shape[0], -1, -1)
-    for l in range(start, len(tl.blocks)):
+    for l in range(start, len(tl.blocks) if stop is None else stop):
         block = tl.blocks[l]
         # 1) the keys this layer reads: the fast path trims a sliding window's slots
         attn = block.attn
